@@ -1,0 +1,49 @@
+"""Command line: `dsv4kv plan` (memory planner)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .geometry import PRESETS, GeometryError, ModelGeometry
+from .layout import IndexerFormat, KVFormat
+from .memory.planner import MemoryPlan, parse_bytes
+from .memory.spec import DEFAULT_PAGE_TOKENS, CacheSpec
+
+
+def _plan(args: argparse.Namespace) -> int:
+    geometry = ModelGeometry.from_hf_config(args.model)
+    spec = CacheSpec(geometry, args.kv_format, args.indexer_format, args.page_tokens)
+    plan = MemoryPlan(spec, context=args.context, memory=parse_bytes(args.memory))
+    print(json.dumps(plan.report(), indent=2) if args.json else plan.table())
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dsv4kv", description="DeepSeek-V4 KV cache substrate")
+    sub = parser.add_subparsers(dest="command", required=True)
+    plan = sub.add_parser("plan", help="bytes per token / request, and how many requests fit in memory")
+    plan.add_argument("--model", default="flash", help=f"preset ({', '.join(PRESETS)}) or path to a config.json")
+    plan.add_argument("--context", type=int, default=1 << 20, help="tokens per request (default 1048576)")
+    plan.add_argument("--memory", default="141GiB", help="memory for the cache, e.g. 141GiB, 80GB (default 141GiB)")
+    plan.add_argument("--kv-format", default=KVFormat.FP8.value, choices=[f.value for f in KVFormat])
+    plan.add_argument("--indexer-format", default=IndexerFormat.MXFP4.value, choices=[f.value for f in IndexerFormat])
+    plan.add_argument("--page-tokens", type=int, default=DEFAULT_PAGE_TOKENS,
+                      help=f"original tokens per block, a multiple of 128 (default {DEFAULT_PAGE_TOKENS})")
+    plan.add_argument("--json", action="store_true", help="print the figures as JSON")
+    plan.set_defaults(run=_plan)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.run(args)
+    except (GeometryError, ValueError) as error:
+        print(f"dsv4kv {args.command}: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

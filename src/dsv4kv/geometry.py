@@ -1,0 +1,320 @@
+"""Model geometry: the DeepSeek-V4 attention facts the cache is shaped by.
+
+`ModelGeometry.from_hf_config` reads a transformers `DeepseekV4Config`, a config dict or a
+`config.json` path (modern `layer_types` or legacy `compress_ratios` form) or a preset name, and
+refuses anything it cannot serve (V4.1, multi-head KV, malformed fields) naming the field.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import os
+from dataclasses import dataclass, field
+from importlib import resources
+from typing import Any, Mapping
+
+__all__ = ["LayerKind", "YarnScaling", "RopeSpec", "LayerSpec", "ModelGeometry", "PRESETS", "GeometryError"]
+
+PRESETS = ("flash", "pro", "tiny", "mini")
+
+
+class GeometryError(ValueError):
+    """A config that dsv4kv cannot serve; the message names the offending field."""
+
+
+class LayerKind(str, enum.Enum):
+    WINDOW = "sliding_attention"  # window branch only
+    CSA = "compressed_sparse_attention"  # window + overlapped compression (m=4) + lightning indexer
+    HCA = "heavily_compressed_attention"  # window + dense attention over every compressed entry
+
+    @property
+    def short(self) -> str:
+        return {"sliding_attention": "window", "compressed_sparse_attention": "CSA",
+                "heavily_compressed_attention": "HCA"}[self.value]
+
+
+@dataclass(frozen=True)
+class YarnScaling:
+    factor: float
+    original_max_position: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: float = 1.0  # V4 applies no mscale to cos/sin
+
+    def __post_init__(self):
+        if self.factor <= 1.0:
+            raise GeometryError(f"rope yarn factor: expected > 1, got {self.factor}")
+        if self.original_max_position <= 0:
+            raise GeometryError(f"rope yarn original_max_position_embeddings: expected > 0, got {self.original_max_position}")
+
+
+@dataclass(frozen=True)
+class RopeSpec:
+    """Interleaved RoPE over the last `dim` dims of a head (pairs 2i, 2i+1)."""
+
+    theta: float
+    dim: int
+    yarn: YarnScaling | None = None
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    index: int
+    kind: LayerKind
+    ratio: int  # 0 for window-only layers, else tokens pooled into one compressed entry
+    rope: RopeSpec
+
+    @property
+    def compressed(self) -> bool:
+        return self.kind is not LayerKind.WINDOW
+
+    @property
+    def has_indexer(self) -> bool:
+        return self.kind is LayerKind.CSA
+
+
+@dataclass(frozen=True)
+class ModelGeometry:
+    name: str
+    hidden_size: int
+    num_heads: int
+    head_dim: int
+    rope_dim: int
+    q_lora_rank: int
+    o_groups: int
+    o_lora_rank: int
+    window: int
+    index_n_heads: int
+    index_head_dim: int
+    index_topk: int
+    max_position: int
+    rms_norm_eps: float
+    layers: tuple[LayerSpec, ...] = field(repr=False)
+
+    def __post_init__(self):
+        for name in ("hidden_size", "num_heads", "head_dim", "rope_dim", "q_lora_rank", "o_groups",
+                     "o_lora_rank", "window", "index_n_heads", "index_head_dim", "index_topk", "max_position"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise GeometryError(f"{name}: expected a positive int, got {value!r}")
+        if self.rope_dim % 2 or self.rope_dim >= self.head_dim:
+            raise GeometryError(f"qk_rope_head_dim: expected even and < head_dim={self.head_dim}, got {self.rope_dim}")
+        if self.num_heads % self.o_groups:
+            raise GeometryError(f"o_groups: {self.o_groups} does not divide num_attention_heads={self.num_heads}")
+        if self.index_head_dim < self.rope_dim:
+            # the indexer rotates the last rope_dim dims of its 128-d keys and queries
+            raise GeometryError(f"index_head_dim: expected >= qk_rope_head_dim={self.rope_dim}, got {self.index_head_dim}")
+        if not self.layers:
+            raise GeometryError("num_hidden_layers: expected at least one layer")
+        if [spec.index for spec in self.layers] != list(range(len(self.layers))):
+            raise GeometryError("layers: indices must be 0..num_layers-1 in order")
+
+    # --- derived -----------------------------------------------------------------------------
+    @property
+    def nope_dim(self) -> int:
+        return self.head_dim - self.rope_dim
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    def layers_of(self, kind: LayerKind) -> tuple[LayerSpec, ...]:
+        return tuple(spec for spec in self.layers if spec.kind is kind)
+
+    @property
+    def ratios(self) -> tuple[int, ...]:
+        """Distinct compression ratios, ascending."""
+        return tuple(sorted({spec.ratio for spec in self.layers if spec.compressed}))
+
+    def describe(self) -> str:
+        counts = ", ".join(f"{len(self.layers_of(k))} {k.short}" for k in LayerKind)
+        return f"{self.name}: {self.num_layers} layers ({counts}), {self.num_heads} heads x {self.head_dim}"
+
+    # --- construction ------------------------------------------------------------------------
+    @classmethod
+    def preset(cls, name: str) -> "ModelGeometry":
+        if name not in PRESETS:
+            raise GeometryError(f"preset: expected one of {PRESETS}, got {name!r}")
+        text = resources.files("dsv4kv.presets").joinpath(f"{name}.json").read_text()
+        return cls.from_hf_config(json.loads(text), name=name)
+
+    @classmethod
+    def from_hf_config(cls, config: Any, *, name: str | None = None) -> "ModelGeometry":
+        """Geometry from a transformers `DeepseekV4Config`, a config dict, a config.json path or a preset name."""
+        if isinstance(config, (str, os.PathLike)):
+            text = os.fspath(config)
+            if text in PRESETS:
+                return cls.preset(text)
+            if not os.path.exists(text):
+                raise GeometryError(f"config: {text!r} is neither a preset {PRESETS} nor an existing file")
+            with open(text) as f:
+                data = json.load(f)
+            return _from_dict(data, name or os.path.basename(os.path.dirname(os.path.abspath(text))) or text)
+        if isinstance(config, Mapping):
+            return _from_dict(dict(config), name or str(config.get("_name_or_path") or "custom"))
+        if hasattr(config, "to_dict"):
+            data = config.to_dict()
+            # transformers keeps the resolved rope width as a runtime attribute only
+            if getattr(config, "qk_rope_head_dim", None) is not None:
+                data["qk_rope_head_dim"] = config.qk_rope_head_dim
+            return _from_dict(data, name or str(getattr(config, "_name_or_path", "") or "custom"))
+        raise GeometryError(f"config: expected a DeepseekV4Config, dict, path or preset name, got {type(config).__name__}")
+
+
+# --- parsing ----------------------------------------------------------------------------------
+_V41_FIELDS = ("kv_source_layer_ids", "index_source_layer_ids", "candidate_source_layer_id")
+_DEFAULT_RATES = {LayerKind.CSA: 4, LayerKind.HCA: 128}
+
+
+def _from_dict(data: dict, name: str) -> ModelGeometry:
+    if "text_config" in data and isinstance(data["text_config"], dict):
+        _refuse_v41(data.get("model_type") or data["text_config"].get("model_type"))
+        data = {**data["text_config"]}
+    model_type = data.get("model_type")
+    if model_type is not None and "v41" in str(model_type):
+        _refuse_v41(model_type)
+    for key in _V41_FIELDS:
+        if key in data:
+            _refuse_v41(f"field {key!r}")
+    if model_type not in (None, "deepseek_v4"):
+        raise GeometryError(f"model_type: expected 'deepseek_v4', got {model_type!r}")
+
+    num_layers = _int(data, "num_hidden_layers")
+    kv_heads = data.get("num_key_value_heads", 1)
+    if kv_heads != 1:
+        raise GeometryError(f"num_key_value_heads: DeepSeek-V4 shares one KV head (K = V), got {kv_heads}")
+    head_dim = _int(data, "head_dim", 512)
+    rope_dim = _rope_dim(data, head_dim)
+
+    kinds, ratios = _layer_schedule(data, num_layers)
+    main_rope = RopeSpec(theta=float(data.get("rope_theta", 10000.0)), dim=rope_dim)
+    compress_rope = RopeSpec(theta=float(data.get("compress_rope_theta", 160000.0)), dim=rope_dim,
+                             yarn=_yarn(data))
+    layers = tuple(
+        LayerSpec(index=i, kind=kind, ratio=ratio, rope=main_rope if kind is LayerKind.WINDOW else compress_rope)
+        for i, (kind, ratio) in enumerate(zip(kinds, ratios))
+    )
+    return ModelGeometry(
+        name=name,
+        hidden_size=_int(data, "hidden_size"),
+        num_heads=_int(data, "num_attention_heads"),
+        head_dim=head_dim,
+        rope_dim=rope_dim,
+        q_lora_rank=_int(data, "q_lora_rank"),
+        o_groups=_int(data, "o_groups"),
+        o_lora_rank=_int(data, "o_lora_rank"),
+        window=_int(data, "sliding_window", 128),
+        index_n_heads=_int(data, "index_n_heads", 64),
+        index_head_dim=_int(data, "index_head_dim", 128),
+        index_topk=_int(data, "index_topk", 512),
+        max_position=_int(data, "max_position_embeddings", 1 << 20),
+        rms_norm_eps=float(data.get("rms_norm_eps", 1e-6)),
+        layers=layers,
+    )
+
+
+def _refuse_v41(what: Any) -> None:
+    raise GeometryError(
+        f"model_type: DeepSeek-V4.1 ({what}) shares KV across layers and uses compression ratios 1 and 2; "
+        "dsv4kv serves DeepSeek-V4 (deepseek_v4) only"
+    )
+
+
+def _int(data: dict, key: str, default: int | None = None) -> int:
+    value = data.get(key, default)
+    if value is None:
+        raise GeometryError(f"{key}: missing")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or int(value) != value:
+        raise GeometryError(f"{key}: expected an integer, got {value!r}")
+    return int(value)
+
+
+def _rope_dim(data: dict, head_dim: int) -> int:
+    if data.get("qk_rope_head_dim") is not None:
+        return _int(data, "qk_rope_head_dim")
+    factor = data.get("partial_rotary_factor")
+    if factor is None:
+        return 64
+    dim = head_dim * float(factor)
+    if dim != int(dim):
+        raise GeometryError(f"partial_rotary_factor: {factor} x head_dim {head_dim} is not an integer")
+    return int(dim)
+
+
+def _layer_schedule(data: dict, num_layers: int) -> tuple[list[LayerKind], list[int]]:
+    """Per-layer kinds and ratios; entries past num_hidden_layers (MTP layers) are ignored."""
+    rates = dict(_DEFAULT_RATES)
+    for kind in (LayerKind.CSA, LayerKind.HCA):
+        legacy = data.get("compress_rate_csa" if kind is LayerKind.CSA else "compress_rate_hca")
+        value = (data.get("compress_rates") or {}).get(kind.value, legacy)
+        if value is not None:
+            rates[kind] = _ratio(value, f"compress_rates[{kind.value!r}]")
+
+    if data.get("layer_types") is not None:
+        types = list(data["layer_types"])
+        if len(types) < num_layers:
+            raise GeometryError(f"layer_types: {len(types)} entries for num_hidden_layers={num_layers}")
+        kinds = []
+        for i, value in enumerate(types[:num_layers]):
+            try:
+                kinds.append(LayerKind(value))
+            except ValueError:
+                raise GeometryError(
+                    f"layer_types[{i}]: expected one of {[k.value for k in LayerKind]}, got {value!r}"
+                ) from None
+        return kinds, [0 if k is LayerKind.WINDOW else rates[k] for k in kinds]
+
+    if data.get("compress_ratios") is not None:
+        values = list(data["compress_ratios"])
+        if len(values) < num_layers:
+            raise GeometryError(f"compress_ratios: {len(values)} entries for num_hidden_layers={num_layers}")
+        kinds, ratios = [], []
+        for i, value in enumerate(values[:num_layers]):
+            if value in (1, 2):
+                _refuse_v41(f"compress_ratios[{i}] = {value}")
+            if value == 0:
+                kinds.append(LayerKind.WINDOW)
+                ratios.append(0)
+                continue
+            ratio = _ratio(value, f"compress_ratios[{i}]")
+            # the official model overlaps (CSA, with indexer) exactly when the ratio is 4
+            kinds.append(LayerKind.CSA if ratio == 4 else LayerKind.HCA)
+            ratios.append(ratio)
+        return kinds, ratios
+
+    raise GeometryError("layer_types: missing (and no legacy compress_ratios)")
+
+
+def _ratio(value: Any, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 4 or value > 128 or value & (value - 1):
+        raise GeometryError(f"{where}: expected a power of two in [4, 128], got {value!r}")
+    return value
+
+
+def _yarn(data: dict) -> YarnScaling | None:
+    """YaRN parameters of the compressed layers (window-only layers never scale)."""
+    params = data.get("rope_parameters")
+    if isinstance(params, dict) and isinstance(params.get("compress"), dict):
+        scaling = params["compress"]
+    elif isinstance(params, dict) and params:
+        scaling = params
+    else:
+        scaling = data.get("rope_scaling") or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind in (None, "default"):
+        return None
+    if kind != "yarn":
+        raise GeometryError(f"rope_scaling.type: expected 'yarn' or none, got {kind!r}")
+    try:
+        factor = float(scaling["factor"])
+        original = int(scaling["original_max_position_embeddings"])
+    except KeyError as missing:
+        raise GeometryError(f"rope_scaling.{missing.args[0]}: missing for yarn") from None
+    return YarnScaling(
+        factor=factor,
+        original_max_position=original,
+        beta_fast=float(scaling.get("beta_fast", 32.0)),
+        beta_slow=float(scaling.get("beta_slow", 1.0)),
+        attention_factor=float(scaling.get("attention_factor", 1.0)),  # V4: no mscale
+    )

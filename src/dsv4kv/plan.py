@@ -1,0 +1,140 @@
+"""Step plans: everything the kernels of one step need, built once on the host and read by every layer.
+
+All index fields live in one int32 device buffer, filled by a single host-to-device copy. A plan built
+into `StepBuffers` (preallocated for capacities) keeps the same tensor addresses every step, so a
+captured CUDA graph replays with new contents. Rows past the real counts are padding:
+
+    positions, token_request, window_slots, entry slots / request / index  -> -1  (skip)
+    request_slots -> -1, seq_lens -> 0, query_start -> num_tokens            (empty request)
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+__all__ = ["EntryWrites", "StepPlan", "StepBuffers", "OutOfBlocks"]
+
+
+@dataclass(frozen=True)
+class OutOfBlocks:
+    """`plan_step`'s answer when the step needs more blocks than are free. Nothing was changed."""
+
+    needed: int
+    free: int
+
+    def __bool__(self) -> bool:
+        return False
+
+    def __str__(self) -> str:
+        return f"out of blocks: the step needs {self.needed} new blocks, {self.free} are free"
+
+
+@dataclass(frozen=True)
+class EntryWrites:
+    """Compressed entries of one ratio that complete in this step (in request order, then j)."""
+
+    ratio: int
+    slots: torch.Tensor  # int32 [E]: pool slot = block * (page_tokens // ratio) + (j * ratio % page_tokens) // ratio
+    request: torch.Tensor  # int32 [E]: batch row of the owning request
+    index: torch.Tensor  # int32 [E]: entry index j; the entry pools tokens [j * ratio, (j + 1) * ratio)
+    count: int  # real entries; rows [count:] are padding
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """One step of ragged work: tokens of request b are rows query_start[b]:query_start[b+1], in batch order.
+
+    `block_table` is the manager's persistent [max_requests, max_blocks] int32 table (-1 = no block),
+    indexed by request slot: request b's i-th block is block_table[request_slots[b], i].
+    """
+
+    cache_id: int
+    step: int
+    request_ids: tuple[int, ...]  # host: the batch's request ids, in order
+    num_tokens: int  # host: real token rows
+    num_requests: int  # host: real requests
+    positions: torch.Tensor  # int32 [T]: absolute position of each token
+    token_request: torch.Tensor  # int32 [T]: batch row of each token
+    window_slots: torch.Tensor  # int32 [T]: window ring slot = request_slot * window + position % window
+    request_slots: torch.Tensor  # int32 [B]: state / block-table row of each request
+    query_start: torch.Tensor  # int32 [B + 1]: cumulative new-token counts
+    seq_lens: torch.Tensor  # int32 [B]: length after this step (history + new tokens)
+    block_table: torch.Tensor  # int32 [max_requests, max_blocks]
+    entries: dict[int, EntryWrites]  # per compression ratio
+
+    def __repr__(self) -> str:
+        entries = ", ".join(f"m={m}: {w.count}" for m, w in self.entries.items())
+        return (f"StepPlan(step={self.step}, requests={self.request_ids}, tokens={self.num_tokens}, "
+                f"rows={self.positions.shape[0]}, new entries {{{entries}}}, device={self.positions.device})")
+
+
+class _Fields:
+    """Offsets of each field in the flat int32 buffer, for given capacities."""
+
+    def __init__(self, tokens: int, requests: int, entries: dict[int, int]):
+        self.tokens, self.requests, self.entries = tokens, requests, dict(entries)
+        sizes = [("positions", tokens), ("token_request", tokens), ("window_slots", tokens),
+                 ("request_slots", requests), ("query_start", requests + 1), ("seq_lens", requests)]
+        for ratio, count in sorted(entries.items()):
+            sizes += [(f"slots{ratio}", count), (f"request{ratio}", count), (f"index{ratio}", count)]
+        self.offsets: dict[str, tuple[int, int]] = {}
+        start = 0
+        for name, size in sizes:
+            self.offsets[name] = (start, size)
+            start += size
+        self.total = start
+
+    def view(self, buffer, name):
+        start, size = self.offsets[name]
+        return buffer[start:start + size]
+
+
+class StepBuffers:
+    """Preallocated plan storage for at most `max_tokens` token rows and `max_requests` requests per step.
+
+    Create with `CacheManager.step_buffers`; pass to `plan_step(..., buffers=...)`.
+    """
+
+    def __init__(self, cache_id: int, ratios: tuple[int, ...], *, max_tokens: int, max_requests: int,
+                 device: torch.device, entries: dict[int, int] | None = None):
+        if max_tokens <= 0 or max_requests <= 0:
+            raise ValueError(f"step buffers: max_tokens and max_requests must be positive, got {max_tokens}, {max_requests}")
+        self.cache_id = cache_id
+        self.max_tokens, self.max_requests = max_tokens, max_requests
+        # Entries of ratio m completing in a step: sum_b floor((s_b % m + n_b) / m) <= max_tokens // m + max_requests
+        entries = entries if entries is not None else {m: max_tokens // m + max_requests for m in ratios}
+        self.fields = _Fields(max_tokens, max_requests, entries)
+        self.device = torch.device(device)
+        self.buffer = torch.empty(self.fields.total, dtype=torch.int32, device=self.device)
+        pin = self.device.type == "cuda"
+        self._host = torch.empty(self.fields.total, dtype=torch.int32, pin_memory=pin)
+        self._copied = torch.cuda.Event() if pin else None
+
+    def load(self, host_fields: dict[str, np.ndarray], num_tokens: int, num_requests: int) -> dict[str, torch.Tensor]:
+        """Write the real rows (padding the rest) and copy to the device; returns device views by name."""
+        if self._copied is not None:
+            self._copied.synchronize()  # the previous step's copy may still read the staging buffer
+        host = self._host.numpy()
+        host.fill(-1)
+        for name, (start, size) in self.fields.offsets.items():
+            values = host_fields[name]
+            host[start:start + len(values)] = values
+        start, size = self.fields.offsets["seq_lens"]
+        host[start + num_requests:start + size] = 0
+        start, size = self.fields.offsets["query_start"]
+        host[start + num_requests + 1:start + size] = num_tokens
+        self.buffer.copy_(self._host, non_blocking=self._copied is not None)
+        if self._copied is not None:
+            self._copied.record()
+        return {name: self.fields.view(self.buffer, name) for name in self.fields.offsets}
+
+
+_plan_cache_ids = itertools.count(1)
+
+
+def new_cache_id() -> int:
+    return next(_plan_cache_ids)
