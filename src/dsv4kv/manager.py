@@ -259,7 +259,10 @@ class CacheManager:
         window = self.geometry.window
         fields = {
             "positions": positions, "token_request": token_request,
-            "window_slots": slots[token_request] * window + positions % window,
+            # Only a request's last `window` tokens land in its ring; earlier tokens of a long chunk would
+            # be overwritten within the same step (and duplicate scatter targets are nondeterministic).
+            "window_slots": np.where(positions >= (starts + counts)[token_request] - window,
+                                     slots[token_request] * window + positions % window, -1),
             "request_slots": slots, "query_start": query_start, "seq_lens": starts + counts,
         }
         entry_counts = {}

@@ -59,7 +59,10 @@ class StepPlan:
     num_requests: int  # host: real requests
     positions: torch.Tensor  # int32 [T]: absolute position of each token
     token_request: torch.Tensor  # int32 [T]: batch row of each token
-    window_slots: torch.Tensor  # int32 [T]: window ring slot = request_slot * window + position % window
+    # int32 [T]: window ring slot = request_slot * window + position % window, or -1 for a token that a
+    # later token of the same step overwrites (a chunk longer than the window). The ring entries a step
+    # overwrites may still be in its own earlier queries' windows: read the window before writing it.
+    window_slots: torch.Tensor
     request_slots: torch.Tensor  # int32 [B]: state / block-table row of each request
     query_start: torch.Tensor  # int32 [B + 1]: cumulative new-token counts
     seq_lens: torch.Tensor  # int32 [B]: length after this step (history + new tokens)

@@ -29,6 +29,8 @@ E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # code & 7 -> magnitude;
 
 def pow2_scale(amax: torch.Tensor, qmax: float, eps: float = SCALE_EPS) -> torch.Tensor:
     """Exact `2^ceil(log2(max(amax, eps) / qmax))` in fp32; NaN where amax is NaN or inf."""
+    if not eps / qmax >= 2.0**-126:  # the bit trick below needs a normal fp32 ratio
+        raise ValueError(f"eps / qmax must be >= 2^-126 (a normal fp32), got eps={eps}, qmax={qmax}")
     ratio = torch.clamp(amax.float(), min=eps) / qmax  # >= eps/qmax: a normal fp32, never subnormal
     bits = ratio.view(torch.int32)
     exponent = ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).to(torch.int32)

@@ -20,7 +20,7 @@ class AllocatorError(RuntimeError):
 
 class BlockAllocator:
     def __init__(self, num_blocks: int):
-        if not isinstance(num_blocks, int) or num_blocks <= 0:
+        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks <= 0:
             raise ValueError(f"num_blocks: expected a positive int, got {num_blocks!r}")
         self.num_blocks = num_blocks
         self._free: deque[int] = deque(range(num_blocks))
@@ -77,5 +77,5 @@ class BlockAllocator:
                 self._free.append(block)
 
     def _check(self, block: int) -> None:
-        if not isinstance(block, int) or not 0 <= block < self.num_blocks:
+        if isinstance(block, bool) or not isinstance(block, int) or not 0 <= block < self.num_blocks:
             raise AllocatorError(f"block id {block!r} outside [0, {self.num_blocks})")
