@@ -149,6 +149,16 @@ def test_bad_input():
         layout.write(pool, 8, torch.tensor([0, 1]), x[:, :256])
     with pytest.raises(ValueError, match="beyond"):
         layout.write(pool, 8, torch.tensor([0, 16]), x)
+    with pytest.raises(ValueError, match="beyond"):
+        layout.read(pool, 8, torch.tensor([16]))
+    with pytest.raises(ValueError, match=r"slots: expected int32/int64 \[2\]"):
+        layout.write(pool, 8, torch.tensor([0.0, 1.0]), x)
+    with pytest.raises(ValueError, match=r"slots: expected int32/int64 \[2\]"):
+        layout.write(pool, 8, torch.tensor([0, 1, 2]), x)
+    with pytest.raises(ValueError, match="float x"):
+        layout.write(pool, 8, torch.tensor([0, 1]), torch.ones(2, 512, dtype=torch.int32))
+    with pytest.raises(ValueError, match="on meta"):
+        layout.write(pool, 8, torch.tensor([0, 1]), x.to("meta"))
     with pytest.raises(ValueError, match="multiple of 64"):
         main_layout("fp8", 512, 96)
     with pytest.raises(ValueError, match="power of two"):

@@ -168,8 +168,9 @@ _DEFAULT_RATES = {LayerKind.CSA: 4, LayerKind.HCA: 128}
 
 
 def _from_dict(data: dict, name: str) -> ModelGeometry:
-    if "text_config" in data and isinstance(data["text_config"], dict):
-        _refuse_v41(data.get("model_type") or data["text_config"].get("model_type"))
+    if isinstance(data.get("text_config"), dict):  # multimodal wrapper: the text model is inside
+        if "v41" in str(data.get("model_type")):
+            _refuse_v41(data["model_type"])
         data = {**data["text_config"]}
     model_type = data.get("model_type")
     if model_type is not None and "v41" in str(model_type):
@@ -177,6 +178,9 @@ def _from_dict(data: dict, name: str) -> ModelGeometry:
     for key in _V41_FIELDS:
         if key in data:
             _refuse_v41(f"field {key!r}")
+    for i, value in enumerate(data.get("compress_ratios") or []):
+        if value in (1, 2):
+            _refuse_v41(f"compress_ratios[{i}] = {value}")
     if model_type not in (None, "deepseek_v4"):
         raise GeometryError(f"model_type: expected 'deepseek_v4', got {model_type!r}")
 
@@ -188,8 +192,8 @@ def _from_dict(data: dict, name: str) -> ModelGeometry:
     rope_dim = _rope_dim(data, head_dim)
 
     kinds, ratios = _layer_schedule(data, num_layers)
-    main_rope = RopeSpec(theta=float(data.get("rope_theta", 10000.0)), dim=rope_dim)
-    compress_rope = RopeSpec(theta=float(data.get("compress_rope_theta", 160000.0)), dim=rope_dim,
+    main_rope = RopeSpec(theta=_theta(data, "main", "rope_theta", 10000.0), dim=rope_dim)
+    compress_rope = RopeSpec(theta=_theta(data, "compress", "compress_rope_theta", 160000.0), dim=rope_dim,
                              yarn=_yarn(data))
     layers = tuple(
         LayerSpec(index=i, kind=kind, ratio=ratio, rope=main_rope if kind is LayerKind.WINDOW else compress_rope)
@@ -231,15 +235,25 @@ def _int(data: dict, key: str, default: int | None = None) -> int:
 
 
 def _rope_dim(data: dict, head_dim: int) -> int:
-    if data.get("qk_rope_head_dim") is not None:
-        return _int(data, "qk_rope_head_dim")
+    legacy = _int(data, "qk_rope_head_dim") if data.get("qk_rope_head_dim") is not None else None
     factor = data.get("partial_rotary_factor")
     if factor is None:
-        return 64
+        return 64 if legacy is None else legacy
     dim = head_dim * float(factor)
     if dim != int(dim):
         raise GeometryError(f"partial_rotary_factor: {factor} x head_dim {head_dim} is not an integer")
+    if legacy is not None and legacy != int(dim):
+        raise GeometryError(f"partial_rotary_factor: {factor} x head_dim {head_dim} = {int(dim)} rope dims "
+                            f"disagrees with qk_rope_head_dim = {legacy}")
     return int(dim)
+
+
+def _theta(data: dict, rope_kind: str, key: str, default: float) -> float:
+    """RoPE base: transformers' nested rope_parameters[kind] wins over the flat config key."""
+    nested = data.get("rope_parameters")
+    if isinstance(nested, dict) and isinstance(nested.get(rope_kind), dict) and "rope_theta" in nested[rope_kind]:
+        return float(nested[rope_kind]["rope_theta"])
+    return float(data.get(key, default))
 
 
 def _layer_schedule(data: dict, num_layers: int) -> tuple[list[LayerKind], list[int]]:
@@ -271,8 +285,6 @@ def _layer_schedule(data: dict, num_layers: int) -> tuple[list[LayerKind], list[
             raise GeometryError(f"compress_ratios: {len(values)} entries for num_hidden_layers={num_layers}")
         kinds, ratios = [], []
         for i, value in enumerate(values[:num_layers]):
-            if value in (1, 2):
-                _refuse_v41(f"compress_ratios[{i}] = {value}")
             if value == 0:
                 kinds.append(LayerKind.WINDOW)
                 ratios.append(0)

@@ -93,10 +93,13 @@ class EntryLayout:
         return data, scales
 
     def write(self, pool: torch.Tensor, entries: int, slots: torch.Tensor, x: torch.Tensor) -> None:
-        """Encode x [N, dim] into the pool at slots [N] (int); slot -1 rows are skipped."""
-        if x.dim() != 2 or x.shape[1] != self.dim or slots.shape != (x.shape[0],):
-            raise ValueError(f"write: expected x [N, {self.dim}] and slots [N], got {list(x.shape)} and {list(slots.shape)}")
+        """Encode x [N, dim] (float) into the pool at slots [N] (int); slot -1 rows are skipped."""
+        if x.dim() != 2 or x.shape[1] != self.dim or not x.is_floating_point():
+            raise ValueError(f"write: expected float x [N, {self.dim}], got {x.dtype} {list(x.shape)}")
         data_rows, scale_rows = self.page_views(pool, entries)
+        _check_slots(slots, x.shape[0], pool)
+        if x.device != pool.device:
+            raise ValueError(f"write: x on {x.device}, pool on {pool.device}")
         keep = slots >= 0
         slots, x = slots[keep].long(), x[keep]
         if slots.numel() and int(slots.max()) >= pool.shape[0] * entries:
@@ -109,6 +112,9 @@ class EntryLayout:
     def read(self, pool: torch.Tensor, entries: int, slots: torch.Tensor) -> torch.Tensor:
         """Decode the entries at slots [N] -> fp32 [N, dim]; slot -1 rows are NaN."""
         data_rows, scale_rows = self.page_views(pool, entries)
+        _check_slots(slots, slots.shape[0] if slots.dim() == 1 else -1, pool)
+        if slots.numel() and int(slots.max()) >= pool.shape[0] * entries:
+            raise ValueError(f"read: slot {int(slots.max())} beyond the pool's {pool.shape[0] * entries} entries")
         valid = slots >= 0
         index = torch.where(valid, slots, torch.zeros_like(slots)).long()
         page, offset = index // entries, index % entries
@@ -164,6 +170,12 @@ class IndexerMXFP4Layout(EntryLayout):
 
     def decode(self, data, scales):
         return quant.dequantize_mxfp4(data, quant.ue8m0_decode(scales), 32)
+
+
+def _check_slots(slots: torch.Tensor, n: int, pool: torch.Tensor) -> None:
+    if slots.dtype not in (torch.int32, torch.int64) or slots.shape != (n,) or slots.device != pool.device:
+        raise ValueError(f"slots: expected int32/int64 [{n}] on {pool.device}, "
+                         f"got {slots.dtype} {list(slots.shape)} on {slots.device}")
 
 
 def _rotate(x: torch.Tensor) -> torch.Tensor:
