@@ -68,7 +68,7 @@ def test_graph_replays_over_rebuilt_plans():
         # stands in for a decode step: reads every plan field and the persistent block table
         first_block = plan.block_table[plan.request_slots.clamp(min=0).long(), 0]
         return (plan.positions * 1000 + plan.window_slots, torch.where(plan.request_slots >= 0, first_block, -7),
-                plan.seq_lens.sum(), plan.entries[4].slots * 3 + plan.entries[16].slots)
+                plan.seq_lens.sum(), plan.entries[4].slots * 3, plan.entries[16].slots + plan.entries[16].index)
 
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
