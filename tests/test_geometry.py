@@ -15,7 +15,7 @@ from importlib import resources
 import pytest
 from transformers import DeepseekV4Config
 
-from dsv4kv.geometry import GeometryError, LayerKind, ModelGeometry, RopeSpec, YarnScaling
+from dsv4kv.geometry import GeometryError, LayerKind, LayerSpec, ModelGeometry, RopeSpec, YarnScaling
 
 # ----------------------------------------------------------------------------------------------------
 # SPEC §1, typed in
@@ -341,8 +341,20 @@ REFUSALS = [
     ("layer_types-unknown", _modern(layer_types=FLASH_TYPES[:5] + ["full_attention"] + FLASH_TYPES[6:]),
      r"layer_types\[5\].*full_attention"),
     ("no-schedule", _set(compress_ratios=DELETE), r"layer_types: missing"),
-    ("ratio-6", _ratios(i2=6), r"compress_ratios\[2\]: expected a power of two in \[4, 128\]"),
-    ("ratio-256", _ratios(i3=256), r"compress_ratios\[3\]: expected a power of two"),
+    ("ratio-6", _ratios(i2=6), r"compress_ratios\[2\]: expected 0 \(window\), 4 \(CSA\) or 128 \(HCA\)"),
+    ("ratio-256", _ratios(i3=256), r"compress_ratios\[3\]: expected 0 \(window\), 4 \(CSA\) or 128 \(HCA\)"),
+    ("ratio-vs-rate", _set(compress_rate_hca=64), r"compress_ratios\[3\].*128 \(HCA\) per compress_rates, got 128|"
+     r"compress_ratios\[3\]: expected 0 \(window\), 4 \(CSA\) or 64 \(HCA\)"),
+    ("rate-not-pow2", _set(compress_rates={"heavily_compressed_attention": 96}), r"compress_rates.*power of two"),
+    ("types-vs-ratios", _set(layer_types=["sliding_attention"] * 43), r"layer_types\[2\].*disagrees with compress_ratios\[2\]"),
+    ("layers-negative", _set(num_hidden_layers=-40), r"num_hidden_layers: expected a positive int"),
+    ("ratios-not-list", _set(compress_ratios=5), r"compress_ratios: expected a list or tuple"),
+    ("rates-not-dict", _set(compress_rates=[4, 128]), r"compress_rates: expected a dict"),
+    ("rope-scaling-str", _set(rope_scaling="yarn"), r"rope_scaling: expected a dict"),
+    ("rope-params-list", _set(rope_parameters=[1]), r"rope_parameters: expected a dict"),
+    ("eps-negative", _set(rms_norm_eps=-1), r"rms_norm_eps: expected a positive number"),
+    ("theta-negative", _set(rope_theta=-5), r"rope_theta: expected a positive number"),
+    ("v4_1-spelling", _set(model_type="deepseek_v4_1"), r"V4\.1"),
     ("compress_rates-256", _modern(compress_rates={"heavily_compressed_attention": 256}),
      r"compress_rates\['heavily_compressed_attention'\]"),
     ("compress_rates-6", _modern(compress_rates={"compressed_sparse_attention": 6}),
@@ -428,3 +440,29 @@ def test_layer_flags(name):
 def test_describe_counts_kinds():
     assert ModelGeometry.preset("flash").describe() == "flash: 43 layers (2 window, 21 CSA, 20 HCA), 64 heads x 512"
     assert ModelGeometry.preset("pro").describe() == "pro: 61 layers (0 window, 30 CSA, 31 HCA), 128 heads x 512"
+
+
+@pytest.mark.parametrize("content,match", [("{not json", "cannot read"), ("[1, 2]", "JSON list, expected an object")],
+                         ids=["invalid-json", "json-list"])
+def test_unreadable_config_files_are_refused(tmp_path, content, match):
+    path = tmp_path / "config.json"
+    path.write_text(content)
+    with pytest.raises(GeometryError, match=match):
+        ModelGeometry.from_hf_config(str(path))
+    with pytest.raises(GeometryError, match="cannot read"):
+        ModelGeometry.from_hf_config(str(tmp_path))  # a directory
+
+
+def test_dict_and_transformers_agree_on_custom_rates():
+    data = preset_dict("tiny")  # layer_types + compress_rates {CSA: 4, HCA: 16}
+    data["compress_ratios"] = [0, 4, 16, 4]  # the legacy form beside it, consistent
+    assert ModelGeometry.from_hf_config(data) == dataclasses.replace(
+        ModelGeometry.from_hf_config(DeepseekV4Config(**preset_dict("tiny"))), name=ModelGeometry.from_hf_config(data).name)
+
+
+def test_layer_spec_validates_itself():
+    rope = RopeSpec(theta=1e4, dim=64)
+    with pytest.raises(GeometryError, match="CSA layer with compression ratio 0"):
+        LayerSpec(index=0, kind=LayerKind.CSA, ratio=0, rope=rope)
+    with pytest.raises(GeometryError, match="window layer with compression ratio 4"):
+        LayerSpec(index=0, kind=LayerKind.WINDOW, ratio=4, rope=rope)

@@ -10,7 +10,9 @@ from __future__ import annotations
 import enum
 import json
 import os
+import re
 from dataclasses import dataclass, field
+from functools import cached_property
 from importlib import resources
 from typing import Any, Mapping
 
@@ -65,6 +67,12 @@ class LayerSpec:
     ratio: int  # 0 for window-only layers, else tokens pooled into one compressed entry
     rope: RopeSpec
 
+    def __post_init__(self):
+        if not isinstance(self.kind, LayerKind):
+            raise GeometryError(f"layer {self.index}: kind must be a LayerKind, got {self.kind!r}")
+        if (self.ratio == 0) != (self.kind is LayerKind.WINDOW) or self.ratio < 0:
+            raise GeometryError(f"layer {self.index}: {self.kind.short} layer with compression ratio {self.ratio}")
+
     @property
     def compressed(self) -> bool:
         return self.kind is not LayerKind.WINDOW
@@ -109,6 +117,11 @@ class ModelGeometry:
             raise GeometryError("num_hidden_layers: expected at least one layer")
         if [spec.index for spec in self.layers] != list(range(len(self.layers))):
             raise GeometryError("layers: indices must be 0..num_layers-1 in order")
+        for kind in (LayerKind.CSA, LayerKind.HCA):
+            if len({spec.ratio for spec in self.layers_of(kind)}) > 1:
+                raise GeometryError(f"compress_rates: {kind.short} layers must share one ratio")
+        if not self.rms_norm_eps > 0:
+            raise GeometryError(f"rms_norm_eps: expected > 0, got {self.rms_norm_eps}")
 
     # --- derived -----------------------------------------------------------------------------
     @property
@@ -122,7 +135,7 @@ class ModelGeometry:
     def layers_of(self, kind: LayerKind) -> tuple[LayerSpec, ...]:
         return tuple(spec for spec in self.layers if spec.kind is kind)
 
-    @property
+    @cached_property
     def ratios(self) -> tuple[int, ...]:
         """Distinct compression ratios, ascending."""
         return tuple(sorted({spec.ratio for spec in self.layers if spec.compressed}))
@@ -148,8 +161,13 @@ class ModelGeometry:
                 return cls.preset(text)
             if not os.path.exists(text):
                 raise GeometryError(f"config: {text!r} is neither a preset {PRESETS} nor an existing file")
-            with open(text) as f:
-                data = json.load(f)
+            try:
+                with open(text) as f:
+                    data = json.load(f)
+            except (OSError, ValueError) as error:
+                raise GeometryError(f"config: cannot read {text!r} as JSON: {error}") from None
+            if not isinstance(data, dict):
+                raise GeometryError(f"config: {text!r} holds a JSON {type(data).__name__}, expected an object")
             return _from_dict(data, name or os.path.basename(os.path.dirname(os.path.abspath(text))) or text)
         if isinstance(config, Mapping):
             return _from_dict(dict(config), name or str(config.get("_name_or_path") or "custom"))
@@ -164,27 +182,30 @@ class ModelGeometry:
 
 # --- parsing ----------------------------------------------------------------------------------
 _V41_FIELDS = ("kv_source_layer_ids", "index_source_layer_ids", "candidate_source_layer_id")
+_V41_NAME = re.compile(r"v4[._]?1")
 _DEFAULT_RATES = {LayerKind.CSA: 4, LayerKind.HCA: 128}
 
 
 def _from_dict(data: dict, name: str) -> ModelGeometry:
     if isinstance(data.get("text_config"), dict):  # multimodal wrapper: the text model is inside
-        if "v41" in str(data.get("model_type")):
+        if _V41_NAME.search(str(data.get("model_type"))):
             _refuse_v41(data["model_type"])
         data = {**data["text_config"]}
     model_type = data.get("model_type")
-    if model_type is not None and "v41" in str(model_type):
+    if model_type is not None and _V41_NAME.search(str(model_type)):
         _refuse_v41(model_type)
     for key in _V41_FIELDS:
         if key in data:
             _refuse_v41(f"field {key!r}")
-    for i, value in enumerate(data.get("compress_ratios") or []):
-        if value in (1, 2):
+    for i, value in enumerate(_typed(data, "compress_ratios", (list, tuple)) or []):
+        if value in (1, 2) and not isinstance(value, bool):
             _refuse_v41(f"compress_ratios[{i}] = {value}")
     if model_type not in (None, "deepseek_v4"):
         raise GeometryError(f"model_type: expected 'deepseek_v4', got {model_type!r}")
 
     num_layers = _int(data, "num_hidden_layers")
+    if num_layers <= 0:
+        raise GeometryError(f"num_hidden_layers: expected a positive int, got {num_layers}")
     kv_heads = data.get("num_key_value_heads", 1)
     if kv_heads != 1:
         raise GeometryError(f"num_key_value_heads: DeepSeek-V4 shares one KV head (K = V), got {kv_heads}")
@@ -213,7 +234,7 @@ def _from_dict(data: dict, name: str) -> ModelGeometry:
         index_head_dim=_int(data, "index_head_dim", 128),
         index_topk=_int(data, "index_topk", 512),
         max_position=_int(data, "max_position_embeddings", 1 << 20),
-        rms_norm_eps=float(data.get("rms_norm_eps", 1e-6)),
+        rms_norm_eps=_positive_float(data.get("rms_norm_eps", 1e-6), "rms_norm_eps"),
         layers=layers,
     )
 
@@ -250,52 +271,71 @@ def _rope_dim(data: dict, head_dim: int) -> int:
 
 def _theta(data: dict, rope_kind: str, key: str, default: float) -> float:
     """RoPE base: transformers' nested rope_parameters[kind] wins over the flat config key."""
-    nested = data.get("rope_parameters")
-    if isinstance(nested, dict) and isinstance(nested.get(rope_kind), dict) and "rope_theta" in nested[rope_kind]:
-        return float(nested[rope_kind]["rope_theta"])
-    return float(data.get(key, default))
+    nested = _typed(data, "rope_parameters", dict)
+    if nested and isinstance(nested.get(rope_kind), dict) and "rope_theta" in nested[rope_kind]:
+        return _positive_float(nested[rope_kind]["rope_theta"], f"rope_parameters[{rope_kind!r}].rope_theta")
+    return _positive_float(data.get(key, default), key)
+
+
+def _positive_float(value: Any, where: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise GeometryError(f"{where}: expected a positive number, got {value!r}")
+    return float(value)
 
 
 def _layer_schedule(data: dict, num_layers: int) -> tuple[list[LayerKind], list[int]]:
-    """Per-layer kinds and ratios; entries past num_hidden_layers (MTP layers) are ignored."""
+    """Per-layer kinds and ratios, read as transformers reads them: `layer_types` names the kind, one
+    rate per kind gives the ratio; legacy `compress_ratios` values map to kinds through those rates.
+    Entries past num_hidden_layers (MTP layers) are ignored; if both forms are given they must agree."""
     rates = dict(_DEFAULT_RATES)
+    given = _typed(data, "compress_rates", dict) or {}
     for kind in (LayerKind.CSA, LayerKind.HCA):
         legacy = data.get("compress_rate_csa" if kind is LayerKind.CSA else "compress_rate_hca")
-        value = (data.get("compress_rates") or {}).get(kind.value, legacy)
+        value = given.get(kind.value, legacy)
         if value is not None:
             rates[kind] = _ratio(value, f"compress_rates[{kind.value!r}]")
 
-    if data.get("layer_types") is not None:
-        types = list(data["layer_types"])
+    from_types = from_ratios = None
+    types = _typed(data, "layer_types", (list, tuple))
+    if types is not None:
         if len(types) < num_layers:
             raise GeometryError(f"layer_types: {len(types)} entries for num_hidden_layers={num_layers}")
-        kinds = []
+        from_types = []
         for i, value in enumerate(types[:num_layers]):
             try:
-                kinds.append(LayerKind(value))
+                from_types.append(LayerKind(value))
             except ValueError:
                 raise GeometryError(
                     f"layer_types[{i}]: expected one of {[k.value for k in LayerKind]}, got {value!r}"
                 ) from None
-        return kinds, [0 if k is LayerKind.WINDOW else rates[k] for k in kinds]
-
-    if data.get("compress_ratios") is not None:
-        values = list(data["compress_ratios"])
+    values = _typed(data, "compress_ratios", (list, tuple))
+    if values is not None:
         if len(values) < num_layers:
             raise GeometryError(f"compress_ratios: {len(values)} entries for num_hidden_layers={num_layers}")
-        kinds, ratios = [], []
+        by_value = {0: LayerKind.WINDOW, rates[LayerKind.CSA]: LayerKind.CSA, rates[LayerKind.HCA]: LayerKind.HCA}
+        from_ratios = []
         for i, value in enumerate(values[:num_layers]):
-            if value == 0:
-                kinds.append(LayerKind.WINDOW)
-                ratios.append(0)
-                continue
-            ratio = _ratio(value, f"compress_ratios[{i}]")
-            # the official model overlaps (CSA, with indexer) exactly when the ratio is 4
-            kinds.append(LayerKind.CSA if ratio == 4 else LayerKind.HCA)
-            ratios.append(ratio)
-        return kinds, ratios
+            if isinstance(value, bool) or value not in by_value:
+                raise GeometryError(f"compress_ratios[{i}]: expected 0 (window), {rates[LayerKind.CSA]} (CSA) or "
+                                    f"{rates[LayerKind.HCA]} (HCA) per compress_rates, got {value!r}")
+            from_ratios.append(by_value[value])
+    if from_types is not None and from_ratios is not None:
+        for i, (a, b) in enumerate(zip(from_types, from_ratios)):
+            if a is not b:
+                raise GeometryError(f"layer_types[{i}] = {a.value!r} disagrees with compress_ratios[{i}] "
+                                    f"({b.short})")
+    kinds = from_types if from_types is not None else from_ratios
+    if kinds is None:
+        raise GeometryError("layer_types: missing (and no legacy compress_ratios)")
+    return kinds, [0 if k is LayerKind.WINDOW else rates[k] for k in kinds]
 
-    raise GeometryError("layer_types: missing (and no legacy compress_ratios)")
+
+def _typed(data: dict, key: str, types) -> Any:
+    value = data.get(key)
+    if value is not None and not isinstance(value, types):
+        names = types.__name__ if isinstance(types, type) else " or ".join(t.__name__ for t in types)
+        raise GeometryError(f"{key}: expected a {names}, got {type(value).__name__}")
+    return value
 
 
 def _ratio(value: Any, where: str) -> int:
@@ -306,13 +346,13 @@ def _ratio(value: Any, where: str) -> int:
 
 def _yarn(data: dict) -> YarnScaling | None:
     """YaRN parameters of the compressed layers (window-only layers never scale)."""
-    params = data.get("rope_parameters")
-    if isinstance(params, dict) and isinstance(params.get("compress"), dict):
+    params = _typed(data, "rope_parameters", dict)
+    if params and isinstance(params.get("compress"), dict):
         scaling = params["compress"]
-    elif isinstance(params, dict) and params:
+    elif params:
         scaling = params
     else:
-        scaling = data.get("rope_scaling") or {}
+        scaling = _typed(data, "rope_scaling", dict) or {}
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind in (None, "default"):
         return None
