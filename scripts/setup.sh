@@ -15,7 +15,9 @@ if "$VPY" -c "import torch" 2>/dev/null; then
 elif command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
     "$VPY" -m pip install -q torch
 else
-    "$VPY" -m pip install -q torch==2.13.0 \
+    # "+cpu" matches the CPU wheel on disk (pip's find-links) on these machines; stock PyPI's Linux
+    # torch==2.13.0 is the CUDA build, so elsewhere the CPU build comes from PyTorch's own index.
+    "$VPY" -m pip install -q "torch==2.13.0+cpu" 2>/dev/null \
         || "$VPY" -m pip install -q torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
 fi
 "$VPY" -m pip install -q -e ".[triton,test]"

@@ -337,3 +337,52 @@ def check_invariants(m, shadow):
         live_slots.add(m.slot(rid))
     for slot in set(range(m.max_requests)) - live_slots:
         assert (table[slot] == -1).all()
+
+
+def test_poison_covers_reused_blocks():
+    m = make(max_requests=1, num_blocks=1, poison=True)
+    rid = m.admit()
+    plan = m.plan_step([(rid, 8)])
+    layer = m.pools.layers[1]  # CSA
+    spec = layer.spec
+    writes = plan.entries[4]
+    spec.main.write(layer.entries, spec.entries_per_page, writes.slots, torch.ones(writes.count, spec.main.dim))
+    assert spec.main.read(layer.entries, spec.entries_per_page, writes.slots).eq(1).all()
+    m.release(rid)
+    rid = m.admit()
+    assert m.plan_step([(rid, 3)])  # takes the same block back, before any entry of it is complete
+    stale = spec.main.read(layer.entries, spec.entries_per_page, torch.tensor([0, 1]))
+    assert stale.isnan().all(), "a reused block must read as NaN until rewritten"
+
+
+def test_request_larger_than_cache_raises():
+    m = make(max_requests=1, num_blocks=2, max_seq_len=4096)
+    rid = m.admit()
+    before = snapshot(m)
+    with pytest.raises(ValueError, match="need 3 blocks, the cache has 2"):
+        m.plan_step([(rid, 257)])
+    assert_unchanged(m, before)
+
+
+def test_foreign_or_mismatched_buffers_change_nothing():
+    from dsv4kv.plan import StepBuffers
+    m = make()
+    rid = m.admit()
+    before = snapshot(m)
+    wrong_ratios = StepBuffers(m.cache_id, (4,), max_tokens=64, max_requests=2, device="cpu")
+    with pytest.raises(ValueError, match="buffers: step has 20 tokens"):
+        m.plan_step([(rid, 20)], buffers=wrong_ratios)
+    too_few_entries = StepBuffers(m.cache_id, (4, 16), max_tokens=64, max_requests=2, device="cpu",
+                                  entries={4: 1, 16: 1})
+    with pytest.raises(ValueError, match="entries"):
+        m.plan_step([(rid, 20)], buffers=too_few_entries)
+    with pytest.raises(TypeError, match="StepBuffers"):
+        m.plan_step([(rid, 20)], buffers="not buffers")
+    assert_unchanged(m, before)
+
+
+def test_bool_request_id_is_unknown():
+    m = make()
+    m.admit()
+    with pytest.raises(RequestError, match="unknown request id True"):
+        m.release(True)

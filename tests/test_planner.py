@@ -236,7 +236,7 @@ def test_parse_bytes(text, want):
     assert parse_bytes(text) == want
 
 
-@pytest.mark.parametrize("text", ["12XB", "", "-5GB", "GB", "1.2.3GB"])
+@pytest.mark.parametrize("text", ["12XB", "", "-5GB", "GB", "1.2.3GB", "0GB", -5, 0, True])
 def test_parse_bytes_rejects(text):
     with pytest.raises(ValueError, match="memory"):
         parse_bytes(text)

@@ -9,12 +9,13 @@ returning the plan, so nothing allocates while the step (or a captured CUDA grap
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 import numpy as np
 import torch
 
+from .checks import positive_int
 from .geometry import ModelGeometry
 from .layout import IndexerFormat, KVFormat
 from .memory.allocator import BlockAllocator
@@ -34,13 +35,7 @@ class _Request:
     rid: int
     slot: int
     length: int = 0
-    blocks: list[int] = field(default_factory=list)
-
-
-def _positive_int(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
-        raise ValueError(f"{name}: expected a positive int, got {value!r}")
-    return int(value)
+    num_blocks: int = 0  # its block ids are the manager's host table row [slot, :num_blocks]
 
 
 class CacheManager:
@@ -68,17 +63,18 @@ class CacheManager:
             raise TypeError(f"geometry: expected a ModelGeometry, got {type(geometry).__name__}")
         self.spec = CacheSpec(geometry, kv_format, indexer_format, page_tokens)
         self.geometry = geometry
-        self.max_requests = _positive_int("max_requests", max_requests)
-        self.max_tokens = _positive_int("max_tokens", max_tokens)
-        self.max_seq_len = _positive_int("max_seq_len", max_seq_len if max_seq_len is not None else geometry.max_position)
+        self.max_requests = positive_int("max_requests", max_requests)
+        self.max_tokens = positive_int("max_tokens", max_tokens)
+        self.max_seq_len = positive_int("max_seq_len", max_seq_len if max_seq_len is not None else geometry.max_position)
         if self.max_seq_len > geometry.max_position:
             raise ValueError(f"max_seq_len: {self.max_seq_len} exceeds the model's max_position_embeddings "
                              f"{geometry.max_position}")
         # Any split of max_tokens over max_requests requests fits: sum ceil(n_i / P) <= ceil(N / P) + R - 1.
         default_blocks = self.spec.blocks_for(self.max_tokens) + self.max_requests - 1
-        self.num_blocks = _positive_int("num_blocks", num_blocks if num_blocks is not None else default_blocks)
+        self.num_blocks = positive_int("num_blocks", num_blocks if num_blocks is not None else default_blocks)
         self.device = torch.device(device)
 
+        self.poison = poison
         self.allocator = BlockAllocator(self.num_blocks)
         self.pools = CachePools(self.spec, num_blocks=self.num_blocks, max_requests=self.max_requests,
                                 device=self.device, fill_byte=POISON_BYTE if poison else 0)
@@ -107,7 +103,7 @@ class CacheManager:
     def release(self, rid: int) -> None:
         """Return a request's blocks and slot. Releasing an unknown or released id raises RequestError."""
         request = self._request(rid)
-        self.allocator.free(request.blocks)
+        self.allocator.free(self._host_table[request.slot, :request.num_blocks].tolist())
         self._host_table[request.slot] = -1
         self.block_table[request.slot].fill_(-1)
         self._free_slots.append(request.slot)
@@ -119,26 +115,29 @@ class CacheManager:
 
         Allocates the blocks the step fills and advances each request's length (the caller then runs
         every layer over the plan). When the blocks do not fit, returns `OutOfBlocks` and changes nothing.
-        Bad input (unknown id, repeated id, non-positive count, length past max_seq_len, more rows than
-        `buffers` hold) raises before anything changes.
+        Bad input (unknown id, repeated id, non-positive count, length past max_seq_len, a request
+        larger than the whole cache, more rows than `buffers` hold) raises before anything changes.
         """
-        requests, counts = self._validate_batch(batch, buffers)
-        need = [max(0, self.spec.blocks_for(r.length + n) - len(r.blocks)) for r, n in zip(requests, counts)]
-        total = sum(need)
-        fresh = self.allocator.allocate(total)
-        if fresh is None:
-            return OutOfBlocks(needed=total, free=self.allocator.num_free)
-        self._map_blocks(requests, need, fresh)
-
+        requests, counts = self._validate_batch(batch)
         starts = np.array([r.length for r in requests], dtype=np.int64)
         counts_np = np.array(counts, dtype=np.int64)
+        entry_counts = {m: int(((starts + counts_np) // m - starts // m).sum()) for m in self.geometry.ratios}
+        num_tokens, num_requests = int(counts_np.sum()), len(requests)
+        if buffers is not None:
+            self._check_buffers(buffers, num_tokens, num_requests, entry_counts)
+        need = [self.spec.blocks_for(r.length + n) - r.num_blocks for r, n in zip(requests, counts)]
+        fresh = self.allocator.allocate(sum(need))
+        if fresh is None:
+            return OutOfBlocks(needed=sum(need), free=self.allocator.num_free)
+        self._map_blocks(requests, need, fresh)
+
         for request, n in zip(requests, counts):
             request.length += n
-        host, entry_counts = self._plan_fields(requests, starts, counts_np)
-        num_tokens, num_requests = int(counts_np.sum()), len(requests)
+        host = self._plan_fields(requests, starts, counts_np)
         if buffers is None:
             buffers = StepBuffers(self.cache_id, self.geometry.ratios, max_tokens=num_tokens,
-                                  max_requests=num_requests, device=self.device, entries=entry_counts)
+                                  max_requests=num_requests, device=self.device, entries=entry_counts,
+                                  persistent=False)
         views = buffers.load(host, num_tokens, num_requests)
         self._step += 1
         return StepPlan(
@@ -154,8 +153,8 @@ class CacheManager:
 
     def step_buffers(self, *, max_tokens: int, max_requests: int) -> StepBuffers:
         """Preallocated plan storage (fixed addresses) for CUDA-graph capture and replay."""
-        return StepBuffers(self.cache_id, self.geometry.ratios, max_tokens=_positive_int("max_tokens", max_tokens),
-                           max_requests=_positive_int("max_requests", max_requests), device=self.device)
+        return StepBuffers(self.cache_id, self.geometry.ratios, max_tokens=max_tokens, max_requests=max_requests,
+                           device=self.device)
 
     # --- counters --------------------------------------------------------------------------------
     @property
@@ -191,21 +190,23 @@ class CacheManager:
         return self._request(rid).length
 
     def blocks(self, rid: int) -> list[int]:
-        return list(self._request(rid).blocks)
+        request = self._request(rid)
+        return self._host_table[request.slot, :request.num_blocks].tolist()
 
     def slot(self, rid: int) -> int:
         return self._request(rid).slot
 
     # --- internals --------------------------------------------------------------------------------
     def _request(self, rid) -> _Request:
-        request = self._requests.get(rid) if isinstance(rid, (int, np.integer)) and not isinstance(rid, bool) else None
+        is_id = isinstance(rid, (int, np.integer)) and not isinstance(rid, bool)
+        request = self._requests.get(rid) if is_id else None
         if request is not None:
             return request
-        if isinstance(rid, (int, np.integer)) and 0 <= rid < self._next_rid:
+        if is_id and 0 <= rid < self._next_rid:
             raise RequestError(f"request {rid} was already released")
         raise RequestError(f"unknown request id {rid!r}")
 
-    def _validate_batch(self, batch, buffers) -> tuple[list[_Request], list[int]]:
+    def _validate_batch(self, batch) -> tuple[list[_Request], list[int]]:
         if isinstance(batch, (str, bytes)) or not isinstance(batch, Iterable):
             raise TypeError(f"batch: expected a sequence of (request id, new tokens) pairs, got {type(batch).__name__}")
         batch = list(batch)
@@ -220,37 +221,43 @@ class CacheManager:
             if rid in seen:
                 raise RequestError(f"request {rid} appears twice in one step")
             seen.add(rid)
-            n = _positive_int(f"new tokens of request {rid}", n)
+            n = positive_int(f"new tokens of request {rid}", n)
             if request.length + n > self.max_seq_len:
                 raise ValueError(f"request {rid}: {request.length} + {n} tokens exceeds max_seq_len {self.max_seq_len}")
+            if self.spec.blocks_for(request.length + n) > self.num_blocks:
+                raise ValueError(f"request {rid}: {request.length + n} tokens need "
+                                 f"{self.spec.blocks_for(request.length + n)} blocks, the cache has {self.num_blocks}")
             requests.append(request)
             counts.append(n)
-        if buffers is not None:
-            if buffers.cache_id != self.cache_id:
-                raise ValueError("buffers: made by another CacheManager")
-            if sum(counts) > buffers.max_tokens or len(requests) > buffers.max_requests:
-                raise ValueError(f"buffers: step has {sum(counts)} tokens / {len(requests)} requests, buffers hold "
-                                 f"{buffers.max_tokens} / {buffers.max_requests}")
         return requests, counts
 
-    def _map_blocks(self, requests: list[_Request], need: list[int], fresh: list[int]) -> None:
-        rows, cols, ids = [], [], []
-        it = iter(fresh)
-        for request, n in zip(requests, need):
-            for _ in range(n):
-                block = next(it)
-                rows.append(request.slot)
-                cols.append(len(request.blocks))
-                ids.append(block)
-                request.blocks.append(block)
-        if ids:
-            self._host_table[rows, cols] = ids
-            index = torch.tensor([rows, cols], dtype=torch.long)
-            self.block_table.index_put_((index[0].to(self.device), index[1].to(self.device)),
-                                        torch.tensor(ids, dtype=torch.int32).to(self.device))
+    def _check_buffers(self, buffers, tokens: int, requests: int, entries: dict[int, int]) -> None:
+        if not isinstance(buffers, StepBuffers):
+            raise TypeError(f"buffers: expected StepBuffers from step_buffers(), got {type(buffers).__name__}")
+        if buffers.cache_id != self.cache_id:
+            raise ValueError("buffers: made by another CacheManager")
+        short = [m for m in self.geometry.ratios if buffers.entry_capacity.get(m, -1) < entries[m]]
+        if tokens > buffers.max_tokens or requests > buffers.max_requests or short:
+            raise ValueError(f"buffers: step has {tokens} tokens / {requests} requests / entries {entries}, buffers "
+                             f"hold {buffers.max_tokens} / {buffers.max_requests} / {buffers.entry_capacity}")
 
-    def _plan_fields(self, requests: list[_Request], starts: np.ndarray, counts: np.ndarray
-                     ) -> tuple[dict[str, np.ndarray], dict[int, int]]:
+    def _map_blocks(self, requests: list[_Request], need: list[int], fresh: list[int]) -> None:
+        if not fresh:
+            return
+        rows = np.repeat([r.slot for r in requests], need)
+        cols = np.concatenate([np.arange(r.num_blocks, r.num_blocks + n) for r, n in zip(requests, need)])
+        self._host_table[rows, cols] = fresh
+        for request, n in zip(requests, need):
+            request.num_blocks += n
+        update = torch.from_numpy(np.stack((rows, cols, np.asarray(fresh)))).to(self.device)  # one copy
+        self.block_table[update[0], update[1]] = update[2].to(torch.int32)
+        if self.poison:  # reused blocks hold their previous owner's bytes: make them NaN again
+            for layer in self.pools.layers:
+                for pool in (layer.entries, layer.index_keys):
+                    if pool is not None:
+                        pool[update[2]] = POISON_BYTE
+
+    def _plan_fields(self, requests: list[_Request], starts: np.ndarray, counts: np.ndarray) -> dict[str, np.ndarray]:
         rows = np.arange(len(requests))
         slots = np.array([r.slot for r in requests], dtype=np.int64)
         query_start = np.concatenate(([0], np.cumsum(counts)))
@@ -265,7 +272,6 @@ class CacheManager:
                                      slots[token_request] * window + positions % window, -1),
             "request_slots": slots, "query_start": query_start, "seq_lens": starts + counts,
         }
-        entry_counts = {}
         page = self.spec.page_tokens
         for m in self.geometry.ratios:
             first, last = starts // m, (starts + counts) // m  # entries complete before / after the step
@@ -278,5 +284,4 @@ class CacheManager:
             fields[f"slots{m}"] = block * (page // m) + (token % page) // m
             fields[f"request{m}"] = entry_request
             fields[f"index{m}"] = index
-            entry_counts[m] = int(per_request.sum())
-        return fields, entry_counts
+        return fields

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .checks import positive_int
+
 __all__ = ["EntryWrites", "StepPlan", "StepBuffers", "OutOfBlocks"]
 
 
@@ -97,23 +99,26 @@ class _Fields:
 
 
 class StepBuffers:
-    """Preallocated plan storage for at most `max_tokens` token rows and `max_requests` requests per step.
+    """Plan storage for at most `max_tokens` token rows and `max_requests` requests per step.
 
-    Create with `CacheManager.step_buffers`; pass to `plan_step(..., buffers=...)`.
+    Made by `CacheManager.step_buffers` (persistent: pinned staging, fixed device addresses) or per step
+    by `plan_step` itself (exact size). A plan built into persistent buffers is overwritten by the next
+    `plan_step` that uses them.
     """
 
     def __init__(self, cache_id: int, ratios: tuple[int, ...], *, max_tokens: int, max_requests: int,
-                 device: torch.device, entries: dict[int, int] | None = None):
-        if max_tokens <= 0 or max_requests <= 0:
-            raise ValueError(f"step buffers: max_tokens and max_requests must be positive, got {max_tokens}, {max_requests}")
+                 device: torch.device, entries: dict[int, int] | None = None, persistent: bool = True):
         self.cache_id = cache_id
-        self.max_tokens, self.max_requests = max_tokens, max_requests
+        self.max_tokens = positive_int("max_tokens", max_tokens) if persistent else max_tokens
+        self.max_requests = positive_int("max_requests", max_requests) if persistent else max_requests
         # Entries of ratio m completing in a step: sum_b floor((s_b % m + n_b) / m) <= max_tokens // m + max_requests
-        entries = entries if entries is not None else {m: max_tokens // m + max_requests for m in ratios}
-        self.fields = _Fields(max_tokens, max_requests, entries)
+        self.entry_capacity = dict(entries) if entries is not None else {
+            m: max_tokens // m + max_requests for m in ratios}
+        self.fields = _Fields(max_tokens, max_requests, self.entry_capacity)
         self.device = torch.device(device)
         self.buffer = torch.empty(self.fields.total, dtype=torch.int32, device=self.device)
-        pin = self.device.type == "cuda"
+        self.views = {name: self.fields.view(self.buffer, name) for name in self.fields.offsets}
+        pin = persistent and self.device.type == "cuda"
         self._host = torch.empty(self.fields.total, dtype=torch.int32, pin_memory=pin)
         self._copied = torch.cuda.Event() if pin else None
 
@@ -133,11 +138,11 @@ class StepBuffers:
         self.buffer.copy_(self._host, non_blocking=self._copied is not None)
         if self._copied is not None:
             self._copied.record()
-        return {name: self.fields.view(self.buffer, name) for name in self.fields.offsets}
+        return self.views
 
 
-_plan_cache_ids = itertools.count(1)
+_cache_ids = itertools.count(1)  # tags plans and buffers with the manager that made them
 
 
 def new_cache_id() -> int:
-    return next(_plan_cache_ids)
+    return next(_cache_ids)

@@ -115,9 +115,14 @@ def _hadamard_cpu(n: int) -> torch.Tensor:
     return (h * n**-0.5).float()
 
 
-def hadamard_matrix(n: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """Orthonormal Sylvester Hadamard matrix [n, n] (symmetric, entries +-n^-0.5), fp32."""
+@functools.lru_cache(maxsize=32)
+def _hadamard_on(n: int, device: torch.device) -> torch.Tensor:
     return _hadamard_cpu(n).to(device)
+
+
+def hadamard_matrix(n: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Orthonormal Sylvester Hadamard matrix [n, n] (symmetric, entries +-n^-0.5), fp32. Do not modify it: it is cached."""
+    return _hadamard_on(n, torch.device(device))
 
 
 def hadamard_rotate(x: torch.Tensor) -> torch.Tensor:

@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections import deque
 from typing import Iterable
 
+from ..checks import positive_int
+
 __all__ = ["BlockAllocator", "AllocatorError"]
 
 
@@ -20,11 +22,9 @@ class AllocatorError(RuntimeError):
 
 class BlockAllocator:
     def __init__(self, num_blocks: int):
-        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks <= 0:
-            raise ValueError(f"num_blocks: expected a positive int, got {num_blocks!r}")
-        self.num_blocks = num_blocks
-        self._free: deque[int] = deque(range(num_blocks))
-        self._refs = [0] * num_blocks
+        self.num_blocks = positive_int("num_blocks", num_blocks)
+        self._free: deque[int] = deque(range(self.num_blocks))
+        self._refs = [0] * self.num_blocks
 
     @property
     def num_free(self) -> int:

@@ -18,12 +18,15 @@ _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
 
 def parse_bytes(text: str | int) -> int:
     """'141GiB', '80GB', '1.5TiB', '123456' -> bytes (KB/MB/GB/TB are powers of 1000, KiB.. of 1024)."""
-    if isinstance(text, int):
+    if isinstance(text, int) and not isinstance(text, bool) and text > 0:
         return text
     match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(text))
     if not match or match.group(2).lower() not in _UNITS:
         raise ValueError(f"memory: expected a size like 141GiB, 80GB or 1073741824, got {text!r}")
-    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+    size = int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+    if size <= 0:
+        raise ValueError(f"memory: expected a positive size, got {text!r}")
+    return size
 
 
 def format_bytes(n: float) -> str:

@@ -11,8 +11,8 @@ from .spec import CacheSpec, LayerCacheSpec
 
 __all__ = ["LayerCache", "CachePools", "POISON_BYTE"]
 
-# 0xFF is NaN in every stored format (e4m3 0xFF, bf16 0xFFFF, ue8m0 0xFF, fp32 0xFFFFFFFF): a read of a
-# never-written byte in a poisoned cache cannot pass for data.
+# 0xFF is NaN in e4m3, bf16, ue8m0 and fp32; an MXFP4 key's data byte 0xFF is a valid e2m1 pair, but its
+# 0xFF scale makes the key NaN. A read of a never-written entry in a poisoned cache cannot pass for data.
 POISON_BYTE = 0xFF
 
 

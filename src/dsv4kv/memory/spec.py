@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 
+from ..checks import positive_int
 from ..geometry import LayerKind, LayerSpec, ModelGeometry
 from ..layout import EntryLayout, IndexerFormat, KVFormat, indexer_layout, main_layout
 
@@ -94,16 +95,14 @@ class CacheSpec:
     def __post_init__(self):
         object.__setattr__(self, "kv_format", KVFormat(self.kv_format))
         object.__setattr__(self, "indexer_format", IndexerFormat(self.indexer_format))
-        if isinstance(self.page_tokens, bool) or not isinstance(self.page_tokens, int) \
-                or self.page_tokens <= 0 or self.page_tokens % 128:
+        object.__setattr__(self, "page_tokens", positive_int("page_tokens", self.page_tokens))
+        if self.page_tokens % 128:
             raise ValueError(f"page_tokens: expected a positive multiple of 128 (an HCA entry must not straddle "
                              f"pages), got {self.page_tokens!r}")
         for ratio in self.geometry.ratios:
             if self.page_tokens % ratio:
                 raise ValueError(f"page_tokens: {self.page_tokens} is not a multiple of compression ratio {ratio}")
-        main_layout(self.kv_format, self.geometry.head_dim, self.geometry.rope_dim)  # validates
-        if self.geometry.layers_of(LayerKind.CSA):
-            indexer_layout(self.indexer_format, self.geometry.index_head_dim)
+        self.layers  # builds (and so validates) the layouts
 
     @cached_property
     def layers(self) -> tuple[LayerCacheSpec, ...]:
