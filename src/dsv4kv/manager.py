@@ -121,7 +121,9 @@ class CacheManager:
         requests, counts = self._validate_batch(batch)
         starts = np.array([r.length for r in requests], dtype=np.int64)
         counts_np = np.array(counts, dtype=np.int64)
-        entry_counts = {m: int(((starts + counts_np) // m - starts // m).sum()) for m in self.geometry.ratios}
+        # entries of ratio m each request completes in this step: those ending at or before its new length
+        new_entries = {m: (starts + counts_np) // m - starts // m for m in self.geometry.ratios}
+        entry_counts = {m: int(per_request.sum()) for m, per_request in new_entries.items()}
         num_tokens, num_requests = int(counts_np.sum()), len(requests)
         if buffers is not None:
             self._check_buffers(buffers, num_tokens, num_requests, entry_counts)
@@ -133,7 +135,7 @@ class CacheManager:
 
         for request, n in zip(requests, counts):
             request.length += n
-        host = self._plan_fields(requests, starts, counts_np)
+        host = self._plan_fields(requests, starts, counts_np, new_entries)
         if buffers is None:
             buffers = StepBuffers(self.cache_id, self.geometry.ratios, max_tokens=num_tokens,
                                   max_requests=num_requests, device=self.device, entries=entry_counts,
@@ -257,7 +259,8 @@ class CacheManager:
                     if pool is not None:
                         pool[update[2]] = POISON_BYTE
 
-    def _plan_fields(self, requests: list[_Request], starts: np.ndarray, counts: np.ndarray) -> dict[str, np.ndarray]:
+    def _plan_fields(self, requests: list[_Request], starts: np.ndarray, counts: np.ndarray,
+                     new_entries: dict[int, np.ndarray]) -> dict[str, np.ndarray]:
         rows = np.arange(len(requests))
         slots = np.array([r.slot for r in requests], dtype=np.int64)
         query_start = np.concatenate(([0], np.cumsum(counts)))
@@ -273,9 +276,8 @@ class CacheManager:
             "request_slots": slots, "query_start": query_start, "seq_lens": starts + counts,
         }
         page = self.spec.page_tokens
-        for m in self.geometry.ratios:
-            first, last = starts // m, (starts + counts) // m  # entries complete before / after the step
-            per_request = last - first
+        for m, per_request in new_entries.items():
+            first = starts // m  # entries complete before the step
             entry_request = np.repeat(rows, per_request)
             offsets = np.concatenate(([0], np.cumsum(per_request)))[:-1]
             index = np.arange(per_request.sum()) - offsets[entry_request] + first[entry_request]
