@@ -78,6 +78,10 @@ class EntryLayout:
         """Inverse of `encode`: fp32 [N, dim]."""
         return data.contiguous().view(torch.bfloat16).float()
 
+    def round_trip(self, x: torch.Tensor) -> torch.Tensor:
+        """x [N, dim] -> fp32 [N, dim]: exactly what a read of x written in this format returns."""
+        return self.decode(*self.encode(x))
+
     # --- pages -----------------------------------------------------------------------------------
     def page_views(self, pool: torch.Tensor, entries: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Views of a pool [pages, page_bytes] as data rows [pages, P, data_bytes] and scale rows [pages, P, scale_bytes]."""

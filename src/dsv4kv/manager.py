@@ -160,6 +160,11 @@ class CacheManager:
 
     # --- counters --------------------------------------------------------------------------------
     @property
+    def steps_planned(self) -> int:
+        """Steps planned so far; a plan's `step` equals it until the next `plan_step`."""
+        return self._step
+
+    @property
     def num_free_blocks(self) -> int:
         return self.allocator.num_free
 

@@ -1,0 +1,257 @@
+"""DSV4Attention: one DeepSeek-V4 attention layer computed over the paged cache (the PyTorch reference).
+
+    layer(hidden_states [N, hidden], plan, cache) -> [N, hidden]
+
+for the N tokens of a step in plan order, any mix of prefill chunks and decode tokens. Per step:
+q path -> kv path -> compress-and-insert (main, then the indexer's keys) -> indexer top-k (CSA) ->
+gather (window and compressed keys) -> sparse attention with sink -> append (window ring, compressor
+state) -> inverse RoPE -> grouped output projection. Reads come before append because append may
+overwrite ring rows the step's own earlier tokens still need.
+
+Numerics follow the cache's formats (`docs/numerics.md`): the kv the step attends to and the entries it
+stores are exactly what the cache's format holds, so a token's output does not depend on how the
+sequence was split into steps. Projections run in the weights' dtype; norms, RoPE, the compressor
+(as the official model), the indexer scores and attention run in fp32.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+from torch import nn
+
+from .geometry import LayerKind, ModelGeometry
+from .manager import CacheManager
+from .ops.append import append_state, append_window, compressor_logits
+from .ops.attention import sparse_attention
+from .ops.common import StepRows, require, step_rows
+from .ops.compress import compress_and_insert
+from .ops.gather import gather_entries, gather_window, visible_entries
+from .ops.indexer import indexer_topk
+from .ops.rope import apply_rope
+from .plan import StepPlan
+from .weights import layer_state_dict
+
+__all__ = ["DSV4Attention", "RMSNorm", "init_random_weights"]
+
+# Geometry fields one layer's weights and computation depend on; the layer's own LayerSpec is compared too.
+_LAYER_FIELDS = ("hidden_size", "num_heads", "head_dim", "rope_dim", "q_lora_rank", "o_groups", "o_lora_rank",
+                 "window", "index_n_heads", "index_head_dim", "index_topk", "rms_norm_eps")
+
+
+class RMSNorm(nn.Module):
+    """Weighted RMSNorm computed in fp32, returned in the input dtype (transformers' and the official rule)."""
+
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype | None = None, device=None):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype, device=device))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        return (self.weight.float() * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps))).to(x.dtype)
+
+
+class _Scorer(nn.Module):
+    def __init__(self, g: ModelGeometry, **kw):
+        super().__init__()
+        self.weights_proj = nn.Linear(g.hidden_size, g.index_n_heads, bias=False, **kw)
+
+
+class _Compressor(nn.Module):
+    """Projections of a compressor: width 2*dim with overlap (CSA), dim without (HCA)."""
+
+    def __init__(self, g: ModelGeometry, dim: int, ratio: int, overlap: bool, **kw):
+        super().__init__()
+        width = 2 * dim if overlap else dim
+        self.kv_proj = nn.Linear(g.hidden_size, width, bias=False, **kw)
+        self.gate_proj = nn.Linear(g.hidden_size, width, bias=False, **kw)
+        self.position_bias = nn.Parameter(torch.zeros(ratio, width, **kw))
+        self.kv_norm = RMSNorm(dim, g.rms_norm_eps, **kw)
+
+
+class _Indexer(_Compressor):
+    def __init__(self, g: ModelGeometry, ratio: int, **kw):
+        super().__init__(g, g.index_head_dim, ratio, overlap=True, **kw)
+        self.q_b_proj = nn.Linear(g.q_lora_rank, g.index_n_heads * g.index_head_dim, bias=False, **kw)
+        self.scorer = _Scorer(g, **kw)
+
+
+class _MainCompressor(_Compressor):
+    def __init__(self, g: ModelGeometry, ratio: int, csa: bool, **kw):
+        super().__init__(g, g.head_dim, ratio, overlap=csa, **kw)
+        if csa:
+            self.indexer = _Indexer(g, ratio, **kw)
+
+
+class DSV4Attention(nn.Module):
+    """Layer `layer_index` of `geometry`. Parameter names are transformers' `DeepseekV4Attention` names."""
+
+    def __init__(self, geometry: ModelGeometry, layer_index: int, *, dtype: torch.dtype = torch.bfloat16,
+                 device: torch.device | str | None = None):
+        super().__init__()
+        if not isinstance(geometry, ModelGeometry):
+            raise TypeError(f"geometry: expected a ModelGeometry, got {type(geometry).__name__}")
+        if not (isinstance(layer_index, int) and 0 <= layer_index < geometry.num_layers):
+            raise ValueError(f"layer_index: expected 0..{geometry.num_layers - 1}, got {layer_index!r}")
+        g = self.geometry = geometry
+        self.layer_index = layer_index
+        self.spec = g.layers[layer_index]
+        kw = {"dtype": dtype, "device": device}
+        self.q_a_proj = nn.Linear(g.hidden_size, g.q_lora_rank, bias=False, **kw)
+        self.q_a_norm = RMSNorm(g.q_lora_rank, g.rms_norm_eps, **kw)
+        self.q_b_proj = nn.Linear(g.q_lora_rank, g.num_heads * g.head_dim, bias=False, **kw)
+        self.kv_proj = nn.Linear(g.hidden_size, g.head_dim, bias=False, **kw)
+        self.kv_norm = RMSNorm(g.head_dim, g.rms_norm_eps, **kw)
+        # grouped output projection: o_a maps each group's heads (num_heads*head_dim/o_groups) to o_lora_rank
+        self.o_a_proj = nn.Linear(g.num_heads * g.head_dim // g.o_groups, g.o_groups * g.o_lora_rank, bias=False, **kw)
+        self.o_b_proj = nn.Linear(g.o_groups * g.o_lora_rank, g.hidden_size, bias=False, **kw)
+        self.sinks = nn.Parameter(torch.zeros(g.num_heads, **kw))
+        if self.spec.compressed:
+            self.compressor = _MainCompressor(g, self.spec.ratio, self.spec.kind is LayerKind.CSA, **kw)
+
+    # --- construction -----------------------------------------------------------------------------
+    @classmethod
+    def from_transformers(cls, module: nn.Module) -> "DSV4Attention":
+        """A copy of transformers' `DeepseekV4Attention` (weights, dtype, device; geometry from its config)."""
+        config, layer_index = getattr(module, "config", None), getattr(module, "layer_idx", None)
+        if config is None or layer_index is None:
+            raise TypeError(f"from_transformers: expected a transformers DeepseekV4Attention, got {type(module).__name__}")
+        weight = module.q_a_proj.weight
+        layer = cls(ModelGeometry.from_hf_config(config), layer_index, dtype=weight.dtype, device=weight.device)
+        layer.load_state_dict({k: v for k, v in module.state_dict().items()}, strict=True)
+        return layer
+
+    @classmethod
+    def from_state_dict(cls, state: Mapping[str, torch.Tensor], geometry: ModelGeometry, layer_index: int, *,
+                        dtype: torch.dtype = torch.bfloat16, device: torch.device | str | None = None) -> "DSV4Attention":
+        """Layer `layer_index` from a checkpoint state dict: transformers or official names, FP8 block weights
+        dequantized (see `dsv4kv.weights`). Missing or unexpected weights raise `WeightError`."""
+        layer = cls(geometry, layer_index, dtype=dtype, device=device)
+        weights = layer_state_dict(state, layer_index, dtype)
+        own = layer.state_dict()
+        missing, unexpected = sorted(set(own) - set(weights)), sorted(set(weights) - set(own))
+        wrong = [f"{k} {list(weights[k].shape)} (want {list(own[k].shape)})" for k in own
+                 if k in weights and weights[k].shape != own[k].shape]
+        if missing or unexpected or wrong:
+            from .weights import WeightError
+            raise WeightError(f"layer {layer_index}: missing {missing}, unexpected {unexpected}, wrong shape {wrong}")
+        layer.load_state_dict(weights, strict=True)
+        return layer
+
+    # --- forward ----------------------------------------------------------------------------------
+    def forward(self, hidden_states: torch.Tensor, plan: StepPlan, cache: CacheManager) -> torch.Tensor:
+        self._check(hidden_states, plan, cache)
+        g, spec = self.geometry, self.spec
+        layer_cache, cache_spec = cache.pools.layers[self.layer_index], cache.spec.layers[self.layer_index]
+        page_tokens = cache.spec.page_tokens
+        rows = step_rows(plan)
+        x, n, positions = hidden_states, rows.num_tokens, rows.positions
+
+        qr = self.q_a_norm(self.q_a_proj(x))
+        q = self.q_b_proj(qr).view(n, g.num_heads, g.head_dim)
+        q = q * torch.rsqrt(q.float().pow(2).mean(-1, keepdim=True) + g.rms_norm_eps).to(q.dtype)  # unweighted
+        q = apply_rope(q, positions, spec.rope)
+        kv = apply_rope(self.kv_norm(self.kv_proj(x)), positions, spec.rope)
+        stored_kv = cache_spec.main.round_trip(kv)  # what the window ring will hold
+
+        keys, valid = gather_window(layer_cache.window, cache_spec.main, g.window, plan, stored_kv, rows)
+        state_rows = []
+        if spec.compressed:
+            entries, entry_valid, state_rows = self._compressed_keys(x, qr, plan, rows, layer_cache, cache_spec,
+                                                                     page_tokens)
+            keys, valid = torch.cat((keys, entries), dim=1), torch.cat((valid, entry_valid), dim=1)
+        out = sparse_attention(q, keys, valid, self.sinks, g.head_dim ** -0.5)
+
+        append_window(layer_cache.window, cache_spec.main, g.window, plan, kv)
+        for state_kv, state_logits, kv_rows, logit_rows in state_rows:
+            append_state(state_kv, state_logits, plan, kv_rows, logit_rows, rows)
+
+        out = apply_rope(out, positions, spec.rope, inverse=True).to(x.dtype)
+        return self.o_b_proj(self._grouped_o_a(out))
+
+    def _compressed_keys(self, x, qr, plan, rows: StepRows, layer_cache, cache_spec, page_tokens):
+        """Compress-and-insert this step's completed entries, then gather each token's compressed keys.
+
+        Returns (keys, valid, state rows for append_state after attention)."""
+        g, spec, comp = self.geometry, self.spec, self.compressor
+        csa = spec.kind is LayerKind.CSA
+        insert = dict(plan=plan, ratio=spec.ratio, overlap=csa, eps=g.rms_norm_eps, rope=spec.rope,
+                      out_dtype=x.dtype, page_tokens=page_tokens, rows=rows)
+        kv_rows = torch.nn.functional.linear(x.float(), comp.kv_proj.weight.float())  # the compressor runs in fp32
+        logit_rows = compressor_logits(torch.nn.functional.linear(x.float(), comp.gate_proj.weight.float()),
+                                       comp.position_bias, rows.positions)
+        compress_and_insert(layer_cache.state_kv, layer_cache.state_score, kv_rows=kv_rows, logit_rows=logit_rows,
+                            norm_weight=comp.kv_norm.weight, layout=cache_spec.main, pool=layer_cache.entries, **insert)
+        state_rows = [(layer_cache.state_kv, layer_cache.state_score, kv_rows, logit_rows)]
+        if not csa:
+            picks = visible_entries(plan, ratio=spec.ratio, rows=rows)
+        else:
+            idx = comp.indexer
+            index_rows = torch.nn.functional.linear(x.float(), idx.kv_proj.weight.float())
+            index_logits = compressor_logits(torch.nn.functional.linear(x.float(), idx.gate_proj.weight.float()),
+                                             idx.position_bias, rows.positions)
+            compress_and_insert(layer_cache.index_state_kv, layer_cache.index_state_score, kv_rows=index_rows,
+                                logit_rows=index_logits, norm_weight=idx.kv_norm.weight, layout=cache_spec.index,
+                                pool=layer_cache.index_keys, **insert)
+            state_rows.append((layer_cache.index_state_kv, layer_cache.index_state_score, index_rows,
+                                        index_logits))
+            q_index = idx.q_b_proj(qr).view(rows.num_tokens, g.index_n_heads, g.index_head_dim)
+            q_index = apply_rope(q_index, rows.positions, spec.rope)
+            weights = idx.scorer.weights_proj(x).float() * g.index_n_heads ** -0.5
+            picks = indexer_topk(q_index, weights, plan, layer_cache.index_keys, cache_spec.index, ratio=spec.ratio,
+                                 topk=g.index_topk, page_tokens=page_tokens, rows=rows)
+        keys, valid = gather_entries(layer_cache.entries, cache_spec.main, plan, picks, ratio=spec.ratio,
+                                     page_tokens=page_tokens, rows=rows)
+        return keys, valid, state_rows
+
+    def _grouped_o_a(self, out: torch.Tensor) -> torch.Tensor:
+        """[N, heads, head_dim] -> [N, o_groups * o_lora_rank]: each contiguous head group through its own block."""
+        g = self.geometry
+        groups = out.reshape(out.shape[0], g.o_groups, -1).transpose(0, 1)  # [G, N, in]
+        weight = self.o_a_proj.weight.view(g.o_groups, g.o_lora_rank, -1).transpose(1, 2)  # [G, in, r]
+        return torch.bmm(groups, weight).transpose(0, 1).reshape(out.shape[0], -1)
+
+    def _check(self, x: torch.Tensor, plan: StepPlan, cache: CacheManager) -> None:
+        """Everything the step needs, checked before anything is written."""
+        if not isinstance(cache, CacheManager):
+            raise TypeError(f"cache: expected a CacheManager, got {type(cache).__name__}")
+        if not isinstance(plan, StepPlan):
+            raise TypeError(f"plan: expected a StepPlan from CacheManager.plan_step, got {type(plan).__name__}")
+        require(plan.cache_id == cache.cache_id, "plan: made by another CacheManager than `cache`")
+        require(plan.step == cache.steps_planned, f"plan: step {plan.step} is stale, the cache has planned step "
+                                                  f"{cache.steps_planned}; run every layer over the latest plan")
+        g, cg = self.geometry, cache.geometry
+        mismatch = [f for f in _LAYER_FIELDS if getattr(g, f) != getattr(cg, f)]
+        if self.layer_index >= cg.num_layers or cg.layers[self.layer_index] != self.spec:
+            mismatch.append(f"layers[{self.layer_index}]")
+        require(not mismatch, f"layer {self.layer_index}: geometry differs from the cache's in {mismatch}")
+        weight = self.q_a_proj.weight
+        require(isinstance(x, torch.Tensor) and x.dim() == 2 and x.shape[1] == g.hidden_size,
+                f"hidden_states: expected [N, {g.hidden_size}], got "
+                f"{list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
+        require(x.shape[0] == plan.num_tokens, f"hidden_states: {x.shape[0]} rows, the plan has {plan.num_tokens} tokens")
+        require(x.dtype == weight.dtype, f"hidden_states: dtype {x.dtype}, the layer's weights are {weight.dtype}")
+        require(x.device == weight.device == cache.device,
+                f"hidden_states on {x.device}, weights on {weight.device}, cache on {cache.device}")
+
+
+def init_random_weights(module: nn.Module, seed: int = 0) -> nn.Module:
+    """Fill a DSV4Attention or a transformers DeepseekV4Attention (same names) with reproducible random weights
+    of realistic scale: linear N(0, 1/fan_in), norm weights 1 + N(0, 0.1), positional biases N(0, 0.5),
+    sinks N(0, 1). Values are drawn in fp32 on the CPU, then cast, so every dtype and device gets the same."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in sorted(module.named_parameters()):
+            shape = param.shape
+            if name.endswith("norm.weight"):
+                value = 1 + 0.1 * torch.randn(shape, generator=g)
+            elif name.endswith("position_bias"):
+                value = 0.5 * torch.randn(shape, generator=g)
+            elif name.endswith("sinks"):
+                value = torch.randn(shape, generator=g)
+            else:
+                value = torch.randn(shape, generator=g) * shape[-1] ** -0.5
+            param.copy_(value.to(param.dtype))
+    return module
