@@ -285,9 +285,14 @@ FP8_CASES = [("official", ".scale", "e8m0"), ("transformers", ".weight_scale_inv
              ("transformers", ".weight_scale_inv", "e8m0")]
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp32"])
-@pytest.mark.parametrize("names,suffix,encoding", FP8_CASES, ids=["-".join(c) for c in FP8_CASES])
-@pytest.mark.parametrize("layer_index", [0, 1, 2], ids=["window", "CSA", "HCA"])
+# every naming / scale encoding on the CSA layer (all projection kinds), fp32 output and the other kinds once
+FP8_RUNS = ([(1, *case, torch.bfloat16) for case in FP8_CASES]
+            + [(1, *FP8_CASES[0], torch.float32), (0, *FP8_CASES[1], torch.bfloat16),
+               (2, *FP8_CASES[2], torch.float32)])
+
+
+@pytest.mark.parametrize("layer_index,names,suffix,encoding,dtype", FP8_RUNS,
+                         ids=[f"{KINDS[r[0]].short}-{r[1]}-{r[2][1:]}-{r[3]}-{str(r[4])[6:]}" for r in FP8_RUNS])
 def test_fp8_block_weights(layer_index, names, suffix, encoding, dtype):
     geometry = ModelGeometry.from_hf_config(EDGE_CONFIG)
     state, expected = fp8_checkpoint(geometry, layer_index, encoding=encoding, suffix=suffix, seed=layer_index)

@@ -1,4 +1,4 @@
-"""Command line: `dsv4kv plan` (memory planner)."""
+"""Command line: `dsv4kv plan` (memory planner) and `dsv4kv demo` (a serving workload over the cache)."""
 
 from __future__ import annotations
 
@@ -20,6 +20,15 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _demo(args: argparse.Namespace) -> int:
+    from .demo import run_demo  # imports the layers (and transformers, when installed) only when asked
+
+    result = run_demo(device=args.device, kv_format=args.kv_format, indexer_format=args.indexer_format,
+                      seed=args.seed, progress=not args.no_progress)
+    print(result.table())
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dsv4kv", description="DeepSeek-V4 KV cache substrate")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -33,6 +42,16 @@ def build_parser() -> argparse.ArgumentParser:
                       help=f"original tokens per block, a multiple of 128 (default {DEFAULT_PAGE_TOKENS})")
     plan.add_argument("--json", action="store_true", help="print the figures as JSON")
     plan.set_defaults(run=_plan)
+
+    demo = sub.add_parser("demo", help="serve a small workload through every layer and compare with transformers")
+    demo.add_argument("--device", default=None, help="default: cuda when available (V4-Flash geometry), else cpu "
+                                                    "(the tiny geometry)")
+    demo.add_argument("--kv-format", default=KVFormat.FP8.value, choices=[f.value for f in KVFormat])
+    demo.add_argument("--indexer-format", default=IndexerFormat.MXFP4.value,
+                      choices=[f.value for f in IndexerFormat])
+    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--no-progress", action="store_true", help="no progress bar")
+    demo.set_defaults(run=_demo)
     return parser
 
 
