@@ -12,9 +12,11 @@ against a dense bf16 cache, and the output difference against transformers' Deep
 from __future__ import annotations
 
 import copy
+import json
 import sys
 import time
 from dataclasses import dataclass, field
+from importlib import resources
 
 import torch
 
@@ -76,6 +78,7 @@ class DemoResult:
     # worst and median row difference against transformers, relative to the row's max |value|:
     served_diff: tuple[float, float, float] | None = None  # as served (this run's formats): worst, median, <=3%
     exact_diff: tuple[float, float, float] | None = None  # the same request alone through an exact (bf16) cache
+    hf_bf16_diff: tuple[float, float, float] | None = None  # transformers itself run in bf16: the rounding floor
 
     def table(self) -> str:
         w = self.workload
@@ -97,7 +100,9 @@ class DemoResult:
                   f"    {'as served':<34} worst {self.served_diff[0]:7.2%}  median {self.served_diff[1]:7.2%}  "
                   f"rows within 3%: {self.served_diff[2]:.0%}",
                   f"    {'alone, exact mode (bf16 cache)':<34} worst {self.exact_diff[0]:7.2%}  "
-                  f"median {self.exact_diff[1]:7.2%}  rows within 3%: {self.exact_diff[2]:.0%}"]
+                  f"median {self.exact_diff[1]:7.2%}  rows within 3%: {self.exact_diff[2]:.0%}",
+                  f"    {'transformers itself in bf16':<34} worst {self.hf_bf16_diff[0]:7.2%}  "
+                  f"median {self.hf_bf16_diff[1]:7.2%}  rows within 3%: {self.hf_bf16_diff[2]:.0%}"]
         if (self.kv_format, self.indexer_format) != ("bf16", "bf16"):
             lines.append("    (official numerics quantize kv to FP8 and select CSA entries by MXFP4/FP8 scores, which "
                          "transformers does not; see docs/numerics.md)")
@@ -129,8 +134,18 @@ class _Progress:
             sys.stderr.write("\n")
 
 
+def _with_params(module: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """A copy with parameters cast to `dtype` and buffers left alone: transformers' rotary tables (inv_freq)
+    must stay fp32, and `module.to(bfloat16)` would round them too."""
+    module = copy.deepcopy(module)
+    for param in module.parameters():
+        param.data = param.data.to(dtype)
+    return module
+
+
 def _build_layers(geometry: ModelGeometry, device: torch.device, seed: int):
-    """Our layers, and transformers' with the same weights when transformers is installed (else None)."""
+    """Our bf16 layers, and transformers' fp32 layers with the same (bf16-representable) weights when
+    transformers is installed (else None)."""
     try:
         from transformers import DeepseekV4Config
         from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4Attention
@@ -138,27 +153,25 @@ def _build_layers(geometry: ModelGeometry, device: torch.device, seed: int):
         layers = [init_random_weights(DSV4Attention(geometry, i, device=device), seed + i)
                   for i in range(geometry.num_layers)]
         return layers, None
-    from importlib import resources
-    import json
     config = DeepseekV4Config(**json.loads(resources.files("dsv4kv.presets").joinpath(
         f"{geometry.name}.json").read_text()))
     config._attn_implementation = "eager"
     hf_layers, layers = [], []
     for i in range(geometry.num_layers):
-        hf = DeepseekV4Attention(config, i).to(device=device, dtype=torch.bfloat16).eval()
-        init_random_weights(hf, seed + i)
+        hf = init_random_weights(DeepseekV4Attention(config, i).to(device).eval(), seed + i)
+        hf = _with_params(_with_params(hf, torch.bfloat16), torch.float32)  # bf16-representable fp32 weights
         hf_layers.append(hf)
-        layers.append(DSV4Attention.from_transformers(hf))
+        layers.append(DSV4Attention.from_transformers(_with_params(hf, torch.bfloat16)))
     return layers, (config, hf_layers)
 
 
-def _transformers_reference(hf, inputs: torch.Tensor) -> torch.Tensor:
-    """transformers' layers over one whole sequence, fp32, residual chain like the demo's."""
+def _transformers_reference(hf, inputs: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """transformers' layers over one whole sequence in `dtype`, residual chain like the demo's."""
     from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4RotaryEmbedding
     config, hf_layers = hf
     n = inputs.shape[0]
     positions = torch.arange(n, device=inputs.device)[None]
-    h = inputs.float()[None]
+    h = inputs.to(dtype)[None]
     rotary = DeepseekV4RotaryEmbedding(config).to(inputs.device)
     cos_sin = {kind: rotary(h, positions, layer_type=kind) for kind in ("main", "compress")}
     i = torch.arange(n, device=inputs.device)
@@ -166,8 +179,9 @@ def _transformers_reference(hf, inputs: torch.Tensor) -> torch.Tensor:
     mask = torch.where(allowed, 0.0, float("-inf"))[None, None]
     with torch.no_grad():
         for module in hf_layers:
-            h = h + copy.deepcopy(module).float()(h, cos_sin, positions, mask)[0]
-    return h[0]
+            layer = module if dtype == torch.float32 else _with_params(module, dtype)
+            h = h + layer(h, cos_sin, positions, mask.to(dtype))[0]
+    return h[0].float()
 
 
 def run_demo(*, device: torch.device | str | None = None, workload: Workload | None = None,
@@ -235,6 +249,7 @@ def run_demo(*, device: torch.device | str | None = None, workload: Workload | N
         result.compared_tokens = want.shape[0]
         result.served_diff = _row_diff(torch.cat(request.outputs), want)
         result.exact_diff = _row_diff(_run_alone(layers, request.inputs, workload.step_tokens), want)
+        result.hf_bf16_diff = _row_diff(_transformers_reference(hf, request.inputs, torch.bfloat16), want)
     return result
 
 

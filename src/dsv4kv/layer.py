@@ -16,6 +16,7 @@ sequence was split into steps. Projections run in the weights' dtype; norms, RoP
 
 from __future__ import annotations
 
+import functools
 from typing import Mapping
 
 import torch
@@ -240,18 +241,22 @@ class DSV4Attention(nn.Module):
 def init_random_weights(module: nn.Module, seed: int = 0) -> nn.Module:
     """Fill a DSV4Attention or a transformers DeepseekV4Attention (same names) with reproducible random weights
     of realistic scale: linear N(0, 1/fan_in), norm weights 1 + N(0, 0.1), positional biases N(0, 0.5),
-    sinks N(0, 1). Values are drawn in fp32 on the CPU, then cast, so every dtype and device gets the same."""
-    g = torch.Generator().manual_seed(seed)
+    sinks N(0, 1). Values are drawn in fp32 on the parameters' device, then cast: the same seed gives the same
+    weights for every dtype on one device."""
+    generators: dict[torch.device, torch.Generator] = {}
     with torch.no_grad():
         for name, param in sorted(module.named_parameters()):
-            shape = param.shape
+            if param.device not in generators:
+                generators[param.device] = torch.Generator(device=param.device).manual_seed(seed)
+            g, shape = generators[param.device], param.shape
+            randn = functools.partial(torch.randn, device=param.device)
             if name.endswith("norm.weight"):
-                value = 1 + 0.1 * torch.randn(shape, generator=g)
+                value = 1 + 0.1 * randn(shape, generator=g)
             elif name.endswith("position_bias"):
-                value = 0.5 * torch.randn(shape, generator=g)
+                value = 0.5 * randn(shape, generator=g)
             elif name.endswith("sinks"):
-                value = torch.randn(shape, generator=g)
+                value = randn(shape, generator=g)
             else:
-                value = torch.randn(shape, generator=g) * shape[-1] ** -0.5
+                value = randn(shape, generator=g) * shape[-1] ** -0.5
             param.copy_(value.to(param.dtype))
     return module
