@@ -146,9 +146,9 @@ def schedule_steps(kind: str, length: int, seed: int = 0) -> list[list[tuple[str
 def feed(layer: DSV4Attention, target_x: torch.Tensor, kind: str, kv_format: str, indexer_format: str,
          seed: int = 0):
     """Run the schedule; returns (target outputs fp32 [L, hidden], our top-k picks [L, k] or None, cache, rid)."""
-    geometry = layer.geometry
+    geometry, device = layer.geometry, layer.q_a_proj.weight.device
     cache = CacheManager(geometry, max_requests=3, max_tokens=3 * 512, kv_format=kv_format,
-                         indexer_format=indexer_format, page_tokens=128, poison=True)
+                         indexer_format=indexer_format, page_tokens=128, poison=True, device=device)
     g = torch.Generator().manual_seed(seed + 7)
     ids, fed, outs, picks = {}, {}, [], []
     captured = {}
@@ -175,6 +175,7 @@ def feed(layer: DSV4Attention, target_x: torch.Tensor, kind: str, kv_format: str
                     xs.append(target_x[fed[name]:fed[name] + n])
                 else:
                     xs.append(torch.randn(n, geometry.hidden_size, generator=g).to(target_x.dtype))
+                xs[-1] = xs[-1].to(device)
                 fed[name] += n
             plan = cache.plan_step(batch)
             assert plan, plan
@@ -183,9 +184,9 @@ def feed(layer: DSV4Attention, target_x: torch.Tensor, kind: str, kv_format: str
             start = 0
             for (name, n) in step:
                 if name == "target":
-                    outs.append(out[start:start + n].float())
+                    outs.append(out[start:start + n].float().cpu())
                     if "picks" in captured:
-                        picks.append(captured["picks"][start:start + n])
+                        picks.append(captured["picks"][start:start + n].cpu())
                 start += n
     finally:
         layer_module.indexer_topk = original
@@ -306,3 +307,14 @@ def test_compressed_entries_match_transformers(kind, mode):
         err = (stored[:, :nope] - want[:, :nope]).unflatten(1, (-1, 64)).abs()
         assert (err <= blocks64 / 16 + 2e-2 * blocks64).all()  # e4m3: 3 mantissa bits; + bf16 pooling noise
         torch.testing.assert_close(stored[:, nope:], want[:, nope:], rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("mode", ["exact", "official"])
+@pytest.mark.parametrize("kind", LAYERS)
+def test_on_cuda_against_transformers(kind, mode):
+    """The same reference on a GPU: interleaved feeding, same tolerance table."""
+    o = oracle(LAYERS[kind])
+    layer = DSV4Attention.from_transformers(o.hf_bf16).to("cuda")
+    got, picks, _, _ = feed(layer, o.x, "interleaved", *MODES[mode])
+    check_rows(got, picks, o, mode, layer.spec.ratio)
