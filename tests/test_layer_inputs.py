@@ -107,12 +107,19 @@ def _stale_plan_same_size(s):
     return s.x, s.plan, s.cache
 
 
+def _released_request(s):
+    s.cache.release(s.b)  # after plan_step: the plan still lists b
+    return s.x, s.plan, s.cache
+
+
 def _out_of_blocks_as_plan(s):
     c = s.cache.admit()
     result = s.cache.plan_step([(c, 640)])
     assert isinstance(result, OutOfBlocks)
     return s.x, result, s.cache
 
+
+MUTATING = (_stale_plan, _stale_plan_same_size, _out_of_blocks_as_plan, _released_request)
 
 CASES = [
     ("width-narrow", ValueError, r"hidden_states: expected \[N, 256\], got \[20, 255\]",
@@ -140,6 +147,8 @@ CASES = [
                                 r"latest plan"), _stale_plan),
     ("stale-plan-same-shape", ValueError, r"plan: step 2 is stale, the cache has planned step 3",
      _stale_plan_same_size),
+    ("released-request", ValueError, r"plan: requests \[1\] were released after the plan was made",
+     _released_request),
     ("mini-layer", ValueError, (r"layer \d: geometry differs from the cache's in \['hidden_size', 'num_heads', "
                                 r"'head_dim', 'q_lora_rank', 'o_groups', 'o_lora_rank', 'window', 'index_n_heads', "
                                 r"'index_head_dim', 'index_topk'(, 'layers\[\d\]')?\]"),
@@ -225,8 +234,8 @@ def test_valid_call_after_every_failure(tiny_layers, mini_layers):
     cache, a = s.cache, s.a
     snap, rejected = snapshot(cache), 0
     for case_id, error, message, make in CASES:
-        if make in (_stale_plan, _stale_plan_same_size, _out_of_blocks_as_plan):
-            continue  # these plan further steps; run below, at the end
+        if make in MUTATING:
+            continue  # these plan further steps or release a request; the end of this test does that
         for i in LAYERS:
             layer = layer_for(case_id, i, tiny_layers, mini_layers)
             args = make(s)
@@ -234,7 +243,7 @@ def test_valid_call_after_every_failure(tiny_layers, mini_layers):
                 layer(*args)
             assert_unchanged(cache, snap)
             rejected += 1
-    assert rejected == 3 * (len(CASES) - 3)
+    assert rejected == 3 * (len(CASES) - len(MUTATING))
 
     # a step that did not fit (OutOfBlocks) leaves the current plan current
     c = cache.admit()
@@ -269,11 +278,8 @@ def test_fp32_layer_takes_fp32_and_rejects_bf16():
     assert out.dtype == torch.float32 and out.shape == (4, 256) and torch.isfinite(out).all()
 
 
-@pytest.mark.xfail(strict=True, reason="src bug: a plan one of whose requests was released since plan_step is "
-                                       "not rejected; here the released slot is re-admitted and the layer writes "
-                                       "the released request's tokens into the new request's window ring and "
-                                       "compressor state")
 def test_plan_with_a_released_request_is_rejected(tiny_layers):
+    """Released and its slot re-admitted: the plan would write b's tokens into d's fresh window and state."""
     s = Setup()
     slot_b = s.cache.slot(s.b)
     s.cache.release(s.b)
@@ -281,11 +287,9 @@ def test_plan_with_a_released_request_is_rejected(tiny_layers):
     d = s.cache.admit()
     assert s.cache.slot(d) == slot_b  # d has b's slot, freshly reset
     snap = snapshot(s.cache)
-    try:
-        with pytest.raises((ValueError, TypeError), match="released|request"):
-            tiny_layers[1](s.x, s.plan, s.cache)
-    finally:
-        assert_unchanged(s.cache, snap)
+    with pytest.raises(ValueError, match=r"plan: requests \[1\] were released after the plan was made"):
+        tiny_layers[1](s.x, s.plan, s.cache)
+    assert_unchanged(s.cache, snap)
 
 
 # --- devices (CUDA only) -------------------------------------------------------------------------------
@@ -311,13 +315,7 @@ def test_device_mismatch(tiny_layers, where):
 
 
 @cuda
-@pytest.mark.parametrize("cache_device", [
-    "cuda:0",
-    pytest.param("cuda", marks=pytest.mark.xfail(
-        strict=True, raises=ValueError,
-        reason="src bug: CacheManager(device='cuda') keeps torch.device('cuda') (no index) and layer._check "
-               "compares it with ==  to tensors' cuda:0: 'hidden_states on cuda:0, weights on cuda:0, cache on cuda'")),
-])
+@pytest.mark.parametrize("cache_device", ["cuda:0", "cuda"])  # "cuda" (no index) must work too
 def test_valid_call_on_cuda(cache_device):
     layer = init_random_weights(DSV4Attention(ModelGeometry.preset("tiny"), 1, device="cuda"), seed=1)
     s = Setup(device=cache_device, run=[layer], first=(19, 6), second=(1, 3))

@@ -11,6 +11,7 @@ import torch
 from dsv4kv import CacheManager, ModelGeometry, indexer_layout
 from dsv4kv.ops.append import append_state, append_window, compressor_logits
 from dsv4kv.ops.attention import sparse_attention
+from dsv4kv.ops.common import entry_slots, step_rows
 from dsv4kv.ops.compress import compress_and_insert, pool_entries
 from dsv4kv.ops.gather import gather_entries, gather_window, visible_entries
 from dsv4kv.ops.indexer import indexer_query, indexer_topk
@@ -172,18 +173,10 @@ def test_compressor_logits_per_token():
         compressor_logits(gate[:, :5], bias, positions)
     with pytest.raises(ValueError, match=r"compressor_logits"):
         compressor_logits(gate[0], bias, positions)
-
-
-@pytest.mark.xfail(strict=True, reason="src bug: compressor_logits broadcasts a positions/gate length mismatch")
-def test_compressor_logits_rejects_length_mismatch():
+    with pytest.raises(ValueError, match=r"compressor_logits"):  # positions [1] must not broadcast over N rows
+        compressor_logits(gate, bias, positions[:1])
     with pytest.raises(ValueError, match=r"compressor_logits"):
-        compressor_logits(torch.zeros(5, 6), torch.zeros(4, 6), torch.tensor([3]))
-
-
-@pytest.mark.xfail(strict=True, reason="src bug: compressor_logits accepts a non-float gate")
-def test_compressor_logits_rejects_integer_gate():
-    with pytest.raises(ValueError, match=r"compressor_logits"):
-        compressor_logits(torch.ones(2, 6, dtype=torch.int64), torch.zeros(4, 6), torch.arange(2))
+        compressor_logits(gate.long(), bias, positions)
 
 
 @pytest.mark.parametrize("layer", [1, 2], ids=["csa", "hca"])
@@ -526,6 +519,22 @@ def test_visible_and_gather_entries(kv_format, layer):
         gather_entries(pool, layout, plan, custom.float(), ratio=m, page_tokens=PAGE)
     with pytest.raises(ValueError, match=r"gather_entries: expected integer indices"):
         gather_entries(pool, layout, plan, custom[:3], ratio=m, page_tokens=PAGE)
+
+
+def test_entry_slots_by_hand():
+    cache = make_cache()
+    rids = admit_requests(cache, 2)
+    cache.plan_step([(rids[0], 130), (rids[1], 200)])
+    plan = cache.plan_step([(rids[1], 60), (rids[0], 140)])  # 260 and 270 tokens on interleaved blocks
+    rows = step_rows(plan)
+    order = [rids[1], rids[0]]  # batch rows
+    request = torch.tensor([[0, 0, 0, 1, 1], [1, 1, 0, 1, 0]])
+    for m, index in ((4, torch.tensor([[0, 31, 32, -1, 66], [-1, 64, 64, 16, 40]])),
+                     (16, torch.tensor([[0, 7, 8, -1, 16], [-1, 16, 15, 1, -1]]))):
+        got = entry_slots(plan, rows, request, index, ratio=m, page_tokens=PAGE)
+        assert got.shape == index.shape
+        for b, j, slot in zip(request.flatten().tolist(), index.flatten().tolist(), got.flatten().tolist()):
+            assert slot == (entry_slot(cache, order[b], j, m) if j >= 0 else -1), (m, b, j, slot)
 
 
 def test_visible_entries_none_yet():

@@ -391,13 +391,12 @@ def test_scales_without_fp8_weight(tiny):
         DSV4Attention.from_state_dict(state, tiny, 1)
 
 
-@pytest.mark.xfail(strict=True, raises=pytest.fail.Exception,
-                   reason="src bug: a weight with both '.scale' and '.weight_scale_inv' loads silently, the key "
-                          "that comes last in the dict wins (weights.layer_state_dict builds `scales` as a dict)")
 def test_two_scales_for_one_weight(tiny):
+    """Both '.scale' and '.weight_scale_inv' for one weight: ambiguous, refused (not: the last key wins)."""
     state = fp8_tiny()
     state["q_a_proj.weight_scale_inv"] = state["q_a_proj.scale"].view(torch.uint8) + 3  # 8x, conflicting
-    with pytest.raises(WeightError, match="q_a_proj"):
+    with pytest.raises(WeightError, match=re.escape("q_a_proj has two block scales (q_a_proj.scale, "
+                                                    "q_a_proj.weight_scale_inv)")):
         DSV4Attention.from_state_dict(state, tiny, 1)
 
 

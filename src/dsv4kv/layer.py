@@ -223,6 +223,8 @@ class DSV4Attention(nn.Module):
         require(plan.cache_id == cache.cache_id, "plan: made by another CacheManager than `cache`")
         require(plan.step == cache.steps_planned, f"plan: step {plan.step} is stale, the cache has planned step "
                                                   f"{cache.steps_planned}; run every layer over the latest plan")
+        released = [rid for rid in plan.request_ids if not cache.is_live(rid)]
+        require(not released, f"plan: requests {released} were released after the plan was made")
         g, cg = self.geometry, cache.geometry
         mismatch = [f for f in _LAYER_FIELDS if getattr(g, f) != getattr(cg, f)]
         if self.layer_index >= cg.num_layers or cg.layers[self.layer_index] != self.spec:

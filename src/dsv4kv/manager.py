@@ -72,7 +72,7 @@ class CacheManager:
         # Any split of max_tokens over max_requests requests fits: sum ceil(n_i / P) <= ceil(N / P) + R - 1.
         default_blocks = self.spec.blocks_for(self.max_tokens) + self.max_requests - 1
         self.num_blocks = positive_int("num_blocks", num_blocks if num_blocks is not None else default_blocks)
-        self.device = torch.device(device)
+        self.device = torch.empty(0, device=device).device  # "cuda" -> "cuda:<current>", comparable with tensors'
 
         self.poison = poison
         self.allocator = BlockAllocator(self.num_blocks)
@@ -189,6 +189,10 @@ class CacheManager:
     def bytes_reserved(self) -> int:
         """Bytes of every pool and state tensor, used or not."""
         return self.pools.nbytes
+
+    def is_live(self, rid: int) -> bool:
+        """Whether `rid` was admitted and not yet released."""
+        return rid in self._requests
 
     def request_ids(self) -> list[int]:
         return list(self._requests)

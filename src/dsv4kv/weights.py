@@ -100,7 +100,14 @@ def _rename_official(key: str) -> str:
 def layer_state_dict(state: Mapping[str, torch.Tensor], layer_index: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """One layer's weights in transformers' names, FP8 blocks dequantized, cast to `dtype`."""
     entries, official = _strip_prefix(state, layer_index)
-    scales = {key[:-len(suffix)]: entries[key] for key in entries for suffix in _SCALE_SUFFIXES if key.endswith(suffix)}
+    scales: dict[str, torch.Tensor] = {}
+    for key in entries:
+        for suffix in _SCALE_SUFFIXES:
+            if key.endswith(suffix):
+                name = key[:-len(suffix)]
+                if name in scales:
+                    raise WeightError(f"{name} has two block scales ({', '.join(name + s for s in _SCALE_SUFFIXES)})")
+                scales[name] = entries[key]
     out = {}
     for key, value in entries.items():
         if any(key.endswith(suffix) for suffix in _SCALE_SUFFIXES):

@@ -25,8 +25,10 @@ def compressor_logits(gate: torch.Tensor, bias: torch.Tensor, positions: torch.T
 
     The learned positional bias (`ape` / `position_bias`) goes on the logits only, never on the kv rows.
     """
-    require(gate.dim() == 2 and bias.dim() == 2 and gate.shape[1] == bias.shape[1],
-            f"compressor_logits: expected gate [N, w] and bias [m, w], got {list(gate.shape)} and {list(bias.shape)}")
+    require(gate.dim() == 2 and bias.dim() == 2 and gate.shape[1] == bias.shape[1] and gate.is_floating_point()
+            and bias.is_floating_point() and positions.shape == gate.shape[:1],
+            f"compressor_logits: expected gate [N, w] and bias [m, w] (float) and positions [N], got "
+            f"{gate.dtype} {list(gate.shape)}, {bias.dtype} {list(bias.shape)} and {list(positions.shape)}")
     return gate.float() + bias.float()[positions.long() % bias.shape[0]]
 
 
