@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from dsv4kv import CacheManager, ModelGeometry, indexer_layout
+from dsv4kv import CacheManager, ModelGeometry
 from dsv4kv.ops.append import append_state, append_window, compressor_logits
 from dsv4kv.ops.attention import sparse_attention
 from dsv4kv.ops.common import entry_slots, step_rows

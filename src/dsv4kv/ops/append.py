@@ -43,7 +43,8 @@ def append_state(state_kv: torch.Tensor, state_logits: torch.Tensor, plan: StepP
                  logit_rows: torch.Tensor, rows: StepRows | None = None) -> None:
     """Write kv_rows / logit_rows [N, w] into the state rings [max_requests, R, w] (fp32) at position % R."""
     rows = rows if rows is not None else step_rows(plan)
-    require(state_kv.shape == state_logits.shape and state_kv.dim() == 3 and state_kv.dtype == torch.float32,
+    require(state_kv.shape == state_logits.shape and state_kv.dim() == 3
+            and state_kv.dtype == state_logits.dtype == torch.float32,
             f"append_state: expected fp32 state [requests, R, w] twice, got {list(state_kv.shape)} / "
             f"{list(state_logits.shape)} {state_kv.dtype}")
     width, ring = state_kv.shape[2], state_kv.shape[1]

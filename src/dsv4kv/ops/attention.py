@@ -20,6 +20,8 @@ def sparse_attention(q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, s
     l = scale * q . k over the valid keys only (invalid keys are ignored even when they hold NaN).
     A row with no valid key returns zeros (the sink takes all the weight).
     """
+    require(isinstance(q, torch.Tensor) and isinstance(keys, torch.Tensor) and isinstance(valid, torch.Tensor)
+            and isinstance(sinks, torch.Tensor), "sparse_attention: q, keys, valid and sinks must be tensors")
     n, heads, dim = q.shape if q.dim() == 3 else (-1, -1, -1)
     check_float("q", q, (n, heads, dim), keys.device)
     check_float("keys", keys, (n, None, dim), keys.device)
