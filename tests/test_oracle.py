@@ -41,7 +41,7 @@ from transformers.models.deepseek_v4.modeling_deepseek_v4 import (
 )
 
 import dsv4kv.layer as layer_module
-from dsv4kv import CacheManager, ModelGeometry
+from dsv4kv import CacheManager
 from dsv4kv.layer import DSV4Attention, init_random_weights
 from dsv4kv.layout import main_layout
 
