@@ -322,3 +322,28 @@ def test_valid_call_on_cuda(cache_device):
     out = layer(s.x, s.plan, s.cache)
     assert out.device.type == "cuda" and out.shape == (4, 256) and out.dtype == torch.bfloat16
     assert torch.isfinite(out).all()
+
+
+def test_a_layer_runs_once_per_plan(tiny_layers):
+    """A second run of one layer over the same plan would re-read ring rows the first run overwrote."""
+    s = Setup(run=[tiny_layers[1], tiny_layers[2]])
+    out = tiny_layers[1](s.x, s.plan, s.cache)
+    assert torch.isfinite(out).all()
+    snap = snapshot(s.cache)
+    with pytest.raises(ValueError, match=r"layer 1 already ran over plan step \d+: plan the next step first"):
+        tiny_layers[1](s.x, s.plan, s.cache)
+    assert_unchanged(s.cache, snap)
+    tiny_layers[2](s.x, s.plan, s.cache)  # other layers still run over it
+    plan = s.cache.plan_step([(s.a, 1)])
+    tiny_layers[1](hidden(1), plan, s.cache)  # and the next plan runs again
+
+
+def test_the_cache_never_joins_autograd(tiny_layers):
+    """Called with grad enabled (no torch.no_grad), nothing written into the cache tracks gradients."""
+    s = Setup(run=[tiny_layers[1]])
+    layer = tiny_layers[1]
+    x = s.x.clone().requires_grad_(True)
+    with torch.enable_grad():
+        out = layer(x, s.plan, s.cache)
+    assert not out.requires_grad
+    assert not any(t.requires_grad for t in cache_tensors(s.cache))

@@ -14,7 +14,7 @@ from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4Atten
 
 from dsv4kv import LayerKind, ModelGeometry
 from dsv4kv.layer import DSV4Attention, init_random_weights
-from dsv4kv.weights import OFFICIAL_NAMES, WeightError
+from dsv4kv.weights import FP32_PARAMETERS, OFFICIAL_NAMES, WeightError
 
 TINY = json.loads(resources.files("dsv4kv.presets").joinpath("tiny.json").read_text())
 KINDS = {0: LayerKind.WINDOW, 1: LayerKind.CSA, 2: LayerKind.HCA}
@@ -54,10 +54,13 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def assert_same_state(got: dict, want: dict, dtype: torch.dtype | None = None):
+    """Same names and values; dtype = `dtype` (default: want's), except FP32_PARAMETERS, which stay fp32."""
     assert sorted(got) == sorted(want)
     for key, value in want.items():
         assert got[key].shape == value.shape, key
         expected = value if dtype is None else value.to(dtype)
+        if key.endswith(FP32_PARAMETERS):  # never rounded to the layer dtype
+            expected = value.float()
         assert got[key].dtype == expected.dtype, key
         assert torch.equal(bits(got[key]), bits(expected)), f"{key} differs"
 
@@ -95,7 +98,8 @@ def test_from_transformers_copies_every_parameter(tiny, layer_index, dtype):
     assert replace(layer.geometry, name=tiny.name) == tiny
     hf_state = hf.state_dict()
     assert_same_state(layer.state_dict(), hf_state)
-    assert {p.dtype for p in layer.parameters()} == {dtype}
+    assert {p.dtype for n, p in layer.named_parameters() if not n.endswith(FP32_PARAMETERS)} == {dtype}
+    assert {p.dtype for n, p in layer.named_parameters() if n.endswith(FP32_PARAMETERS)} == {torch.float32}
     # a copy, not a view of transformers' storage
     for key, value in layer.state_dict().items():
         assert value.data_ptr() != hf_state[key].data_ptr(), key
@@ -131,7 +135,8 @@ def test_dtype_is_the_requested_one(tiny, source, target):
     state = hf_layer(1, source, seed=3).state_dict()
     layer = DSV4Attention.from_state_dict(state, tiny, 1, dtype=target)
     assert_same_state(layer.state_dict(), state, dtype=target)
-    assert {p.dtype for p in layer.parameters()} == {target}
+    assert {p.dtype for n, p in layer.named_parameters() if not n.endswith(FP32_PARAMETERS)} == {target}
+    assert {p.dtype for n, p in layer.named_parameters() if n.endswith(FP32_PARAMETERS)} == {torch.float32}
 
 
 def full_model_state(geometry, prefix_form: str, official: bool = False, skip=()) -> tuple[dict, dict]:

@@ -9,8 +9,8 @@ state) -> inverse RoPE -> grouped output projection. Reads come before append be
 overwrite ring rows the step's own earlier tokens still need.
 
 Numerics follow the cache's formats (`docs/numerics.md`): the kv the step attends to and the entries it
-stores are exactly what the cache's format holds, so a token's output does not depend on how the
-sequence was split into steps. Projections run in the weights' dtype; norms, RoPE, the compressor
+stores are exactly what the cache's format holds, so how a sequence is split into steps changes a
+token's output only by the rounding of differently shaped GEMMs. Projections run in the weights' dtype; norms, RoPE, the compressor
 (as the official model), the indexer scores and attention run in fp32.
 """
 
@@ -41,12 +41,12 @@ _LAYER_FIELDS = ("hidden_size", "num_heads", "head_dim", "rope_dim", "q_lora_ran
                  "window", "index_n_heads", "index_head_dim", "index_topk", "rms_norm_eps")
 
 
-class RMSNorm(nn.Module):
-    """Weighted RMSNorm computed in fp32, returned in the input dtype (transformers' and the official rule)."""
+class RMSNorm(nn.Module):  # its weight is one of weights.FP32_PARAMETERS
+    """Weighted RMSNorm computed in fp32 (fp32 weight), returned in the input dtype (transformers' and the official rule)."""
 
     def __init__(self, dim: int, eps: float, dtype: torch.dtype | None = None, device=None):
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype, device=device))
+        self.weight = nn.Parameter(torch.ones(dim, dtype=torch.float32, device=device))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -68,7 +68,7 @@ class _Compressor(nn.Module):
         width = 2 * dim if overlap else dim
         self.kv_proj = nn.Linear(g.hidden_size, width, bias=False, **kw)
         self.gate_proj = nn.Linear(g.hidden_size, width, bias=False, **kw)
-        self.position_bias = nn.Parameter(torch.zeros(ratio, width, **kw))
+        self.position_bias = nn.Parameter(torch.zeros(ratio, width, dtype=torch.float32, device=kw["device"]))
         self.kv_norm = RMSNorm(dim, g.rms_norm_eps, **kw)
 
 
@@ -108,7 +108,7 @@ class DSV4Attention(nn.Module):
         # grouped output projection: o_a maps each group's heads (num_heads*head_dim/o_groups) to o_lora_rank
         self.o_a_proj = nn.Linear(g.num_heads * g.head_dim // g.o_groups, g.o_groups * g.o_lora_rank, bias=False, **kw)
         self.o_b_proj = nn.Linear(g.o_groups * g.o_lora_rank, g.hidden_size, bias=False, **kw)
-        self.sinks = nn.Parameter(torch.zeros(g.num_heads, **kw))
+        self.sinks = nn.Parameter(torch.zeros(g.num_heads, dtype=torch.float32, device=device))
         if self.spec.compressed:
             self.compressor = _MainCompressor(g, self.spec.ratio, self.spec.kind is LayerKind.CSA, **kw)
 
@@ -142,8 +142,12 @@ class DSV4Attention(nn.Module):
         return layer
 
     # --- forward ----------------------------------------------------------------------------------
+    @torch.no_grad()  # an inference path: the cache must never join an autograd graph
     def forward(self, hidden_states: torch.Tensor, plan: StepPlan, cache: CacheManager) -> torch.Tensor:
+        """The layer over one step: hidden_states [plan.num_tokens, hidden_size] in plan order, the weights'
+        dtype and the cache's device -> [N, hidden_size]. Each layer runs once per plan, in any layer order."""
         self._check(hidden_states, plan, cache)
+        cache.mark_layer_run(self.layer_index)
         g, spec = self.geometry, self.spec
         layer_cache, cache_spec = cache.pools.layers[self.layer_index], cache.spec.layers[self.layer_index]
         page_tokens = cache.spec.page_tokens
@@ -223,6 +227,8 @@ class DSV4Attention(nn.Module):
         require(plan.cache_id == cache.cache_id, "plan: made by another CacheManager than `cache`")
         require(plan.step == cache.steps_planned, f"plan: step {plan.step} is stale, the cache has planned step "
                                                   f"{cache.steps_planned}; run every layer over the latest plan")
+        require(not cache.layer_has_run(self.layer_index),
+                f"layer {self.layer_index} already ran over plan step {plan.step}: plan the next step first")
         released = [rid for rid in plan.request_ids if not cache.is_live(rid)]
         require(not released, f"plan: requests {released} were released after the plan was made")
         g, cg = self.geometry, cache.geometry

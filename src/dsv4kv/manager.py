@@ -86,6 +86,7 @@ class CacheManager:
         self._requests: dict[int, _Request] = {}
         self._next_rid = 0
         self._step = 0
+        self._layers_run: set[int] = set()  # layers that have consumed the current plan
         self.cache_id = new_cache_id()
 
     # --- lifecycle ------------------------------------------------------------------------------
@@ -142,6 +143,7 @@ class CacheManager:
                                   persistent=False)
         views = buffers.load(host, num_tokens, num_requests)
         self._step += 1
+        self._layers_run.clear()
         return StepPlan(
             cache_id=self.cache_id, step=self._step, request_ids=tuple(r.rid for r in requests),
             num_tokens=num_tokens, num_requests=num_requests,
@@ -189,6 +191,15 @@ class CacheManager:
     def bytes_reserved(self) -> int:
         """Bytes of every pool and state tensor, used or not."""
         return self.pools.nbytes
+
+    def layer_has_run(self, layer_index: int) -> bool:
+        """Whether layer `layer_index` has already run over the current plan."""
+        return layer_index in self._layers_run
+
+    def mark_layer_run(self, layer_index: int) -> None:
+        """Record that a layer is running over the current plan: a second run would re-read ring rows the
+        first one overwrote, so DSV4Attention refuses it."""
+        self._layers_run.add(layer_index)
 
     def is_live(self, rid: int) -> bool:
         """Whether `rid` was admitted and not yet released."""

@@ -20,7 +20,7 @@ import torch
 
 from . import quant
 
-__all__ = ["OFFICIAL_NAMES", "WeightError", "layer_state_dict", "dequantize_block_fp8"]
+__all__ = ["OFFICIAL_NAMES", "FP32_PARAMETERS", "WeightError", "layer_state_dict", "dequantize_block_fp8"]
 
 FP8_BLOCK = 128
 
@@ -54,6 +54,9 @@ OFFICIAL_NAMES = {
     "attn_sink": "sinks",
 }
 _SCALE_SUFFIXES = (".scale", ".weight_scale_inv")
+# Kept in fp32 whatever the layer's dtype, as transformers (`_keep_in_fp32_modules_strict`) and the official
+# checkpoint keep them: norm weights, the sinks and the compressors' positional biases.
+FP32_PARAMETERS = ("norm.weight", "sinks", "position_bias")
 
 
 def dequantize_block_fp8(weight: torch.Tensor, scale: torch.Tensor, block: int = FP8_BLOCK) -> torch.Tensor:
@@ -98,7 +101,8 @@ def _rename_official(key: str) -> str:
 
 
 def layer_state_dict(state: Mapping[str, torch.Tensor], layer_index: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """One layer's weights in transformers' names, FP8 blocks dequantized, cast to `dtype`."""
+    """One layer's weights in transformers' names, FP8 blocks dequantized, cast to `dtype` (norm weights, sinks
+    and positional biases to fp32)."""
     entries, official = _strip_prefix(state, layer_index)
     scales: dict[str, torch.Tensor] = {}
     for key in entries:
@@ -121,7 +125,8 @@ def layer_state_dict(state: Mapping[str, torch.Tensor], layer_index: int, dtype:
             value = dequantize_block_fp8(value, scales.pop(name))
         elif name in scales:
             raise WeightError(f"{key} has block scales but is {value.dtype}, not float8_e4m3fn")
-        out[_rename_official(key) if official else key] = value.to(dtype)
+        name = _rename_official(key) if official else key
+        out[name] = value.to(torch.float32 if name.endswith(FP32_PARAMETERS) else dtype)
     if scales:
         raise WeightError(f"block scales without an FP8 weight: {sorted(scales)}")
     return out
