@@ -437,3 +437,12 @@ def test_weight_error_is_a_key_error_with_a_plain_message(tiny):
         DSV4Attention.from_state_dict({}, tiny, 0)
     assert isinstance(info.value, WeightError)
     assert str(info.value).startswith("layer 0: missing [")
+
+
+def test_public_names():
+    """The layer and the ops are reachable where the README uses them."""
+    import dsv4kv
+    import dsv4kv.ops
+
+    assert dsv4kv.DSV4Attention is DSV4Attention and dsv4kv.WeightError is WeightError
+    assert all(callable(getattr(dsv4kv.ops, name)) for name in dsv4kv.ops.__all__)

@@ -1,19 +1,23 @@
 """dsv4kv: paged, quantized, compressed KV cache and attention substrate for DeepSeek-V4.
 
 Layers of the package: geometry -> layout / quant -> memory (allocator, spec, pools, planner)
--> plan + manager (request lifecycle, step plans) -> cli.
+-> plan + manager (request lifecycle, step plans) -> ops (PyTorch references) -> layer (DSV4Attention)
+-> cli (plan, demo).
 """
 
 from .geometry import GeometryError, LayerKind, LayerSpec, ModelGeometry, RopeSpec, YarnScaling
+from .layer import DSV4Attention, init_random_weights
 from .layout import EntryLayout, IndexerFormat, KVFormat, indexer_layout, main_layout
 from .manager import CacheManager, RequestError
 from .memory import AllocatorError, BlockAllocator, CacheSpec, MemoryPlan
 from .plan import EntryWrites, OutOfBlocks, StepBuffers, StepPlan
+from .weights import WeightError
 
 __all__ = [
     "ModelGeometry", "LayerSpec", "LayerKind", "RopeSpec", "YarnScaling", "GeometryError",
     "KVFormat", "IndexerFormat", "EntryLayout", "main_layout", "indexer_layout",
     "BlockAllocator", "AllocatorError", "CacheSpec", "MemoryPlan",
     "CacheManager", "RequestError", "StepPlan", "EntryWrites", "StepBuffers", "OutOfBlocks",
+    "DSV4Attention", "init_random_weights", "WeightError",
 ]
 __version__ = "0.1.0"

@@ -190,7 +190,6 @@ def run_demo(*, device: torch.device | str | None = None, workload: Workload | N
     device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
     workload = workload or default_workload(device)
     geometry = ModelGeometry.preset(workload.preset)
-    torch.manual_seed(seed)
     layers, hf = _build_layers(geometry, device, seed)
     total = sum(workload.prompts) + workload.decode * len(workload.prompts)
     cache = CacheManager(geometry, max_requests=workload.max_requests,

@@ -10,8 +10,8 @@ overwrite ring rows the step's own earlier tokens still need.
 
 Numerics follow the cache's formats (`docs/numerics.md`): the kv the step attends to and the entries it
 stores are exactly what the cache's format holds, so how a sequence is split into steps changes a
-token's output only by the rounding of differently shaped GEMMs. Projections run in the weights' dtype; norms, RoPE, the compressor
-(as the official model), the indexer scores and attention run in fp32.
+token's output only by the rounding of differently shaped GEMMs. Projections run in the weights' dtype;
+norms, RoPE, the compressor (as the official model), the indexer scores and attention run in fp32.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from .ops.gather import gather_entries, gather_window, visible_entries
 from .ops.indexer import indexer_topk
 from .ops.rope import apply_rope
 from .plan import StepPlan
-from .weights import layer_state_dict
+from .weights import WeightError, layer_state_dict
 
 __all__ = ["DSV4Attention", "RMSNorm", "init_random_weights"]
 
@@ -70,6 +70,13 @@ class _Compressor(nn.Module):
         self.gate_proj = nn.Linear(g.hidden_size, width, bias=False, **kw)
         self.position_bias = nn.Parameter(torch.zeros(ratio, width, dtype=torch.float32, device=kw["device"]))
         self.kv_norm = RMSNorm(dim, g.rms_norm_eps, **kw)
+
+    def rows(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's state rows, in fp32 like the official compressor: kv [N, width], logits (gate + bias) [N, width]."""
+        x32 = x.float()
+        kv = torch.nn.functional.linear(x32, self.kv_proj.weight.float())
+        gate = torch.nn.functional.linear(x32, self.gate_proj.weight.float())
+        return kv, compressor_logits(gate, self.position_bias, positions)
 
 
 class _Indexer(_Compressor):
@@ -121,7 +128,7 @@ class DSV4Attention(nn.Module):
             raise TypeError(f"from_transformers: expected a transformers DeepseekV4Attention, got {type(module).__name__}")
         weight = module.q_a_proj.weight
         layer = cls(ModelGeometry.from_hf_config(config), layer_index, dtype=weight.dtype, device=weight.device)
-        layer.load_state_dict({k: v for k, v in module.state_dict().items()}, strict=True)
+        layer.load_state_dict(module.state_dict(), strict=True)
         return layer
 
     @classmethod
@@ -136,7 +143,6 @@ class DSV4Attention(nn.Module):
         wrong = [f"{k} {list(weights[k].shape)} (want {list(own[k].shape)})" for k in own
                  if k in weights and weights[k].shape != own[k].shape]
         if missing or unexpected or wrong:
-            from .weights import WeightError
             raise WeightError(f"layer {layer_index}: missing {missing}, unexpected {unexpected}, wrong shape {wrong}")
         layer.load_state_dict(weights, strict=True)
         return layer
@@ -184,9 +190,7 @@ class DSV4Attention(nn.Module):
         csa = spec.kind is LayerKind.CSA
         insert = dict(plan=plan, ratio=spec.ratio, overlap=csa, eps=g.rms_norm_eps, rope=spec.rope,
                       out_dtype=x.dtype, page_tokens=page_tokens, rows=rows)
-        kv_rows = torch.nn.functional.linear(x.float(), comp.kv_proj.weight.float())  # the compressor runs in fp32
-        logit_rows = compressor_logits(torch.nn.functional.linear(x.float(), comp.gate_proj.weight.float()),
-                                       comp.position_bias, rows.positions)
+        kv_rows, logit_rows = comp.rows(x, rows.positions)
         compress_and_insert(layer_cache.state_kv, layer_cache.state_score, kv_rows=kv_rows, logit_rows=logit_rows,
                             norm_weight=comp.kv_norm.weight, layout=cache_spec.main, pool=layer_cache.entries, **insert)
         state_rows = [(layer_cache.state_kv, layer_cache.state_score, kv_rows, logit_rows)]
@@ -194,14 +198,11 @@ class DSV4Attention(nn.Module):
             picks = visible_entries(plan, ratio=spec.ratio, rows=rows)
         else:
             idx = comp.indexer
-            index_rows = torch.nn.functional.linear(x.float(), idx.kv_proj.weight.float())
-            index_logits = compressor_logits(torch.nn.functional.linear(x.float(), idx.gate_proj.weight.float()),
-                                             idx.position_bias, rows.positions)
+            index_rows, index_logits = idx.rows(x, rows.positions)
             compress_and_insert(layer_cache.index_state_kv, layer_cache.index_state_score, kv_rows=index_rows,
                                 logit_rows=index_logits, norm_weight=idx.kv_norm.weight, layout=cache_spec.index,
                                 pool=layer_cache.index_keys, **insert)
-            state_rows.append((layer_cache.index_state_kv, layer_cache.index_state_score, index_rows,
-                                        index_logits))
+            state_rows.append((layer_cache.index_state_kv, layer_cache.index_state_score, index_rows, index_logits))
             q_index = idx.q_b_proj(qr).view(rows.num_tokens, g.index_n_heads, g.index_head_dim)
             q_index = apply_rope(q_index, rows.positions, spec.rope)
             weights = idx.scorer.weights_proj(x).float() * g.index_n_heads ** -0.5
