@@ -21,7 +21,7 @@ from ..layout import EntryLayout, IndexerFP8Layout, IndexerMXFP4Layout
 from ..plan import StepPlan
 from .common import StepRows, check_float, entry_slots, require, step_rows
 
-__all__ = ["indexer_query", "indexer_scores", "indexer_topk"]
+__all__ = ["indexer_query", "indexer_scores", "topk_picks", "indexer_topk"]
 
 
 def indexer_query(q: torch.Tensor, layout: EntryLayout) -> torch.Tensor:
@@ -43,6 +43,15 @@ def indexer_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor) -
     """q fp32 [n, H, dim], weights fp32 [n, H] (already * H^-0.5), keys fp32 [J, dim] -> scores fp32 [n, J]."""
     dots = torch.matmul(q, keys.t())  # [n, H, J]
     return (torch.relu(dots) * q.shape[-1] ** -0.5 * weights.unsqueeze(-1)).sum(dim=1)
+
+
+def topk_picks(scores: torch.Tensor, topk: int) -> torch.Tensor:
+    """scores fp32 [n, J] (-inf = not a candidate) -> long [n, topk]: column indices by score descending, ties to
+    the lower index (a stable sort), -1 where fewer than topk candidates exist."""
+    order = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :topk]
+    picked = torch.gather(scores, 1, order)
+    order = torch.where(picked > float("-inf"), order, torch.full_like(order, -1))
+    return torch.nn.functional.pad(order, (0, topk - order.shape[1]), value=-1)
 
 
 def indexer_topk(q: torch.Tensor, weights: torch.Tensor, plan: StepPlan, key_pool: torch.Tensor,
@@ -71,7 +80,5 @@ def indexer_topk(q: torch.Tensor, weights: torch.Tensor, plan: StepPlan, key_poo
         scores = indexer_scores(query[lo:hi], weights[lo:hi].float(), keys)
         visible = (rows.positions[lo:hi] + 1) // ratio
         scores = scores.masked_fill(index >= visible.unsqueeze(1), float("-inf"))
-        order = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :topk]
-        picked = torch.gather(scores, 1, order)
-        out[lo:hi, :order.shape[1]] = torch.where(picked > float("-inf"), order, torch.full_like(order, -1))
+        out[lo:hi] = topk_picks(scores, topk)
     return out

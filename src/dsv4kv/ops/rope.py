@@ -37,9 +37,15 @@ def _inv_freq_cpu(rope: RopeSpec) -> torch.Tensor:
     return (1.0 / (y.factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
 
 
-def inv_freq(rope: RopeSpec, device: torch.device | str = "cpu") -> torch.Tensor:
-    """fp32 [rope.dim // 2]: one angular frequency per interleaved pair."""
+@functools.lru_cache(maxsize=64)
+def _inv_freq_on(rope: RopeSpec, device: torch.device) -> torch.Tensor:
     return _inv_freq_cpu(rope).to(device)
+
+
+def inv_freq(rope: RopeSpec, device: torch.device | str = "cpu") -> torch.Tensor:
+    """fp32 [rope.dim // 2]: one angular frequency per interleaved pair. Cached per device, so no host-to-device
+    copy happens after the first call (a CUDA graph capture forbids one). Do not modify it."""
+    return _inv_freq_on(rope, torch.device(device))
 
 
 def rope_cos_sin(rope: RopeSpec, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,58 @@
+"""What the kernels' public wrappers share: input validation (kernels trust their inputs, the wrappers
+do not) and where a kernel may run.
+
+Kernels run over every row of a plan's buffers, padding included: a plan built into persistent
+`StepBuffers` has `positions.shape[0]` (= max_tokens) rows, of which rows past `num_tokens` are padding
+(position -1) that the kernels skip or answer with zeros. Nothing reads `num_tokens` on the device side,
+so a captured CUDA graph replays over any plan written into the same buffers.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ..layout import EntryLayout
+from ..ops.common import require
+
+__all__ = ["interpreted", "kernels_can_run", "check_pool", "check_tensor", "padded_rows"]
+
+
+def interpreted() -> bool:
+    """Triton's interpreter is on (TRITON_INTERPRET=1, read when the kernels were decorated)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def kernels_can_run(device: torch.device) -> bool:
+    """Triton kernels run on CUDA tensors, or on CPU tensors under the interpreter."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return device.type == "cuda" or (device.type == "cpu" and interpreted())
+
+
+def check_tensor(name: str, x, *, dtype: torch.dtype | tuple[torch.dtype, ...], shape: tuple[int | None, ...],
+                 device: torch.device, contiguous: bool = True) -> None:
+    """x: a tensor of `dtype` (or one of them), `shape` (None = any size), on `device`, contiguous."""
+    dtypes = dtype if isinstance(dtype, tuple) else (dtype,)
+    require(isinstance(x, torch.Tensor), f"{name}: expected a tensor, got {type(x).__name__}")
+    wanted = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
+    require(x.dtype in dtypes and x.dim() == len(shape) and all(w is None or g == w for g, w in zip(x.shape, shape)),
+            f"{name}: expected {'/'.join(str(d) for d in dtypes)} {wanted}, got {x.dtype} {list(x.shape)}")
+    require(x.device == device, f"{name}: on {x.device}, expected {device}")
+    require(not contiguous or x.is_contiguous(), f"{name}: must be contiguous (strides {x.stride()})")
+    require(kernels_can_run(x.device), f"{name}: Triton kernels need a CUDA tensor (or TRITON_INTERPRET=1 on the "
+                                       f"CPU), got one on {x.device}")
+
+
+def check_pool(name: str, pool, layout: EntryLayout, entries: int, device: torch.device) -> None:
+    """A paged pool uint8 [pages, layout.page_bytes(entries)] on `device`, contiguous: kernels write it in
+    place, so a non-contiguous pool is rejected, never copied."""
+    check_tensor(name, pool, dtype=torch.uint8, shape=(None, layout.page_bytes(entries)), device=device)
+
+
+def padded_rows(plan) -> int:
+    """Token rows the kernels run over: every row of the plan's buffers, padding included."""
+    return plan.positions.shape[0]
