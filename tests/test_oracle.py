@@ -40,6 +40,7 @@ from transformers.models.deepseek_v4.modeling_deepseek_v4 import (
     apply_rotary_pos_emb,
 )
 
+import dsv4kv.kernels as kernels
 import dsv4kv.layer as layer_module
 from dsv4kv import CacheManager
 from dsv4kv.layer import DSV4Attention, init_random_weights
@@ -53,8 +54,8 @@ LAYERS = {"window": 0, "csa": 1, "hca": 2}
 LENGTH = 389  # crosses windows (16), CSA blocks (4), HCA blocks (16) and pages (128) at odd offsets
 
 
-def hf_config() -> DeepseekV4Config:
-    config = DeepseekV4Config(**json.loads(resources.files("dsv4kv.presets").joinpath("tiny.json").read_text()))
+def hf_config(preset: str = "tiny") -> DeepseekV4Config:
+    config = DeepseekV4Config(**json.loads(resources.files("dsv4kv.presets").joinpath(f"{preset}.json").read_text()))
     config._attn_implementation = "eager"
     return config
 
@@ -62,16 +63,16 @@ def hf_config() -> DeepseekV4Config:
 class Oracle:
     """transformers' outputs (fp32) for one random sequence, plus what its indexer saw and picked."""
 
-    def __init__(self, layer_index: int, length: int, seed: int = 0):
-        config = hf_config()
-        hf = init_random_weights(DeepseekV4Attention(config, layer_index).eval(), seed)
+    def __init__(self, layer_index: int, length: int, seed: int = 0, preset: str = "tiny", device: str = "cpu"):
+        config = hf_config(preset)
+        hf = init_random_weights(DeepseekV4Attention(config, layer_index).eval().to(device), seed)
         with torch.no_grad():  # bf16-representable weights: the oracle and our bf16 layer share them exactly
             for param in hf.parameters():
                 param.copy_(param.bfloat16().float())
         self.hf_bf16 = copy.deepcopy(hf).to(torch.bfloat16)
         hf32 = hf.float()
         self.x = torch.randn(length, config.hidden_size, generator=torch.Generator().manual_seed(seed + 1))
-        self.x = self.x.to(torch.bfloat16)
+        self.x = self.x.to(torch.bfloat16).to(device)
         captured = {}
         if hf32.compressor is not None:
             hf32.compressor.register_forward_hook(lambda m, i, o: captured.__setitem__("entries", o[0][0, 0]))
@@ -79,17 +80,19 @@ class Oracle:
                 indexer = hf32.compressor.indexer
                 indexer.register_forward_hook(lambda m, i, o: captured.__setitem__("picks", o[0]))
                 indexer.scorer.register_forward_hook(lambda m, i, o: captured.__setitem__("scores", o[0]))
-        positions = torch.arange(length)[None]
-        rotary = DeepseekV4RotaryEmbedding(config)
+        positions = torch.arange(length, device=device)[None]
+        rotary = DeepseekV4RotaryEmbedding(config).to(device)
         self.cos_sin = {kind: rotary(self.x[None].float(), positions, layer_type=kind) for kind in ("main", "compress")}
-        i = torch.arange(length)
+        i = torch.arange(length, device=device)
         allowed = (i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < config.sliding_window)
         mask = torch.where(allowed, 0.0, float("-inf"))[None, None]
         with torch.no_grad():
             self.out = hf32(self.x[None].float(), self.cos_sin, positions, mask)[0][0]
-        self.entries = captured.get("entries")  # fp32 [entries, head_dim]: transformers' compressed kv
-        self.picks = captured.get("picks")  # [L, k], -1 = none
-        self.scores = captured.get("scores")  # fp32 [L, entries]
+        self.out = self.out.cpu()
+        host = {k: v.cpu() for k, v in captured.items()}
+        self.entries = host.get("entries")  # fp32 [entries, head_dim]: transformers' compressed kv
+        self.picks = host.get("picks")  # [L, k], -1 = none
+        self.scores = host.get("scores")  # fp32 [L, entries]
         self.rope_kind = "main" if layer_index == 0 else "compress"
 
     def kv_bf16(self) -> torch.Tensor:
@@ -103,6 +106,13 @@ class Oracle:
 @functools.lru_cache(maxsize=None)
 def oracle(layer_index: int) -> Oracle:
     return Oracle(layer_index, LENGTH)
+
+
+def reference_layer(o: Oracle) -> DSV4Attention:
+    """Our layer with the oracle's weights, on the PyTorch reference ops (on any device)."""
+    layer = DSV4Attention.from_transformers(o.hf_bf16)
+    layer.backend = "torch"
+    return layer
 
 
 # --- feeding schedules ------------------------------------------------------------------------------
@@ -147,21 +157,27 @@ def schedule_steps(kind: str, length: int, seed: int = 0) -> list[list[tuple[str
 
 
 def feed(layer: DSV4Attention, target_x: torch.Tensor, kind: str, kv_format: str, indexer_format: str,
-         seed: int = 0):
-    """Run the schedule; returns (target outputs fp32 [L, hidden], our top-k picks [L, k] or None, cache, rid)."""
+         seed: int = 0, page_tokens: int = 128):
+    """Run the schedule; returns (target outputs fp32 [L, hidden], our top-k picks [L, k] or None, cache, rid).
+    The layer's backend decides reference ops or kernels; the picks are captured from either."""
     geometry, device = layer.geometry, layer.q_a_proj.weight.device
-    cache = CacheManager(geometry, max_requests=3, max_tokens=3 * 512, kv_format=kv_format,
-                         indexer_format=indexer_format, page_tokens=128, poison=True, device=device)
+    length = target_x.shape[0]
+    cache = CacheManager(geometry, max_requests=3, max_tokens=3 * max(512, length + 256), kv_format=kv_format,
+                         indexer_format=indexer_format, page_tokens=page_tokens, poison=True, device=device)
     g = torch.Generator().manual_seed(seed + 7)
     ids, fed, outs, picks = {}, {}, [], []
     captured = {}
-    original = layer_module.indexer_topk
+    original, original_kernel = layer_module.indexer_topk, kernels.topk_indices
 
     def capture(*args, **kwargs):
         captured["picks"] = original(*args, **kwargs)
         return captured["picks"]
 
-    layer_module.indexer_topk = capture
+    def capture_kernel(*args, **kwargs):
+        captured["picks"] = original_kernel(*args, **kwargs)
+        return captured["picks"]
+
+    layer_module.indexer_topk, kernels.topk_indices = capture, capture_kernel
     try:
         for step in schedule_steps(kind, target_x.shape[0], seed):
             if step[0][0] == "release":
@@ -189,10 +205,10 @@ def feed(layer: DSV4Attention, target_x: torch.Tensor, kind: str, kv_format: str
                 if name == "target":
                     outs.append(out[start:start + n].float().cpu())
                     if "picks" in captured:
-                        picks.append(captured["picks"][start:start + n].cpu())
+                        picks.append(captured["picks"][start:start + n].long().cpu())
                 start += n
     finally:
-        layer_module.indexer_topk = original
+        layer_module.indexer_topk, kernels.topk_indices = original, original_kernel
     return torch.cat(outs), (torch.cat(picks) if picks else None), cache, ids["target"]
 
 
@@ -226,7 +242,7 @@ SCHEDULES = ("prefill", "chunks", "tokens", "interleaved")
 def test_prefill_matches_transformers_exact(kind):
     """The one-prefill outputs against the oracle, row by row, within the exact-mode tolerance."""
     o = oracle(LAYERS[kind])
-    layer = DSV4Attention.from_transformers(o.hf_bf16)
+    layer = reference_layer(o)
     got, picks, _, _ = feed(layer, o.x, "prefill", *MODES["exact"])
     check_rows(got, picks, o, "exact", layer.spec.ratio)
 
@@ -251,7 +267,7 @@ def test_any_feeding_gives_the_prefill_outputs(kind, schedule):
     """Chunks, single tokens and interleaved batches give the prefill's top-k picks exactly and its outputs
     up to the rounding of differently shaped bf16 matmuls (a single-row GEMM may round differently)."""
     o = oracle(LAYERS[kind])
-    layer = DSV4Attention.from_transformers(o.hf_bf16)
+    layer = reference_layer(o)
     want, want_picks, _, _ = feed(layer, o.x, "prefill", *MODES["exact"])
     got, picks, _, _ = feed(layer, o.x, schedule, *MODES["exact"])
     if picks is not None:
@@ -264,7 +280,7 @@ def test_any_feeding_gives_the_prefill_outputs(kind, schedule):
 def test_quantized_modes_against_transformers(kind, mode):
     """Official numerics (FP8 entries, MXFP4 or FP8 indexer keys), interleaved feeding."""
     o = oracle(LAYERS[kind])
-    layer = DSV4Attention.from_transformers(o.hf_bf16)
+    layer = reference_layer(o)
     got, picks, _, _ = feed(layer, o.x, "interleaved", *MODES[mode])
     check_rows(got, picks, o, mode, layer.spec.ratio)
 
@@ -273,7 +289,7 @@ def test_quantized_modes_against_transformers(kind, mode):
 def test_official_window_entries_are_the_fp8_round_trip_of_transformers_kv(kind):
     """The window ring holds exactly MODEL1-encoded transformers kv (bf16), byte for byte."""
     o = oracle(LAYERS[kind])
-    layer = DSV4Attention.from_transformers(o.hf_bf16)
+    layer = reference_layer(o)
     _, _, cache, rid = feed(layer, o.x, "chunks", *MODES["official"])
     geometry, window = layer.geometry, layer.geometry.window
     layout = main_layout("fp8", geometry.head_dim, geometry.rope_dim)
@@ -292,7 +308,7 @@ def test_compressed_entries_match_transformers(kind, mode):
     """Every compressed entry in the pool against transformers' compressed kv (fp32 oracle): bf16 rounding
     in exact mode; in official mode the FP8 error bound (half an e4m3 step of the block's scale)."""
     o = oracle(LAYERS[kind])
-    layer = DSV4Attention.from_transformers(o.hf_bf16)
+    layer = reference_layer(o)
     _, _, cache, rid = feed(layer, o.x, "interleaved", *MODES[mode])
     geometry, ratio, page = layer.geometry, layer.spec.ratio, cache.spec.page_tokens
     spec = cache.spec.layers[layer.layer_index]
@@ -312,12 +328,56 @@ def test_compressed_entries_match_transformers(kind, mode):
         torch.testing.assert_close(stored[:, nope:], want[:, nope:], rtol=2e-2, atol=2e-2)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("mode", ["exact", "official"])
+# --- on a GPU: the reference and the Triton kernels ----------------------------------------------------
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@cuda
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("mode", ["exact", "official", "fp8-indexer"])
 @pytest.mark.parametrize("kind", LAYERS)
-def test_on_cuda_against_transformers(kind, mode):
-    """The same reference on a GPU: interleaved feeding, same tolerance table."""
+def test_on_cuda_against_transformers(kind, mode, backend):
+    """The reference and the kernels on a GPU: interleaved feeding, same tolerance table."""
     o = oracle(LAYERS[kind])
     layer = DSV4Attention.from_transformers(o.hf_bf16).to("cuda")
+    layer.backend = backend
     got, picks, _, _ = feed(layer, o.x, "interleaved", *MODES[mode])
+    check_rows(got, picks, o, mode, layer.spec.ratio)
+
+
+@cuda
+@pytest.mark.parametrize("schedule", SCHEDULES[1:])
+@pytest.mark.parametrize("kind", LAYERS)
+def test_kernels_any_feeding_gives_the_prefill_outputs(kind, schedule):
+    """With the kernels, every schedule gives the prefill's picks exactly and its outputs within a few ulps."""
+    o = oracle(LAYERS[kind])
+    layer = DSV4Attention.from_transformers(o.hf_bf16).to("cuda")
+    layer.backend = "triton"
+    want, want_picks, _, _ = feed(layer, o.x, "prefill", *MODES["exact"])
+    got, picks, _, _ = feed(layer, o.x, schedule, *MODES["exact"])
+    if picks is not None:
+        assert torch.equal(picks, want_picks)
+    assert row_errors(got, want).max() <= SCHEDULE_TOL
+    check_rows(got, picks, o, "exact", layer.spec.ratio)
+
+
+FLASH_LAYERS = {"window": 0, "csa": 2, "hca": 3}
+FLASH_LENGTH = 2600  # CSA: 650 visible entries > top-512, so the indexer selects; HCA: 20 entries
+
+
+@functools.lru_cache(maxsize=3)
+def flash_oracle(layer_index: int) -> Oracle:
+    return Oracle(layer_index, FLASH_LENGTH, preset="flash", device="cuda")
+
+
+@cuda
+@pytest.mark.parametrize("mode", ["exact", "official"])
+@pytest.mark.parametrize("kind", FLASH_LAYERS)
+def test_kernels_at_flash_geometry_against_transformers(kind, mode):
+    """V4-Flash geometry with random weights, the kernels fed in random chunks with 256-token pages, against
+    transformers (fp32) on the whole sequence."""
+    o = flash_oracle(FLASH_LAYERS[kind])
+    layer = DSV4Attention.from_transformers(o.hf_bf16)
+    layer.backend = "triton"
+    got, picks, _, _ = feed(layer, o.x, "chunks", *MODES[mode], page_tokens=256)
     check_rows(got, picks, o, mode, layer.spec.ratio)

@@ -29,12 +29,17 @@ from .ops.attention import sparse_attention
 from .ops.common import StepRows, require, step_rows
 from .ops.compress import compress_and_insert
 from .ops.gather import gather_entries, gather_window, visible_entries
-from .ops.indexer import indexer_topk
+from .ops.indexer import indexer_query, indexer_topk
+from .backend import kernels_can_run
 from .ops.rope import apply_rope
 from .plan import StepPlan
 from .weights import WeightError, layer_state_dict
 
-__all__ = ["DSV4Attention", "RMSNorm", "init_random_weights"]
+__all__ = ["DSV4Attention", "RMSNorm", "init_random_weights", "BACKENDS"]
+
+# "torch": the PyTorch reference ops; "triton": the kernels (CUDA, or CPU under TRITON_INTERPRET=1);
+# "auto": the kernels for bf16 activations on CUDA, else the reference.
+BACKENDS = ("auto", "torch", "triton")
 
 # Geometry fields one layer's weights and computation depend on; the layer's own LayerSpec is compared too.
 _LAYER_FIELDS = ("hidden_size", "num_heads", "head_dim", "rope_dim", "q_lora_rank", "o_groups", "o_lora_rank",
@@ -97,8 +102,9 @@ class DSV4Attention(nn.Module):
     """Layer `layer_index` of `geometry`. Parameter names are transformers' `DeepseekV4Attention` names."""
 
     def __init__(self, geometry: ModelGeometry, layer_index: int, *, dtype: torch.dtype = torch.bfloat16,
-                 device: torch.device | str | None = None):
+                 device: torch.device | str | None = None, backend: str = "auto"):
         super().__init__()
+        self.backend = backend
         if not isinstance(geometry, ModelGeometry):
             raise TypeError(f"geometry: expected a ModelGeometry, got {type(geometry).__name__}")
         if not (isinstance(layer_index, int) and 0 <= layer_index < geometry.num_layers):
@@ -148,12 +154,42 @@ class DSV4Attention(nn.Module):
         return layer
 
     # --- forward ----------------------------------------------------------------------------------
+    @property
+    def backend(self) -> str:
+        return self._backend
+
+    @backend.setter
+    def backend(self, value: str) -> None:
+        if value not in BACKENDS:
+            raise ValueError(f"backend: expected one of {BACKENDS}, got {value!r}")
+        self._backend = value
+
+    def resolved_backend(self, device: torch.device) -> str:
+        """The backend a forward on `device` uses."""
+        if self._backend != "auto":
+            return self._backend
+        usable = device.type == "cuda" and self.q_a_proj.weight.dtype == torch.bfloat16 and kernels_can_run(device)
+        return "triton" if usable else "torch"
+
     @torch.no_grad()  # an inference path: the cache must never join an autograd graph
     def forward(self, hidden_states: torch.Tensor, plan: StepPlan, cache: CacheManager) -> torch.Tensor:
-        """The layer over one step: hidden_states [plan.num_tokens, hidden_size] in plan order, the weights'
-        dtype and the cache's device -> [N, hidden_size]. Each layer runs once per plan, in any layer order."""
-        self._check(hidden_states, plan, cache)
+        """The layer over one step: hidden_states [N, hidden_size] in plan order, the weights' dtype and the
+        cache's device -> [N, hidden_size]. N is plan.num_tokens, or the plan's padded row count
+        (plan.positions.shape[0], for a captured graph); outputs of padding rows are unspecified. Each layer
+        runs once per plan, in any layer order."""
+        backend = self.resolved_backend(hidden_states.device if isinstance(hidden_states, torch.Tensor)
+                                        else cache.device)
+        self._check(hidden_states, plan, cache, backend)
         cache.mark_layer_run(self.layer_index)
+        if backend == "triton":
+            return self._forward_kernels(hidden_states, plan, cache)
+        n = plan.num_tokens
+        if hidden_states.shape[0] == n:
+            return self._forward_reference(hidden_states, plan, cache)
+        out = self._forward_reference(hidden_states[:n], plan, cache)
+        return torch.cat((out, out.new_zeros(hidden_states.shape[0] - n, out.shape[1])))
+
+    def _forward_reference(self, hidden_states: torch.Tensor, plan: StepPlan, cache: CacheManager) -> torch.Tensor:
         g, spec = self.geometry, self.spec
         layer_cache, cache_spec = cache.pools.layers[self.layer_index], cache.spec.layers[self.layer_index]
         page_tokens = cache.spec.page_tokens
@@ -212,6 +248,65 @@ class DSV4Attention(nn.Module):
                                      page_tokens=page_tokens, rows=rows)
         return keys, valid, state_rows
 
+    def _forward_kernels(self, x: torch.Tensor, plan: StepPlan, cache: CacheManager) -> torch.Tensor:
+        """The same step through the Triton kernels, over every row of the plan's buffers (padding included):
+        no host sync, no data-dependent shape, so a CUDA graph can capture it.
+
+        The step's kv is encoded once into a step page; attention reads its own window keys from there and
+        older ones from the ring, which is updated (a byte copy) only after attention."""
+        from .kernels import (append_state, append_window, compress_insert, indexer_scores_paged, kv_insert,
+                              sparse_attention_paged, topk_indices)
+        g, spec = self.geometry, self.spec
+        layer_cache, cache_spec = cache.pools.layers[self.layer_index], cache.spec.layers[self.layer_index]
+        page_tokens, main = cache.spec.page_tokens, cache_spec.main
+        rows = plan.positions.shape[0]
+        if x.shape[0] < rows:  # an eager call on persistent buffers: run the padding rows too
+            x = torch.cat((x, x.new_zeros(rows - x.shape[0], x.shape[1])))
+        positions = plan.positions
+
+        qr = self.q_a_norm(self.q_a_proj(x))
+        q = self.q_b_proj(qr).view(rows, g.num_heads, g.head_dim)
+        q = q * torch.rsqrt(q.float().pow(2).mean(-1, keepdim=True) + g.rms_norm_eps).to(q.dtype)  # unweighted
+        q = apply_rope(q, positions, spec.rope)
+        step_kv = torch.empty((1, main.page_bytes(rows)), dtype=torch.uint8, device=x.device)
+        kv_insert(self.kv_norm(self.kv_proj(x)), positions, spec.rope, main, step_kv, rows,
+                  torch.arange(rows, dtype=torch.int32, device=x.device))
+
+        state_rows, picks = [], None
+        if spec.compressed:
+            comp, csa = self.compressor, spec.kind is LayerKind.CSA
+            insert = dict(ratio=spec.ratio, overlap=csa, eps=g.rms_norm_eps, rope=spec.rope, out_dtype=x.dtype,
+                          page_tokens=page_tokens)
+            kv_rows, logit_rows = comp.rows(x, positions)
+            compress_insert(layer_cache.state_kv, layer_cache.state_score, plan, kv_rows, logit_rows,
+                            norm_weight=comp.kv_norm.weight, layout=main, pool=layer_cache.entries, main=True, **insert)
+            state_rows.append((layer_cache.state_kv, layer_cache.state_score, kv_rows, logit_rows))
+            if csa:
+                idx, index_layout = comp.indexer, cache_spec.index
+                index_rows, index_logits = idx.rows(x, positions)
+                compress_insert(layer_cache.index_state_kv, layer_cache.index_state_score, plan, index_rows,
+                                index_logits, norm_weight=idx.kv_norm.weight, layout=index_layout,
+                                pool=layer_cache.index_keys, main=False, **insert)
+                state_rows.append((layer_cache.index_state_kv, layer_cache.index_state_score, index_rows, index_logits))
+                q_index = apply_rope(idx.q_b_proj(qr).view(rows, g.index_n_heads, g.index_head_dim), positions,
+                                     spec.rope)
+                weights = idx.scorer.weights_proj(x).float() * g.index_n_heads ** -0.5
+                scores = indexer_scores_paged(indexer_query(q_index, index_layout).contiguous(), weights.contiguous(),
+                                              plan, layer_cache.index_keys, index_layout, ratio=spec.ratio,
+                                              page_tokens=page_tokens, max_entries=max(plan.max_seq_len // spec.ratio, 1))
+                visible = torch.clamp((positions + 1) // spec.ratio, min=0).to(torch.int32)
+                picks = topk_indices(scores, visible, g.index_topk)
+        out = sparse_attention_paged(q, plan, sinks=self.sinks, scale=g.head_dim ** -0.5, layout=main, window=g.window,
+                                     window_pool=layer_cache.window, step_kv=step_kv,
+                                     entry_pool=layer_cache.entries if spec.compressed else None,
+                                     ratio=spec.ratio if spec.compressed else 0, page_tokens=page_tokens, picks=picks)
+
+        append_window(layer_cache.window, main, g.window, plan, step_kv)
+        for state_kv, state_logits, kv_rows, logit_rows in state_rows:
+            append_state(state_kv, state_logits, plan, kv_rows, logit_rows)
+        out = apply_rope(out, positions, spec.rope, inverse=True).to(x.dtype)
+        return self.o_b_proj(self._grouped_o_a(out))
+
     def _grouped_o_a(self, out: torch.Tensor) -> torch.Tensor:
         """[N, heads, head_dim] -> [N, o_groups * o_lora_rank]: each contiguous head group through its own block."""
         g = self.geometry
@@ -219,7 +314,7 @@ class DSV4Attention(nn.Module):
         weight = self.o_a_proj.weight.view(g.o_groups, g.o_lora_rank, -1).transpose(1, 2)  # [G, in, r]
         return torch.bmm(groups, weight).transpose(0, 1).reshape(out.shape[0], -1)
 
-    def _check(self, x: torch.Tensor, plan: StepPlan, cache: CacheManager) -> None:
+    def _check(self, x: torch.Tensor, plan: StepPlan, cache: CacheManager, backend: str) -> None:
         """Everything the step needs, checked before anything is written."""
         if not isinstance(cache, CacheManager):
             raise TypeError(f"cache: expected a CacheManager, got {type(cache).__name__}")
@@ -241,10 +336,16 @@ class DSV4Attention(nn.Module):
         require(isinstance(x, torch.Tensor) and x.dim() == 2 and x.shape[1] == g.hidden_size,
                 f"hidden_states: expected [N, {g.hidden_size}], got "
                 f"{list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
-        require(x.shape[0] == plan.num_tokens, f"hidden_states: {x.shape[0]} rows, the plan has {plan.num_tokens} tokens")
+        require(x.shape[0] in (plan.num_tokens, plan.positions.shape[0]),
+                f"hidden_states: {x.shape[0]} rows, the plan has {plan.num_tokens} tokens "
+                f"({plan.positions.shape[0]} rows with padding)")
         require(x.dtype == weight.dtype, f"hidden_states: dtype {x.dtype}, the layer's weights are {weight.dtype}")
         require(x.device == weight.device == cache.device,
                 f"hidden_states on {x.device}, weights on {weight.device}, cache on {cache.device}")
+        if backend == "triton":
+            require(kernels_can_run(x.device), f"backend 'triton': the kernels need a CUDA device (or "
+                                               f"TRITON_INTERPRET=1 on the CPU), the layer is on {x.device}")
+            require(x.dtype == torch.bfloat16, f"backend 'triton': the kernels take bf16 activations, got {x.dtype}")
 
 
 def init_random_weights(module: nn.Module, seed: int = 0) -> nn.Module:

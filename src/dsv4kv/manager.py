@@ -127,7 +127,7 @@ class CacheManager:
         entry_counts = {m: int(per_request.sum()) for m, per_request in new_entries.items()}
         num_tokens, num_requests = int(counts_np.sum()), len(requests)
         if buffers is not None:
-            self._check_buffers(buffers, num_tokens, num_requests, entry_counts)
+            self._check_buffers(buffers, num_tokens, num_requests, entry_counts, int((starts + counts_np).max()))
         need = [self.spec.blocks_for(r.length + n) - r.num_blocks for r, n in zip(requests, counts)]
         fresh = self.allocator.allocate(sum(need))
         if fresh is None:
@@ -142,6 +142,7 @@ class CacheManager:
                                   max_requests=num_requests, device=self.device, entries=entry_counts,
                                   persistent=False)
         views = buffers.load(host, num_tokens, num_requests)
+        longest = int(host["seq_lens"].max()) if num_requests else 0
         self._step += 1
         self._layers_run.clear()
         return StepPlan(
@@ -153,12 +154,17 @@ class CacheManager:
             entries={m: EntryWrites(ratio=m, slots=views[f"slots{m}"], request=views[f"request{m}"],
                                     index=views[f"index{m}"], count=entry_counts[m])
                      for m in self.geometry.ratios},
+            max_seq_len=buffers.max_seq_len if buffers.max_seq_len is not None else longest,
         )
 
-    def step_buffers(self, *, max_tokens: int, max_requests: int) -> StepBuffers:
-        """Preallocated plan storage (fixed addresses) for CUDA-graph capture and replay."""
+    def step_buffers(self, *, max_tokens: int, max_requests: int, max_seq_len: int | None = None) -> StepBuffers:
+        """Preallocated plan storage (fixed addresses) for CUDA-graph capture and replay. Plans built into them
+        carry `max_seq_len` (default: the cache's) as their fixed context bound; longer requests are refused."""
+        max_seq_len = positive_int("max_seq_len", max_seq_len if max_seq_len is not None else self.max_seq_len)
+        if max_seq_len > self.max_seq_len:
+            raise ValueError(f"max_seq_len: {max_seq_len} exceeds the cache's {self.max_seq_len}")
         return StepBuffers(self.cache_id, self.geometry.ratios, max_tokens=max_tokens, max_requests=max_requests,
-                           device=self.device)
+                           device=self.device, max_seq_len=max_seq_len)
 
     # --- counters --------------------------------------------------------------------------------
     @property
@@ -253,12 +259,15 @@ class CacheManager:
             counts.append(n)
         return requests, counts
 
-    def _check_buffers(self, buffers, tokens: int, requests: int, entries: dict[int, int]) -> None:
+    def _check_buffers(self, buffers, tokens: int, requests: int, entries: dict[int, int], longest: int) -> None:
         if not isinstance(buffers, StepBuffers):
             raise TypeError(f"buffers: expected StepBuffers from step_buffers(), got {type(buffers).__name__}")
         if buffers.cache_id != self.cache_id:
             raise ValueError("buffers: made by another CacheManager")
         short = [m for m in self.geometry.ratios if buffers.entry_capacity.get(m, -1) < entries[m]]
+        if buffers.max_seq_len is not None and longest > buffers.max_seq_len:
+            raise ValueError(f"buffers: a request reaches {longest} tokens, the buffers' max_seq_len is "
+                             f"{buffers.max_seq_len}")
         if tokens > buffers.max_tokens or requests > buffers.max_requests or short:
             raise ValueError(f"buffers: step has {tokens} tokens / {requests} requests / entries {entries}, buffers "
                              f"hold {buffers.max_tokens} / {buffers.max_requests} / {buffers.entry_capacity}")

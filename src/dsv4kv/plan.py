@@ -70,6 +70,10 @@ class StepPlan:
     seq_lens: torch.Tensor  # int32 [B]: length after this step (history + new tokens)
     block_table: torch.Tensor  # int32 [max_requests, max_blocks]
     entries: dict[int, EntryWrites]  # per compression ratio
+    # host: a bound on seq_lens that sizes the kernels' per-row work (indexer scores span max_seq_len // m
+    # entries): the longest request for a plan of its own, the buffers' fixed capacity for persistent buffers
+    # (so a captured graph's shapes hold for every later plan)
+    max_seq_len: int = 0
 
     def __repr__(self) -> str:
         entries = ", ".join(f"m={m}: {w.count}" for m, w in self.entries.items())
@@ -107,8 +111,10 @@ class StepBuffers:
     """
 
     def __init__(self, cache_id: int, ratios: tuple[int, ...], *, max_tokens: int, max_requests: int,
-                 device: torch.device, entries: dict[int, int] | None = None, persistent: bool = True):
+                 device: torch.device, entries: dict[int, int] | None = None, persistent: bool = True,
+                 max_seq_len: int | None = None):
         self.cache_id = cache_id
+        self.max_seq_len = max_seq_len  # None: each plan's own longest request
         self.max_tokens = positive_int("max_tokens", max_tokens) if persistent else max_tokens
         self.max_requests = positive_int("max_requests", max_requests) if persistent else max_requests
         # Entries of ratio m completing in a step: sum_b floor((s_b % m + n_b) / m) <= max_tokens // m + max_requests

@@ -83,9 +83,14 @@ def e2m1_encode(y: torch.Tensor) -> torch.Tensor:
     return code | (torch.signbit(y) & ~torch.isnan(y)).to(torch.uint8) << 3
 
 
+@functools.lru_cache(maxsize=8)
+def _e2m1_table(device: torch.device) -> torch.Tensor:
+    # cached per device: a host-to-device copy per call would break CUDA-graph capture
+    return torch.tensor(E2M1_VALUES, dtype=torch.float32, device=device)
+
+
 def e2m1_decode(code: torch.Tensor) -> torch.Tensor:
-    table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=code.device)
-    mag = table[(code & 7).long()]
+    mag = _e2m1_table(code.device)[(code & 7).long()]
     return torch.where((code & 8) != 0, -mag, mag)
 
 

@@ -9,28 +9,13 @@ so a captured CUDA graph replays over any plan written into the same buffers.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
+from ..backend import interpreted, kernels_can_run
 from ..layout import EntryLayout
 from ..ops.common import require
 
 __all__ = ["interpreted", "kernels_can_run", "check_pool", "check_tensor", "padded_rows"]
-
-
-def interpreted() -> bool:
-    """Triton's interpreter is on (TRITON_INTERPRET=1, read when the kernels were decorated)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
-def kernels_can_run(device: torch.device) -> bool:
-    """Triton kernels run on CUDA tensors, or on CPU tensors under the interpreter."""
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return device.type == "cuda" or (device.type == "cpu" and interpreted())
 
 
 def check_tensor(name: str, x, *, dtype: torch.dtype | tuple[torch.dtype, ...], shape: tuple[int | None, ...],

@@ -1,0 +1,170 @@
+"""DSV4Attention on the Triton kernels against the same layer on the PyTorch reference, and the CUDA-graph
+decode step (DecodeGraph) against eager steps.
+
+On the CPU the kernels run under Triton's interpreter (small sizes); the DecodeGraph tests need a GPU.
+"""
+
+import random
+
+import pytest
+import torch
+
+from dsv4kv import CacheManager, ModelGeometry
+from dsv4kv.graph import DecodeGraph
+from dsv4kv.layer import DSV4Attention, init_random_weights
+
+TINY = ModelGeometry.preset("tiny")  # layers: 0 window, 1 CSA m=4, 2 HCA m=16, 3 CSA; window 16
+PAGE = 128
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+# Per output row, max |triton - torch| / max |torch row|: the kernels sum in another order (and attention
+# multiplies probabilities in bf16), so rows differ by a few bf16 ulps of the row's scale.
+ROW_TOL = 2e-2
+
+
+def layer_pair(index: int, seed: int = 0):
+    torch_layer = init_random_weights(DSV4Attention(TINY, index, device=DEVICE), seed)
+    torch_layer.backend = "torch"
+    triton_layer = DSV4Attention(TINY, index, device=DEVICE, backend="triton")
+    triton_layer.load_state_dict(torch_layer.state_dict())
+    return torch_layer, triton_layer
+
+
+def make_cache(kv_format, indexer_format):
+    return CacheManager(TINY, max_requests=3, max_tokens=700, kv_format=kv_format, indexer_format=indexer_format,
+                        page_tokens=PAGE, poison=True, device=DEVICE)
+
+
+def schedule(seed, lengths, chunks=(1, 2, 7, 23, 40)):
+    rng = random.Random(seed)
+    remaining, steps = list(lengths), []
+    while any(remaining):
+        active = [i for i, r in enumerate(remaining) if r]
+        step = []
+        for i in rng.sample(active, rng.randint(1, len(active))):
+            n = min(remaining[i], rng.choice(chunks))
+            step.append((i, n))
+            remaining[i] -= n
+        steps.append(step)
+    return steps
+
+
+@pytest.mark.parametrize("formats", [("bf16", "bf16"), ("fp8", "mxfp4"), ("fp8", "fp8")])
+@pytest.mark.parametrize("index", [0, 1, 2])
+def test_kernels_match_the_reference_layer(index, formats):
+    """Same weights, same chunked multi-request schedule (padded persistent plans for the kernels): the
+    window rings and compressor state end bit-identical, outputs agree within ROW_TOL of each row's max."""
+    torch_layer, triton_layer = layer_pair(index)
+    caches = [make_cache(*formats) for _ in range(2)]
+    rids = [[c.admit() for _ in range(2)] for c in caches]
+    buffers = caches[1].step_buffers(max_tokens=48, max_requests=3, max_seq_len=200)
+    gen = torch.Generator().manual_seed(index)
+    worst = 0.0
+    for step in schedule(index, (90, 61)):
+        x = torch.randn(sum(n for _, n in step), TINY.hidden_size, generator=gen).to(torch.bfloat16).to(DEVICE)
+        want = torch_layer(x, caches[0].plan_step([(rids[0][i], n) for i, n in step]), caches[0])
+        plan = caches[1].plan_step([(rids[1][i], n) for i, n in step], buffers=buffers)
+        got = triton_layer(x, plan, caches[1])
+        assert got.shape == want.shape and torch.isfinite(got).all()
+        worst = max(worst, float(((got.float() - want.float()).abs().amax(-1) / want.float().abs().amax(-1)).max()))
+    assert worst <= ROW_TOL, worst
+    mine, theirs = caches[1].pools.layers[index], caches[0].pools.layers[index]
+    assert torch.equal(mine.window, theirs.window)
+    for a, b in ((mine.state_kv, theirs.state_kv), (mine.state_score, theirs.state_score)):
+        if a is not None:
+            assert torch.equal(a, b)
+
+
+def test_backend_choice_and_bad_input():
+    layer = DSV4Attention(TINY, 0, dtype=torch.float32)
+    assert layer.resolved_backend(torch.device("cpu")) == "torch"
+    with pytest.raises(ValueError, match="backend"):
+        layer.backend = "cuda"
+    layer.backend = "triton"
+    cache = CacheManager(TINY, max_requests=1, max_tokens=64, page_tokens=PAGE, kv_format="bf16",
+                         indexer_format="bf16")
+    rid = cache.admit()
+    plan = cache.plan_step([(rid, 3)])
+    with pytest.raises(ValueError, match="bf16 activations|CUDA"):
+        layer(torch.zeros(3, TINY.hidden_size), plan, cache)
+    assert not cache.layer_has_run(0)  # refused before anything ran
+    with pytest.raises(ValueError, match="CUDA cache"):
+        DecodeGraph([DSV4Attention(TINY, 0)], cache, batch=2)
+
+
+# --- CUDA graphs --------------------------------------------------------------------------------------
+def chain(layers, x, plan, cache):
+    for layer in layers:
+        x = x + layer(x, plan, cache)
+    return x
+
+
+def run_decode_graph(geometry, *, batch, prompts, steps, page_tokens, max_seq_len, seed=0, formats=("fp8", "mxfp4")):
+    """Prefill `prompts`, then decode `steps` steps through a DecodeGraph and, on a twin cache, eagerly over the
+    same padded plans; requests leave and join on the way. Returns the per-step max |graph - eager| and stats."""
+    torch.manual_seed(seed)
+    layers = [init_random_weights(DSV4Attention(geometry, i, device="cuda", backend="triton"), seed + i)
+              for i in range(geometry.num_layers)]
+    caches = [CacheManager(geometry, max_requests=batch + 2, max_tokens=(len(prompts) + 2) * max_seq_len,
+                           kv_format=formats[0], indexer_format=formats[1], page_tokens=page_tokens, poison=True,
+                           device="cuda", max_seq_len=max_seq_len) for _ in range(2)]
+    graph = DecodeGraph(layers, caches[0], batch=batch, max_seq_len=max_seq_len)
+    eager_buffers = caches[1].step_buffers(max_tokens=batch, max_requests=batch, max_seq_len=max_seq_len)
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    rng = random.Random(seed)
+
+    def admit(n):
+        ids = [c.admit() for c in caches]
+        x = torch.randn(n, geometry.hidden_size, generator=gen, device="cuda").to(torch.bfloat16)
+        for c, rid in zip(caches, ids):  # the same eager prefill into both caches
+            chain(layers, x, c.plan_step([(rid, n)]), c)
+        return ids
+
+    live = [admit(n) for n in prompts]
+    diffs, blocks_taken, entries_completed, replay_alloc = [], 0, 0, []
+    for step in range(steps):
+        if step % 7 == 6 and len(live) > 1:  # a request leaves; another joins with a fresh prompt
+            gone = live.pop(rng.randrange(len(live)))
+            for c, rid in zip(caches, gone):
+                c.release(rid)
+            live.append(admit(rng.choice(prompts)))
+        active = live[:batch]
+        x = torch.randn(len(active), geometry.hidden_size, generator=gen, device="cuda").to(torch.bfloat16)
+        used = caches[0].num_used_blocks
+        lengths = [caches[0].length(ids[0]) for ids in active]
+        entries_completed += sum((n + 1) // m - n // m for n in lengths for m in geometry.ratios)
+        before = torch.cuda.memory_allocated()
+        got = graph.step([(ids[0], 1) for ids in active], x).clone()
+        if graph.steps > 2:
+            replay_alloc.append(torch.cuda.memory_allocated() - before)
+        blocks_taken += caches[0].num_used_blocks - used
+        plan = caches[1].plan_step([(ids[1], 1) for ids in active], buffers=eager_buffers)
+        padded = torch.cat((x, x.new_zeros(batch - len(active), x.shape[1])))
+        want = chain(layers, padded, plan, caches[1])[:len(active)]
+        diffs.append(float((got.float() - want.float()).abs().max()))
+    return diffs, blocks_taken, entries_completed, replay_alloc, graph
+
+
+@cuda
+def test_decode_graph_replays_equal_eager_steps_tiny():
+    """All 4 tiny layers, capture size 8, 6 live requests: 48 replayed steps equal eager steps bit for bit,
+    while windows complete (CSA every 4 tokens, HCA every 16) and requests cross pages (new blocks)."""
+    diffs, blocks, entries, alloc, graph = run_decode_graph(TINY, batch=8, prompts=(120, 125, 3, 60, 127, 14),
+                                                            steps=48, page_tokens=PAGE, max_seq_len=256)
+    assert graph.graph is not None and graph.steps == 48
+    assert blocks > 0 and entries > 0
+    assert max(diffs) == 0.0, diffs
+    assert all(a <= 0 for a in alloc), alloc  # replays allocate nothing (block-table updates are planned before)
+
+
+@cuda
+@pytest.mark.parametrize("batch", [1, 8])
+def test_decode_graph_replays_equal_eager_steps_flash(batch):
+    """Every layer of the V4-Flash geometry (43, projections included), random weights, pages of 256 tokens."""
+    flash = ModelGeometry.preset("flash")
+    prompts = (250, 1021, 130, 509, 2047, 767, 300, 1500)[:max(batch - 1, 1)]
+    diffs, blocks, entries, alloc, _ = run_decode_graph(flash, batch=batch, prompts=prompts, steps=24,
+                                                        page_tokens=256, max_seq_len=4096)
+    assert entries > 0
+    assert max(diffs) == 0.0, diffs
+    assert all(a <= 0 for a in alloc), alloc
