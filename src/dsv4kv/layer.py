@@ -259,9 +259,9 @@ class DSV4Attention(nn.Module):
         g, spec = self.geometry, self.spec
         layer_cache, cache_spec = cache.pools.layers[self.layer_index], cache.spec.layers[self.layer_index]
         page_tokens, main = cache.spec.page_tokens, cache_spec.main
-        rows = plan.positions.shape[0]
-        if x.shape[0] < rows:  # an eager call on persistent buffers: run the padding rows too
-            x = torch.cat((x, x.new_zeros(rows - x.shape[0], x.shape[1])))
+        rows, given = plan.positions.shape[0], x.shape[0]
+        if given < rows:  # an eager call on persistent buffers: run the padding rows too
+            x = torch.cat((x, x.new_zeros(rows - given, x.shape[1])))
         positions = plan.positions
 
         qr = self.q_a_norm(self.q_a_proj(x))
@@ -305,7 +305,7 @@ class DSV4Attention(nn.Module):
         for state_kv, state_logits, kv_rows, logit_rows in state_rows:
             append_state(state_kv, state_logits, plan, kv_rows, logit_rows)
         out = apply_rope(out, positions, spec.rope, inverse=True).to(x.dtype)
-        return self.o_b_proj(self._grouped_o_a(out))
+        return self.o_b_proj(self._grouped_o_a(out))[:given]
 
     def _grouped_o_a(self, out: torch.Tensor) -> torch.Tensor:
         """[N, heads, head_dim] -> [N, o_groups * o_lora_rank]: each contiguous head group through its own block."""

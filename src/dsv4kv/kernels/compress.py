@@ -83,8 +83,9 @@ def _compress_kernel(kv_rows_ptr, logit_rows_ptr, state_kv_ptr, state_logit_ptr,
 
     normed = pooled * tl.math.rsqrt(tl.sum(pooled * pooled, axis=0) / D + eps) * tl.load(norm_ptr + cols)
     half = tl.arange(0, 32)
+    # fp32 entries (not ROUND) keep fp32 rope dims: the indexer's Hadamard rotation reads them unrounded
     x = rope_last_block(tl.reshape(normed, (D // 64, 64)), tl.load(cos_ptr + e * 32 + half),
-                        tl.load(sin_ptr + e * 32 + half), D // 64)
+                        tl.load(sin_ptr + e * 32 + half), D // 64, ROUND=ROUND)
     if ROUND:
         x = round_bf16(x)
     slot_e = tl.maximum(given, 0)

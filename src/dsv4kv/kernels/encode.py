@@ -6,8 +6,9 @@ same bytes in both. Scales follow `quant.pow2_scale`: s = 2^ceil(log2(max(amax, 
 from the exponent and mantissa of max(amax, 1e-4) with no division (exact; see `pow2_exponent`).
 
 Entries are handled as fp32 tiles [D // 64, 64] (row i = dims 64i .. 64i + 63) whose values are already
-bf16-representable. Non-finite blocks get the NaN scale code 0xFF, as the reference does; their data
-bytes are 0x7F (e4m3 NaN) where the reference's may carry a sign.
+bf16-representable. Non-finite blocks (a NaN or an inf anywhere in the block) get the NaN scale code 0xFF, as
+the reference does; their e4m3 data bytes are 0x7F (e4m3 NaN) where the reference's may carry a sign, their
+e2m1 codes +0 as the reference's.
 """
 
 from __future__ import annotations
@@ -47,6 +48,13 @@ def pow2_exponent(amax, QMAX_EXP: tl.constexpr, QMAX_MANT: tl.constexpr):
     e = tl.minimum(tl.maximum(e, -126), 127)
     finite = (amax == amax) & (amax < float("inf"))
     return e, finite
+
+
+@triton.jit
+def nan_amax(x, axis: tl.constexpr):
+    """max |x| along `axis` with NaN counted as inf: tl.max drops NaNs (maxnum), and a block holding one must
+    still get the NaN scale."""
+    return tl.max(tl.where(x == x, tl.abs(x), float("inf")), axis=axis)
 
 
 @triton.jit
@@ -102,7 +110,7 @@ def store_main_entry(data_ptr, scale_ptr, x, slot, NB: tl.constexpr, FP8: tl.con
     if FP8:
         is_nope = rows < NB - 1
         nope = tl.where(is_nope, x, 0.0)
-        e, finite = pow2_exponent(tl.max(tl.abs(nope), axis=1), 8, 0x600000)  # 448 = 1.75 * 2^8
+        e, finite = pow2_exponent(nan_amax(nope, 1), 8, 0x600000)  # 448 = 1.75 * 2^8
         y = tl.minimum(tl.maximum(nope * exp2_int(-e)[:, None], -448.0), 448.0)
         code = tl.where(finite[:, None], e4m3_bits(y), 0x7F)
         tl.store(data_ptr + rows * 64 + cols, code.to(tl.uint8), mask=is_nope & valid)
@@ -117,15 +125,19 @@ def store_main_entry(data_ptr, scale_ptr, x, slot, NB: tl.constexpr, FP8: tl.con
 
 
 @triton.jit
-def rope_last_block(x, cos, sin, NB: tl.constexpr, INVERSE: tl.constexpr = False):
-    """Interleaved RoPE on row NB - 1 of x [NB, 64] (pairs 2i, 2i+1) with cos/sin fp32 [32]; the result is
-    rounded to bf16 like the reference's `rotated.to(bf16)`. Other rows are returned unchanged."""
+def rope_last_block(x, cos, sin, NB: tl.constexpr, INVERSE: tl.constexpr = False, ROUND: tl.constexpr = True):
+    """Interleaved RoPE on row NB - 1 of x [NB, 64] (pairs 2i, 2i+1) with cos/sin fp32 [32]; with ROUND the
+    result is rounded to bf16 like the reference's `rotated.to(bf16)` (fp32 activations stay fp32). Other rows
+    are returned unchanged."""
     pairs = tl.reshape(x, (NB, 32, 2))
     even, odd = tl.split(pairs)
     if INVERSE:
         sin = -sin
-    rot_even = round_bf16(even * cos[None, :] - odd * sin[None, :])
-    rot_odd = round_bf16(odd * cos[None, :] + even * sin[None, :])
+    rot_even = even * cos[None, :] - odd * sin[None, :]
+    rot_odd = odd * cos[None, :] + even * sin[None, :]
+    if ROUND:
+        rot_even = round_bf16(rot_even)
+        rot_odd = round_bf16(rot_odd)
     last = (tl.arange(0, NB) == NB - 1)[:, None]
     out = tl.join(tl.where(last, rot_even, even), tl.where(last, rot_odd, odd))
     return tl.reshape(out, (NB, 64))
@@ -146,7 +158,7 @@ def store_index_entry(data_ptr, scale_ptr, x, slot, hadamard_ptr, D: tl.constexp
         h = tl.load(hadamard_ptr + i[:, None] * D + i[None, :])
         rot = round_bf16(tl.sum(v[:, None] * h, axis=0))
         if FORMAT == 1:
-            e, finite = pow2_exponent(tl.max(tl.abs(rot), axis=0), 8, 0x600000)  # 448 = 1.75 * 2^8
+            e, finite = pow2_exponent(nan_amax(rot, 0), 8, 0x600000)  # 448 = 1.75 * 2^8
             y = tl.minimum(tl.maximum(rot * exp2_int(-e), -448.0), 448.0)
             code = tl.where((i * 0 + finite.to(tl.int32)) != 0, e4m3_bits(y), 0x7F)
             tl.store(data_ptr + i, code.to(tl.uint8), mask=(i * 0 + slot) >= 0)
@@ -155,8 +167,8 @@ def store_index_entry(data_ptr, scale_ptr, x, slot, hadamard_ptr, D: tl.constexp
             tl.store(scale_ptr + k, ((bits >> (8 * k)) & 0xFF).to(tl.uint8), mask=(k * 0 + slot) >= 0)
         else:
             blocks = tl.reshape(rot, (D // 32, 32))
-            e, finite = pow2_exponent(tl.max(tl.abs(blocks), axis=1), 2, 0x400000)  # 6 = 1.5 * 2^2
-            code = e2m1_bits(blocks * exp2_int(-e)[:, None])
+            e, finite = pow2_exponent(nan_amax(blocks, 1), 2, 0x400000)  # 6 = 1.5 * 2^2
+            code = tl.where(finite[:, None], e2m1_bits(blocks * exp2_int(-e)[:, None]), 0)  # NaN block: +0 codes
             lo, hi = tl.split(tl.reshape(code, (D // 2, 2)))
             half = tl.arange(0, D // 2)
             tl.store(data_ptr + half, (lo | (hi << 4)).to(tl.uint8), mask=(half * 0 + slot) >= 0)

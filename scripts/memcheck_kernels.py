@@ -1,0 +1,26 @@
+"""Every Triton kernel once (prefill chunk and decode step, every cache format) on V4-Flash-shaped layers, for
+`compute-sanitizer --tool memcheck` (scripts/device_kernels.sh). Prints each call so the log shows coverage."""
+
+import torch
+
+from dsv4kv import CacheManager, ModelGeometry
+from dsv4kv.layer import DSV4Attention, init_random_weights
+
+geometry = ModelGeometry.preset("flash")
+layers = [init_random_weights(DSV4Attention(geometry, i, device="cuda", backend="triton"), i) for i in (0, 2, 3)]
+gen = torch.Generator(device="cuda").manual_seed(0)
+for kv_format, indexer_format in (("fp8", "mxfp4"), ("fp8", "fp8"), ("bf16", "bf16")):
+    cache = CacheManager(geometry, max_requests=3, max_tokens=3 * 2560, kv_format=kv_format,
+                         indexer_format=indexer_format, page_tokens=256, poison=True, device="cuda",
+                         max_seq_len=2560)
+    a, b = cache.admit(), cache.admit()
+    buffers = cache.step_buffers(max_tokens=2304, max_requests=3, max_seq_len=2560)
+    for step in ([(a, 2200)], [(a, 1), (b, 300)], [(a, 1), (b, 1)]):  # prefill, mixed, decode (padded rows)
+        plan = cache.plan_step(step, buffers=buffers)
+        x = torch.randn(plan.num_tokens, geometry.hidden_size, generator=gen, device="cuda").to(torch.bfloat16)
+        for layer in layers:
+            out = layer(x, plan, cache)
+            torch.cuda.synchronize()
+            print(f"{kv_format}/{indexer_format} layer {layer.layer_index} ({layer.spec.kind.short}) step {step}: "
+                  f"finite={bool(torch.isfinite(out[:plan.num_tokens]).all())}", flush=True)
+print("memcheck script done")

@@ -1,0 +1,377 @@
+"""Sparse attention kernel (kernels/attention.py) against the reference: `ops.gather` (window ring + the step's
+own kv, compressed entries by index) then `ops.attention.sparse_attention`, on NaN-poisoned caches.
+
+Interpreter tests use the tiny geometry (H 8, D 128, window 16, CSA m 4, HCA m 16) with 128-token pages,
+padded plans, several requests on non-contiguous blocks, and chunks that take their window partly from the
+ring and partly from the step. GPU tests run the V4-Flash / V4-Pro shapes.
+
+Error measure: per (row, head), max |out - ref| / max |ref| (the row's largest output). The kernel's own
+rounding (two-part bf16 weights) is ~2^-17 relative on a GPU; Triton's interpreter rounds fp32 -> bf16 toward
+zero, which doubles it (~2e-5 measured), hence one tolerance of 1e-4 (the layer's budget is ~1e-2).
+
+CSA picks may repeat an entry: a repeated pick counts once per occurrence, as in the reference (no dedup);
+the indexer never repeats one.
+"""
+
+import pytest
+import torch
+
+from dsv4kv import CacheManager, ModelGeometry
+from dsv4kv.geometry import LayerKind
+from dsv4kv.kernels.attention import sparse_attention_paged
+from dsv4kv.layout import indexer_layout, main_layout
+from dsv4kv.ops.append import append_window
+from dsv4kv.ops.attention import sparse_attention
+from dsv4kv.ops.common import step_rows
+from dsv4kv.ops.gather import gather_entries, gather_window, visible_entries
+
+TINY = ModelGeometry.preset("tiny")  # layers: 0 window, 1 CSA m=4, 2 HCA m=16
+# the small tests run under the interpreter on the CPU, or compiled where a GPU exists
+DEVICE = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+PAGE = 128
+TOL = 1e-4  # max |out - ref| / max |ref| per (row, head)
+LAYER = {"window": 0, "csa": 1, "hca": 2}
+
+
+# --- helpers ----------------------------------------------------------------------------------------------
+def gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def randn(*shape, g, dtype=torch.float32, device=DEVICE, std=1.0):
+    """Random normals drawn on the CPU (the same values on every device), then moved."""
+    return (torch.randn(*shape, generator=g) * std).to(dtype).to(device)
+
+
+def rel_error(got, want):
+    """Largest per-(row, head) error relative to the row's max |ref|."""
+    scale = want.abs().amax(-1).clamp(min=1e-30)
+    return float(((got.double() - want.double()).abs().amax(-1) / scale).max()) if want.numel() else 0.0
+
+
+def encode_step_kv(layout, rows, kv):
+    """This step's kv [N, D] encoded as one page of `rows` entries; the padding entries stay NaN (0xFF)."""
+    step_kv = torch.full((1, layout.page_bytes(rows)), 0xFF, dtype=torch.uint8, device=kv.device)
+    layout.write(step_kv, rows, torch.arange(kv.shape[0], device=kv.device), kv)
+    return step_kv
+
+
+def poison(pool, layout, entries, slots):
+    """Overwrite entries with NaN (every format decodes 0xFF as NaN): reading one turns the output NaN."""
+    slots = torch.as_tensor(slots, dtype=torch.long, device=pool.device)
+    layout.write(pool, entries, slots, torch.full((slots.numel(), layout.dim), float("nan"), device=pool.device))
+
+
+def random_picks(plan, ratio, k, g, *, avoid=None):
+    """Picks [R, K] int32: real rows pick visible entries in random order, with repeats and -1 holes (and never
+    an index in `avoid`, entries poisoned as unreadable); padding rows get garbage that must be ignored."""
+    positions = plan.positions.cpu().long()
+    rows = positions.shape[0]
+    visible = ((positions + 1) // ratio).clamp(min=0)
+    picks = (torch.rand(rows, k, generator=g) * visible[:, None]).long()
+    if avoid is not None:
+        picks = torch.where(avoid(picks), torch.zeros_like(picks), picks)  # entry 0 is never poisoned
+    holes = (torch.rand(rows, k, generator=g) < 0.25) | (visible[:, None] == 0)
+    picks = torch.where(holes, torch.full_like(picks, -1), picks)
+    garbage = torch.randint(0, 10**6, (rows, k), generator=g)
+    return torch.where((positions < 0)[:, None], garbage, picks).to(torch.int32).to(plan.positions.device)
+
+
+def reference(q, plan, layout, window, window_pool, kv, *, entry_pool=None, ratio=0, page_tokens=0, picks=None):
+    """The reference path of the layer: gathered keys, then sparse_attention -> fp32 [N, H, D] (real rows)."""
+    rows = step_rows(plan)
+    n = rows.num_tokens
+    keys, valid = gather_window(window_pool, layout, window, plan, layout.round_trip(kv), rows)
+    if entry_pool is not None:
+        index = picks[:n].long() if picks is not None else visible_entries(plan, ratio=ratio, rows=rows)
+        entries, entry_valid = gather_entries(entry_pool, layout, plan, index, ratio=ratio,
+                                              page_tokens=page_tokens, rows=rows)
+        keys, valid = torch.cat((keys, entries), dim=1), torch.cat((valid, entry_valid), dim=1)
+    return sparse_attention(q[:n], keys, valid, sinks_of(q), q.shape[-1] ** -0.5)
+
+
+_SINKS = {}
+
+
+def sinks_of(q):
+    """Fixed sinks per (heads, device): one large positive (dominates), the rest spread."""
+    key = (q.shape[1], q.device)
+    if key not in _SINKS:
+        s = torch.randn(q.shape[1], generator=gen(99)) * 2
+        s[0] = 6.0
+        _SINKS[key] = s.to(q.device)
+    return _SINKS[key]
+
+
+# --- the scenario: three requests, slots 1..3, interleaved blocks --------------------------------------------
+WARMUP = [[(0, 20), (1, 20)]] * 7  # 140 tokens each, alternating blocks: requests span non-contiguous blocks
+CHECKED = [
+    [(0, 1), (1, 23), (2, 5)],  # decode; a chunk whose window is partly ring, partly step; a fresh request
+    [(2, 30), (0, 1)],  # a chunk longer than the window (later rows read only the step); decode
+    [(1, 1), (0, 1), (2, 1)],  # a decode batch in a 40-row plan: 37 padding rows
+]
+MAX_ROWS = 40
+
+
+def run_scenario(kv_format, kind, q_dtype, seed):
+    """Feed WARMUP then CHECKED through the cache (entries written as plans complete them, the ring appended
+    after attention, as the layer does), and compare the kernel with the reference on each CHECKED step."""
+    cache = CacheManager(TINY, max_requests=4, max_tokens=600, kv_format=kv_format, indexer_format="bf16",
+                         page_tokens=PAGE, device=DEVICE, poison=True)
+    layer = LAYER[kind]
+    spec, lc = TINY.layers[layer], cache.pools.layers[layer]
+    layout, window, ratio = cache.spec.layers[layer].main, TINY.window, spec.ratio
+    per_page = PAGE // ratio if ratio else 0
+    dummy = cache.admit()  # slot 0 stays unused
+    rids = [cache.admit() for _ in range(3)]
+    cache.release(dummy)
+    buffers = cache.step_buffers(max_tokens=MAX_ROWS, max_requests=4)
+    g = gen(seed)
+    heads, dim = TINY.num_heads, TINY.head_dim
+    unreadable = (lambda j: j % 3 == 1) if kind == "csa" else None  # CSA entries no pick may read
+    errors = []
+    for step_index, step in enumerate(WARMUP + CHECKED):
+        plan = cache.plan_step([(rids[i], n) for i, n in step], buffers=buffers)
+        n, rows = plan.num_tokens, plan.positions.shape[0]
+        kv = randn(n, dim, g=g, std=2, dtype=torch.bfloat16)
+        kw = {}
+        if ratio:  # compress-and-insert runs before attention: this step's completed entries are readable
+            writes = plan.entries[ratio]
+            slots, index = writes.slots[:writes.count], writes.index[:writes.count]
+            layout.write(lc.entries, per_page, slots, randn(writes.count, dim, g=g, dtype=torch.bfloat16))
+            if unreadable is not None:
+                poison(lc.entries, layout, per_page, slots[unreadable(index)])
+            kw = dict(entry_pool=lc.entries, ratio=ratio, page_tokens=PAGE)
+            if kind == "csa":
+                kw["picks"] = random_picks(plan, ratio, TINY.index_topk + 3, g, avoid=unreadable)
+        if step_index >= len(WARMUP):
+            # the ring entry at start % window holds position start - window: in no row's window
+            stale = [cache.slot(rids[i]) * window + (cache.length(rids[i]) - c) % window for i, c in step]
+            poison(lc.window, layout, window, stale)
+            q = randn(rows, heads, dim, g=g, dtype=q_dtype)
+            q[n:] = float("nan")  # padding rows must give zeros whatever their q holds
+            step_kv = encode_step_kv(layout, rows, kv)
+            out = torch.full((rows, heads, dim), float("nan"), device=DEVICE)
+            got = sparse_attention_paged(q, plan, sinks=sinks_of(q), scale=dim ** -0.5, layout=layout, window=window,
+                                         window_pool=lc.window, step_kv=step_kv, out=out, **kw)
+            want = reference(q, plan, layout, window, lc.window, kv, **kw)
+            assert got is out
+            assert torch.isfinite(want).all() and torch.isfinite(got).all()
+            assert torch.equal(got[n:], torch.zeros_like(got[n:])), "padding rows must be zeros"
+            errors.append(rel_error(got[:n], want))
+        append_window(lc.window, layout, window, plan, kv)
+    return max(errors)
+
+
+@pytest.mark.parametrize("kv_format,kind,q_dtype", [
+    ("fp8", "window", torch.bfloat16), ("bf16", "window", torch.bfloat16),
+    ("fp8", "hca", torch.bfloat16), ("bf16", "hca", torch.bfloat16),
+    ("fp8", "csa", torch.bfloat16), ("bf16", "csa", torch.float32),
+], ids=["fp8-window", "bf16-window", "fp8-hca", "bf16-hca", "fp8-csa", "bf16-csa-q32"])
+def test_matches_reference_over_chunked_steps(kv_format, kind, q_dtype):
+    assert run_scenario(kv_format, kind, q_dtype, seed=7) < TOL
+
+
+def test_padding_only_and_keyless_rows_are_zeros_and_out_is_optional():
+    """A fresh request's first token (window of one key) next to rows of padding; without `out=` the op allocates."""
+    cache = CacheManager(TINY, max_requests=2, max_tokens=300, kv_format="fp8", indexer_format="bf16",
+                         page_tokens=PAGE, device=DEVICE, poison=True)
+    layout, lc = cache.spec.layers[2].main, cache.pools.layers[2]
+    plan = cache.plan_step([(cache.admit(), 1)], buffers=cache.step_buffers(max_tokens=5, max_requests=2))
+    g = gen(3)
+    kv = randn(1, TINY.head_dim, g=g)
+    q = randn(5, TINY.num_heads, TINY.head_dim, g=g, dtype=torch.bfloat16)
+    step_kv = encode_step_kv(layout, 5, kv)
+    got = sparse_attention_paged(q, plan, sinks=sinks_of(q), scale=0.1, layout=layout, window=TINY.window,
+                                 window_pool=lc.window, step_kv=step_kv, entry_pool=lc.entries, ratio=16,
+                                 page_tokens=PAGE)
+    assert got.dtype == torch.float32 and got.shape == (5, TINY.num_heads, TINY.head_dim)
+    assert torch.equal(got[1:], torch.zeros_like(got[1:]))
+    # one key: out = w * key with w = 1 / (1 + exp(sink - logit))
+    key = layout.round_trip(kv)[0]
+    logit = 0.1 * (q[0].float() @ key)
+    want = torch.sigmoid(logit - sinks_of(q))[:, None] * key
+    assert rel_error(got[:1], want[None]) < TOL
+
+
+def test_dequantizes_raw_fp8_bytes():
+    """Single-key rows over hand-made MODEL1 bytes: every finite e4m3 code, scale codes 0 (2^-127: keys in fp32
+    subnormals, kept, not flushed), 100 and 135, and 0xFF (NaN), which turns its row NaN as in the reference."""
+    cache = CacheManager(TINY, max_requests=4, max_tokens=300, kv_format="fp8", indexer_format="bf16",
+                         page_tokens=PAGE, device=DEVICE, poison=True)
+    layout, lc = cache.spec.layers[0].main, cache.pools.layers[0]
+    rids = [cache.admit() for _ in range(4)]
+    plan = cache.plan_step([(r, 1) for r in rids], buffers=cache.step_buffers(max_tokens=5, max_requests=4))
+    g = gen(11)
+    data = torch.randint(0, 256, (4, layout.data_bytes), generator=g, dtype=torch.uint8)
+    nope = data[:, :layout.nope_dim]
+    nope[(nope & 0x7F) == 0x7F] = 0x3C  # e4m3 NaN codes -> 1.5
+    data[:, layout.nope_dim:] = (torch.randn(4, layout.rope_dim, generator=g) * 3).to(torch.bfloat16).view(torch.uint8)
+    scales = torch.zeros(4, layout.scale_bytes, dtype=torch.uint8)
+    scales[:, 0] = torch.tensor([0, 100, 135, 0xFF], dtype=torch.uint8)  # the tiny head has one 64-dim block
+    step_kv = torch.full((1, layout.page_bytes(5)), 0xFF, dtype=torch.uint8)
+    data_rows, scale_rows = layout.page_views(step_kv, 5)
+    data_rows[0, :4], scale_rows[0, :4] = data, scales
+    q = randn(5, TINY.num_heads, TINY.head_dim, g=g, dtype=torch.bfloat16)
+    got = sparse_attention_paged(q, plan, sinks=sinks_of(q), scale=0.05, layout=layout, window=TINY.window,
+                                 window_pool=lc.window, step_kv=step_kv.to(DEVICE)).cpu()
+    keys = layout.decode(data, scales)  # [4, D] fp32
+    weight = torch.sigmoid(0.05 * (q[:4].cpu().float() @ keys[:, :, None])[..., 0] - sinks_of(q).cpu())
+    want = weight[..., None] * keys[:, None]  # [4, H, D]
+    assert torch.isnan(keys[3]).any() and torch.isnan(got[3]).all()
+    assert rel_error(got[:3], want[:3]) < TOL
+    nope = slice(0, layout.nope_dim)  # the 2^-127 row on its own scale: bf16 subnormals round at 2^-133
+    assert rel_error(got[0, :, nope], want[0, :, nope]) < 1e-2
+    assert torch.equal(got[4], torch.zeros_like(got[4]))
+
+
+def test_rejects_bad_input():
+    cache = CacheManager(TINY, max_requests=2, max_tokens=300, kv_format="fp8", indexer_format="bf16",
+                         page_tokens=PAGE, device=DEVICE, poison=True)
+    layout, lc = cache.spec.layers[1].main, cache.pools.layers[1]
+    plan = cache.plan_step([(cache.admit(), 3)])
+    heads, dim = TINY.num_heads, TINY.head_dim
+
+    def zeros(*shape, dtype=torch.float32):
+        return torch.zeros(*shape, dtype=dtype, device=DEVICE)
+
+    q = zeros(3, heads, dim, dtype=torch.bfloat16)
+    good = dict(sinks=zeros(heads), scale=dim ** -0.5, layout=layout, window=TINY.window, window_pool=lc.window,
+                step_kv=encode_step_kv(layout, 3, zeros(3, dim)), entry_pool=lc.entries, ratio=4,
+                page_tokens=PAGE, picks=zeros(3, 8, dtype=torch.int32))
+    sparse_attention_paged(q, plan, **good)  # the good call runs
+
+    def bad(match, q=q, **change):
+        with pytest.raises(ValueError, match=match):
+            sparse_attention_paged(q, plan, **{**good, **change})
+
+    bad(r"q: expected torch.bfloat16/torch.float32 \[3, \*, 128\], got torch.float16", q=q.half())
+    bad(r"q: expected .* got torch.bfloat16 \[4, 8, 128\]", q=zeros(4, heads, dim, dtype=torch.bfloat16))
+    bad(r"q: expected .* got torch.bfloat16 \[3, 8, 64\]", q=q[..., :64].contiguous())
+    bad(r"q: must be contiguous", q=q.transpose(0, 1).contiguous().transpose(0, 1))
+    bad(r"q: on meta", q=q.to("meta"))
+    bad(r"sinks: expected torch.float32 \[8\]", sinks=zeros(heads, dtype=torch.bfloat16))
+    bad(r"sinks: expected torch.float32 \[8\]", sinks=zeros(heads + 1))
+    bad(r"sinks: on meta", sinks=zeros(heads).to("meta"))
+    bad(r"scale: expected a positive finite float", scale=float("nan"))
+    bad(r"window: expected a positive int", window=0)
+    bad(rf"window_pool: expected torch.uint8 \[\*, {layout.page_bytes(8)}\]", window=8)  # a ring of another length
+    bad(r"window_pool: must be contiguous", window_pool=zeros(2, 2 * lc.window.shape[1], dtype=torch.uint8)[:, ::2])
+    bad(r"window_pool: 3 request slots, the block table has 2", window_pool=zeros(3, lc.window.shape[1],
+                                                                                  dtype=torch.uint8))
+    bad(rf"step_kv: expected torch.uint8 \[1, {layout.page_bytes(3)}\]", step_kv=zeros(1, 576, dtype=torch.uint8))
+    bad(rf"entry_pool: expected torch.uint8 \[\*, {layout.page_bytes(PAGE // 16)}\]", ratio=16)  # another ratio
+    bad(r"entry_pool: must be contiguous",
+        entry_pool=zeros(lc.entries.shape[0], 2 * lc.entries.shape[1], dtype=torch.uint8)[:, ::2])
+    bad(r"entry_pool: on meta", entry_pool=lc.entries.to("meta"))
+    bad(r"ratio / page_tokens", ratio=0)
+    bad(r"ratio / page_tokens", page_tokens=130)
+    bad(r"picks: given without an entry_pool", entry_pool=None)
+    bad(r"picks: expected torch.int32/torch.int64 \[3, \*\]", picks=zeros(3, 8))
+    bad(r"picks: expected .* got torch.int32 \[2, 8\]", picks=zeros(2, 8, dtype=torch.int32))
+    bad(r"out: expected torch.float32 \[3, 8, 128\]", out=zeros(3, heads, dim, dtype=torch.bfloat16))
+    bad(r"out: expected torch.float32 \[3, 8, 128\]", out=zeros(3, heads, dim + 1))
+    bad(r"layout: expected a main-entry layout", layout=indexer_layout("fp8", dim))
+    bad(r"window_pool: expected torch.uint8 \[\*, 4096\]", layout=main_layout("bf16", dim, 64))
+    bad(r"layout: head_dim must be a power of two", layout=main_layout("fp8", 192, 64),
+        q=zeros(3, heads, 192, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match=r"plan: expected a StepPlan"):
+        sparse_attention_paged(q, "plan", **good)
+
+
+# --- GPU: V4-Flash and V4-Pro shapes ------------------------------------------------------------------------
+CONTEXTS = [3000 + 137 * i for i in range(8)]  # a few thousand tokens per request
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def _gpu_case(preset, kv_format, kind, batch, seed=0):
+    """Eight requests with CONTEXTS of history, then one step in a padded plan: a decode of 1 or 8 rows, or a
+    256-row prefill chunk next to two decode rows. Returns the error against the reference."""
+    geometry = ModelGeometry.preset(preset)
+    want_kind = LayerKind.CSA if kind == "csa" else LayerKind.HCA
+    layer = next(i for i, spec in enumerate(geometry.layers) if spec.kind is want_kind)
+    cache = CacheManager(geometry, max_requests=8, max_tokens=sum(CONTEXTS) + 512, kv_format=kv_format,
+                         indexer_format="fp8", page_tokens=256, device="cuda", poison=True)
+    lc, layout = cache.pools.layers[layer], cache.spec.layers[layer].main
+    window, ratio, heads, dim = geometry.window, geometry.layers[layer].ratio, geometry.num_heads, geometry.head_dim
+    g = gen(seed)
+    rids = [cache.admit() for _ in CONTEXTS]
+
+    def feed(plan):
+        """The step's kv, and its completed entries written (before attention, like compress-and-insert)."""
+        writes = plan.entries[ratio]
+        layout.write(lc.entries, 256 // ratio, writes.slots[:writes.count],
+                     randn(writes.count, dim, g=g, dtype=torch.bfloat16, device="cuda"))
+        return randn(plan.num_tokens, dim, g=g, dtype=torch.bfloat16, device="cuda")
+
+    history = cache.plan_step(list(zip(rids, CONTEXTS)))
+    append_window(lc.window, layout, window, history, feed(history))
+    step = {"decode1": [(rids[0], 1)], "decode8": [(r, 1) for r in rids],
+            "prefill256": [(rids[0], 1), (rids[3], 256), (rids[5], 1)]}[batch]  # a chunk between two decodes
+    buffers = cache.step_buffers(max_tokens=264 if batch == "prefill256" else 16, max_requests=8)
+    plan = cache.plan_step(step, buffers=buffers)
+    kv = feed(plan)
+    rows, n = plan.positions.shape[0], plan.num_tokens
+    kw = dict(entry_pool=lc.entries, ratio=ratio, page_tokens=256)
+    if kind == "csa":
+        kw["picks"] = random_picks(plan, ratio, geometry.index_topk, g)
+    q = randn(rows, heads, dim, g=g, dtype=torch.bfloat16, device="cuda")
+    out = torch.full((rows, heads, dim), float("nan"), device="cuda")
+    got = sparse_attention_paged(q, plan, sinks=sinks_of(q), scale=dim ** -0.5, layout=layout, window=window,
+                                 window_pool=lc.window, step_kv=encode_step_kv(layout, rows, kv), out=out, **kw)
+    want = reference(q, plan, layout, window, lc.window, kv, **kw)
+    assert torch.isfinite(got).all()
+    assert torch.equal(got[n:], torch.zeros_like(got[n:]))
+    return rel_error(got[:n], want)
+
+
+@needs_cuda
+@pytest.mark.parametrize("batch", ["decode1", "decode8", "prefill256"])
+@pytest.mark.parametrize("kind", ["csa", "hca"])
+@pytest.mark.parametrize("kv_format", ["fp8", "bf16"])
+@pytest.mark.parametrize("preset", ["flash", "pro"])
+def test_gpu_model_shapes(preset, kv_format, kind, batch):
+    error = _gpu_case(preset, kv_format, kind, batch)
+    print(f"{preset} {kv_format} {kind} {batch}: max error / row max = {error:.2e}")
+    assert error < TOL
+
+
+@needs_cuda
+def test_gpu_cuda_graph_replays_over_new_plans():
+    """Captured once with out=, replayed over plans rebuilt into the same StepBuffers with new q / step_kv / picks."""
+    cache = CacheManager(TINY, max_requests=4, max_tokens=2000, kv_format="fp8", indexer_format="bf16",
+                         page_tokens=PAGE, device="cuda", poison=True)
+    layout, lc, ratio = cache.spec.layers[1].main, cache.pools.layers[1], 4
+    rids = [cache.admit() for _ in range(3)]
+    buffers = cache.step_buffers(max_tokens=32, max_requests=4)
+    rows, heads, dim = 32, TINY.num_heads, TINY.head_dim
+    g = gen(5)
+    q = torch.zeros(rows, heads, dim, dtype=torch.bfloat16, device="cuda")
+    picks = torch.full((rows, TINY.index_topk), -1, dtype=torch.int32, device="cuda")
+    step_kv = torch.zeros(1, layout.page_bytes(rows), dtype=torch.uint8, device="cuda")
+    out = torch.zeros(rows, heads, dim, device="cuda")
+    args = dict(sinks=sinks_of(q), scale=dim ** -0.5, layout=layout, window=TINY.window, window_pool=lc.window,
+                step_kv=step_kv, entry_pool=lc.entries, ratio=ratio, page_tokens=PAGE, picks=picks, out=out)
+    graph = None
+    for step in ([(0, 30)], [(0, 2), (1, 20), (2, 3)], [(0, 1), (1, 1), (2, 1)], [(2, 25), (1, 1)]):
+        plan = cache.plan_step([(rids[i], n) for i, n in step], buffers=buffers)
+        kv = randn(plan.num_tokens, dim, g=g, device="cuda")
+        writes = plan.entries[ratio]
+        entries = randn(writes.count, dim, g=g, device="cuda")
+        layout.write(lc.entries, PAGE // ratio, writes.slots[:writes.count], entries)
+        q.copy_(randn(rows, heads, dim, g=g, device="cuda"))
+        picks.copy_(random_picks(plan, ratio, TINY.index_topk, g))
+        step_kv.copy_(encode_step_kv(layout, rows, kv))
+        if graph is None:
+            sparse_attention_paged(q, plan, **args)  # compile outside the capture
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                sparse_attention_paged(q, plan, **args)
+        out.fill_(float("nan"))
+        graph.replay()
+        want = reference(q, plan, layout, TINY.window, lc.window, kv, entry_pool=lc.entries, ratio=ratio,
+                         page_tokens=PAGE, picks=picks)
+        assert rel_error(out[:plan.num_tokens], want) < TOL
+        assert torch.equal(out[plan.num_tokens:], torch.zeros_like(out[plan.num_tokens:]))
+        append_window(lc.window, layout, TINY.window, plan, kv)

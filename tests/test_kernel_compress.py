@@ -1,0 +1,469 @@
+"""Compressor kernels (dsv4kv.kernels.compress) against the reference over random multi-request chunked
+schedules on a poisoned cache (pools 0xFF, state rings NaN until written, padding rows NaN):
+
+- append_state == ops.append.append_state, bit for bit (the state rings);
+- compress_insert == ops.compress.compress_and_insert: the kernel pools, norms and rotates in another order
+  (and on a GPU with other exp / rsqrt), so the entries are compared through the layout's decode within one
+  quantization step (the tolerance table below) with >= 99% of their bytes equal; every byte the plan does not write
+  keeps its poison.
+
+CSA (overlap, m = 4) and HCA (m = 16) layers of the tiny geometry, main entries FP8 MODEL1 / bf16 and indexer
+keys MXFP4 / FP8 / bf16, exact and padded persistent plans, bf16 and fp32 entries. Interpreted on the CPU; the
+GPU tests use V4-Flash / V4-Pro shapes (d 512, index 128, ratios 4 and 128, 256-token pages).
+"""
+
+import random
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from dsv4kv import CacheManager, ModelGeometry, quant
+from dsv4kv.geometry import LayerKind
+from dsv4kv.kernels.compress import append_state, compress_insert
+from dsv4kv.kernels.encode import store_index_entry
+from dsv4kv.layout import IndexerFP8Layout, IndexerMXFP4Layout, MainFP8Layout, indexer_layout, main_layout
+from dsv4kv.ops.append import append_state as reference_append
+from dsv4kv.ops.compress import compress_and_insert
+
+TINY = ModelGeometry.preset("tiny")  # layers: 0 window, 1 CSA m=4, 2 HCA m=16; head_dim 128, index_head_dim 64
+MAIN_FORMATS = ("fp8", "bf16")
+INDEX_FORMATS = ("mxfp4", "fp8", "bf16")
+POISON = 0xFF
+DEVICE = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+# Padding entries pool no rows (0 / 0) and the kernels rotate every row of a tile, keeping the rope row: the
+# interpreter's numpy reports the (discarded) NaNs.
+pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+
+# Tolerance of a decoded entry value against the reference's, per format: one step of the format's grid at that
+# value (the larger gap to a neighbour, at the larger of the two sides' scales),
+#   bf16 (main, indexer, FP8 MODEL1 rope dims): 2^(floor(log2 |v|) - 7)
+#   e4m3 (MODEL1 nope dims, ue8m0 scale s per 64; indexer FP8, one fp32 scale s): 2^(max(floor(log2 |v/s|), -6) - 3) * s
+#   e2m1 (MXFP4, ue8m0 scale s per 32): 0.5 s below 2 s, 1 s below 4 s, else 2 s
+# plus ATOL * max |entry| for values near zero, whose fp32 error (a reordered sum over the whole entry) exceeds
+# their own bf16 step. Rotated keys (indexer FP8 / MXFP4) also get SPREAD * rms(entry): the entry is rounded to
+# bf16 before the Hadamard rotation, the kernel's fp32 sums can round an element the other way (one bf16 step,
+# at most 2^-7 |x_i| <= 2^-7 sqrt(d) rms), and the rotation spreads that over every value / sqrt(d): up to
+# 2^-7 rms per such element in every rotated value, so SPREAD = 2^-5 allows four of them in one entry.
+ATOL = 2.0**-16
+SPREAD = 2.0**-5
+MIN_EQUAL_BYTES = 0.99
+
+
+# --- helpers ----------------------------------------------------------------------------------------
+def gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def same_bits(a, b):
+    """Bitwise equality (NaN == NaN when the bits agree)."""
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+def written_bytes(layout, entries, pages, slots):
+    """bool [pages, page_bytes]: the data and scale bytes of the entries at `slots`."""
+    mask = torch.zeros(pages, layout.page_bytes(entries), dtype=torch.bool)
+    for slot in slots.tolist():
+        page, off = divmod(slot, entries)
+        mask[page, off * layout.data_bytes:(off + 1) * layout.data_bytes] = True
+        base = entries * layout.data_bytes + off * layout.scale_bytes
+        mask[page, base:base + layout.scale_bytes] = True
+    return mask
+
+
+def bf16_step(v):
+    exponent = (v.abs().view(torch.int32) >> 23).clamp(min=1) - 127  # floor(log2 |v|); subnormals: -126
+    return torch.ldexp(torch.ones_like(v), exponent - 7)
+
+
+def e4m3_step(v, scale):
+    mantissa, exponent = torch.frexp(v.abs() / scale)
+    exponent = torch.where(mantissa > 0, exponent - 1, -6).clamp(min=-6)  # floor(log2 |y|); subnormals: -6
+    return torch.ldexp(torch.ones_like(v), exponent - 3) * scale
+
+
+def e2m1_step(v, scale):
+    y = v.abs() / scale
+    return torch.where(y < 2, 0.5, torch.where(y < 4, 1.0, 2.0)) * scale
+
+
+def grid_step(layout, pool, entries, slots, values):
+    """fp32 [E, dim]: one step of the layout's grid at each decoded value of the entries at `slots`."""
+    _, scale_rows = layout.page_views(pool, entries)
+    slots = slots.long()
+    scales = scale_rows[slots // entries, slots % entries]  # uint8 [E, scale_bytes]
+    if isinstance(layout, MainFP8Layout):
+        nope = layout.nope_dim
+        scale = quant.ue8m0_decode(scales[:, :nope // 64]).repeat_interleave(64, dim=1)
+        return torch.cat((e4m3_step(values[:, :nope], scale), bf16_step(values[:, nope:])), dim=1)
+    if isinstance(layout, IndexerFP8Layout):
+        return e4m3_step(values, scales.contiguous().view(torch.float32))
+    if isinstance(layout, IndexerMXFP4Layout):
+        return e2m1_step(values, quant.ue8m0_decode(scales).repeat_interleave(32, dim=1))
+    return bf16_step(values)
+
+
+@dataclass
+class Agreement:
+    """What one layout's entries measured over a schedule."""
+
+    entries: int = 0
+    seen: set = field(default_factory=set)  # (padded plan, out_dtype) of the steps that wrote entries
+    worst: float = 0.0  # max |kernel - reference| / tolerance
+    max_abs: float = 0.0
+    bytes_total: int = 0
+    bytes_equal: int = 0
+
+    def __str__(self):
+        share = self.bytes_equal / max(self.bytes_total, 1)
+        return (f"{self.entries} entries, max |diff| {self.max_abs:.3g} = {self.worst:.3g} of the tolerance, "
+                f"bytes equal {share:.5f}")
+
+
+def check_entries(layout, entries, pool, want, before, slots, agreement, seen):
+    """Kernel pool vs reference pool after one compress_insert: unwritten bytes keep their poison, the written
+    entries decode within TOLERANCE of the reference's, and their bytes are counted."""
+    written = written_bytes(layout, entries, pool.shape[0], slots.cpu()).to(pool.device)
+    assert torch.equal(pool[~written], before[~written]), "bytes of slots the plan does not write must not change"
+    if slots.numel() == 0:
+        return
+    got, expected = layout.read(pool, entries, slots), layout.read(want, entries, slots)
+    assert expected.isfinite().all()
+    step = torch.maximum(grid_step(layout, pool, entries, slots, got),
+                         grid_step(layout, want, entries, slots, expected))
+    bound = step + ATOL * expected.abs().amax(dim=1, keepdim=True)
+    if layout.rotated:
+        bound = bound + SPREAD * expected.pow(2).mean(dim=1, keepdim=True).sqrt()
+    diff = (got - expected).abs()
+    assert (diff <= bound).all(), (f"{layout.name}: entries beyond one quantization step: max |diff| "
+                                   f"{diff.nan_to_num(float('inf')).max():.4g}, {(~(diff <= bound)).sum()} values")
+    if isinstance(layout, MainFP8Layout):  # the scale row's pad bytes are not decoded: compare them directly
+        _, kernel_scales = layout.page_views(pool, entries)
+        _, want_scales = layout.page_views(want, entries)
+        s = slots.long()
+        pad = layout.nope_dim // 64
+        assert torch.equal(kernel_scales[s // entries, s % entries, pad:], want_scales[s // entries, s % entries, pad:])
+    agreement.entries += slots.numel()
+    agreement.seen.add(seen)
+    agreement.worst = max(agreement.worst, float((diff / bound).max()))
+    agreement.max_abs = max(agreement.max_abs, float(diff.max()))
+    agreement.bytes_total += int(written.sum())
+    agreement.bytes_equal += int((pool == want)[written].sum())
+
+
+@dataclass
+class Compressor:
+    """One compressor of a layer (main or indexer): state rings and one pool per layout, kernel side and
+    reference side, all poisoned."""
+
+    main: bool
+    dim: int
+    layouts: list
+    norm_weight: torch.Tensor
+    kv_scale: float
+    state: list = field(default_factory=list)  # kernel [kv, logits], reference [kv, logits]
+    pools: dict = field(default_factory=dict)  # layout name -> (kernel pool, reference pool)
+    agreement: dict = field(default_factory=dict)
+
+
+def make_compressors(cache, layer, g):
+    geometry, spec = cache.geometry, cache.geometry.layers[layer]
+    csa = spec.kind is LayerKind.CSA
+    ring, blocks, entries = (2 if csa else 1) * spec.ratio, cache.num_blocks, cache.spec.page_tokens // spec.ratio
+    d = geometry.head_dim
+    made = [Compressor(True, d, [main_layout(f, d, geometry.rope_dim) for f in MAIN_FORMATS],
+                       1 + 0.2 * torch.randn(d, generator=g), 3.0)]
+    if csa:
+        d = geometry.index_head_dim
+        made.append(Compressor(False, d, [indexer_layout(f, d) for f in INDEX_FORMATS],
+                               1 + 0.2 * torch.randn(d, generator=g), 1.0))
+    for c in made:
+        c.norm_weight = c.norm_weight.to(cache.device)
+        shape = (cache.max_requests, ring, (2 if csa else 1) * c.dim)
+        nan = torch.full(shape, float("nan"), device=cache.device)  # never read before a step writes it
+        c.state = [nan.clone(), nan.clone(), nan.clone(), nan.clone()]
+        for layout in c.layouts:
+            pool = torch.full((blocks, layout.page_bytes(entries)), POISON, dtype=torch.uint8, device=cache.device)
+            c.pools[layout.name] = (pool, pool.clone())
+            c.agreement[layout.name] = Agreement()
+    return made
+
+
+def run_compress_schedule(cache, layer, rids, steps, buffers, seed, every_layout=True):
+    """Runs the schedule (steps: ((request number, tokens), ...), padded) through kernels and reference and checks
+    every step; returns the compressors (with their Agreement per layout). Without `every_layout` each step
+    encodes into one main and one indexer layout, in turn (the interpreter is slow); state rings are shared."""
+    g = gen(seed)
+    spec, device = cache.geometry.layers[layer], cache.device
+    csa = spec.kind is LayerKind.CSA
+    entries = cache.spec.page_tokens // spec.ratio
+    compressors = make_compressors(cache, layer, g)
+    for i, (batch, padded) in enumerate(steps):
+        plan = cache.plan_step([(rids[r], n) for r, n in batch], buffers=buffers if padded else None)
+        rows, n = plan.positions.shape[0], plan.num_tokens
+        writes = plan.entries[spec.ratio]
+        slots = writes.slots[:writes.count]
+        out_dtype = torch.float32 if i % 5 == 1 else torch.bfloat16
+        for c in compressors:
+            width = c.state[0].shape[2]
+            kv_rows = torch.randn(rows, width, generator=g) * c.kv_scale
+            logit_rows = torch.randn(rows, width, generator=g) * 2
+            kv_rows[n:], logit_rows[n:] = float("nan"), float("nan")  # padding rows: never read
+            kv_rows, logit_rows = kv_rows.to(device), logit_rows.to(device)
+            kernel_kv, kernel_logits, ref_kv, ref_logits = c.state
+            turn = c.layouts[(i + i // len(c.layouts)) % len(c.layouts)]  # padded steps reach every layout
+            for layout in c.layouts if every_layout else [turn]:
+                pool, want = c.pools[layout.name]
+                kw = dict(ratio=spec.ratio, overlap=csa, norm_weight=c.norm_weight, eps=cache.geometry.rms_norm_eps,
+                          rope=spec.rope, out_dtype=out_dtype, layout=layout, page_tokens=cache.spec.page_tokens)
+                before = pool.clone()
+                compress_insert(kernel_kv, kernel_logits, plan, kv_rows, logit_rows, pool=pool, main=c.main, **kw)
+                compress_and_insert(ref_kv, ref_logits, plan, kv_rows[:n], logit_rows[:n], pool=want, **kw)
+                check_entries(layout, entries, pool, want, before, slots, c.agreement[layout.name], (padded, out_dtype))
+            append_state(kernel_kv, kernel_logits, plan, kv_rows, logit_rows)
+            reference_append(ref_kv, ref_logits, plan, kv_rows[:n], logit_rows[:n])
+            assert same_bits(kernel_kv, ref_kv) and same_bits(kernel_logits, ref_logits), f"state rings after {plan}"
+    for c in compressors:
+        for name, agreement in c.agreement.items():
+            assert agreement.bytes_equal >= MIN_EQUAL_BYTES * agreement.bytes_total, f"{name}: {agreement}"
+            print(f"layer {layer} {'main' if c.main else 'indexer'} {name}: {agreement}")
+    return compressors
+
+
+def schedule(seed, lengths, chunks, padded_every, cap):
+    """Random steps feeding each request its full length: ((request number, tokens), ...), padded). Every
+    `padded_every`-th step goes through the persistent buffers and so holds at most `cap` tokens."""
+    rng = random.Random(seed)
+    remaining, steps = list(lengths), []
+    while any(remaining):
+        padded = len(steps) % padded_every == padded_every - 1
+        room = cap if padded else sum(remaining)
+        batch = []
+        for i in rng.sample([i for i, r in enumerate(remaining) if r], rng.randint(1, sum(map(bool, remaining)))):
+            take = min(remaining[i], rng.choice(chunks), room)
+            if take:
+                batch.append((i, take))
+                remaining[i] -= take
+                room -= take
+        steps.append((batch, padded))
+    return steps
+
+
+def admit(cache, count):
+    """Request ids on slots 1..count: slot 0 (a released dummy) must stay untouched."""
+    dummy = cache.admit()
+    rids = [cache.admit() for _ in range(count)]
+    cache.release(dummy)
+    return rids
+
+
+def untouched_slot(compressors, slot):
+    for c in compressors:
+        assert all(t[slot].isnan().all() for t in c.state), "the unused slot's state rings"
+
+
+# --- schedules on the interpreter ---------------------------------------------------------------------------
+@pytest.mark.parametrize("layer, lengths, seed", [(1, (141, 25, 12), 8), (2, (141, 37, 22), 22)],
+                         ids=["csa-m4", "hca-m16"])
+def test_compress_and_state_over_random_schedule(layer, lengths, seed):
+    """Three requests (the first crosses into a second, non-adjacent block), chunks of 1..60 tokens, every third
+    step a padded plan (buffers for 5 tokens), every fifth fp32 entries; the layouts take turns."""
+    cache = CacheManager(TINY, max_requests=4, max_tokens=600, page_tokens=128, device=DEVICE, poison=True)
+    rids = admit(cache, 3)
+    buffers = cache.step_buffers(max_tokens=5, max_requests=3)
+    steps = schedule(seed, lengths, chunks=(1, 1, 2, 5, 13, 29, 60), padded_every=3, cap=5)
+    compressors = run_compress_schedule(cache, layer, rids, steps, buffers, seed=layer, every_layout=False)
+    blocks = cache.blocks(rids[0])
+    assert len(blocks) == 2 and blocks[1] != blocks[0] + 1, "non-contiguous blocks"
+    assert any(n >= 29 for batch, padded in steps if not padded for _, n in batch)
+    for c in compressors:
+        for name, agreement in c.agreement.items():
+            padded, dtypes = {p for p, _ in agreement.seen}, {d for _, d in agreement.seen}
+            assert padded == {False, True} and dtypes == {torch.bfloat16, torch.float32}, f"{name}: {agreement.seen}"
+    untouched_slot(compressors, 0)
+
+
+# --- indexer-key encoders, bit for bit ------------------------------------------------------------------------
+# compress_insert's entries come out of a softmax, a norm and a rotation, so random schedules almost never put a
+# value on a rounding tie. The encoders it calls are checked here on constructed values instead, with the
+# Hadamard matrix replaced by the identity (the rotation itself is covered by the schedules above).
+@triton.jit
+def _encode_keys_kernel(x_ptr, out_ptr, rotation_ptr, D: tl.constexpr, FORMAT: tl.constexpr,
+                        DATA_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr):
+    row = tl.program_id(0)
+    x = tl.reshape(tl.load(x_ptr + row * D + tl.arange(0, D)), (D // 64, 64))
+    data_ptr = out_ptr + row.to(tl.int64) * (DATA_BYTES + SCALE_BYTES)
+    store_index_entry(data_ptr, data_ptr + DATA_BYTES, x, row, rotation_ptr, D, FORMAT)
+
+
+def key_corners(fmt, d, g):
+    """fp32 [N, d] bf16-valued keys: scale-setting maxima (qmax * 2^k, a bit above it, the eps floor), values on
+    the rounding ties of e2m1 (MXFP4, per 32) or e4m3 (FP8, per key), exact grid values, zeros and -0."""
+    if fmt == "mxfp4":
+        qmax, block = 6.0, 32
+        ties = [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 0.0, 0.3125, 2.625]
+    else:
+        qmax, block = 448.0, d
+        ties = [(17 + 2 * m) / 16 * 2.0**e for e in range(-6, 9) for m in range(8) if (17 + 2 * m) / 16 * 2.0**e < 448]
+        ties += [(k + 0.5) * 2.0**-9 for k in range(8)] + [0.0]
+    ties = torch.tensor(ties)
+    rows = []
+    for scale in (1.0, 2.0**-5, 2.0**7, 2.0**-13):
+        signs = torch.where(torch.rand(d, generator=g) < 0.5, -1.0, 1.0)
+        values = ties[torch.randint(0, len(ties), (d,), generator=g)] * signs
+        values[::block] = qmax  # every block's amax: its scale is exactly `scale`
+        rows.append(values * scale)
+    above = rows[0].clone()
+    above[::block] = qmax * 1.0625  # just above qmax: the scale doubles
+    tiny, plain = (torch.randn(2, d, generator=g) * torch.tensor([[3e-5], [1.0]])).to(torch.bfloat16).float()
+    keys = torch.stack(rows + [above, tiny, torch.zeros(d), -torch.zeros(d), plain])
+    assert torch.equal(keys.to(torch.bfloat16).float(), keys)
+    return keys
+
+
+def encode_keys(keys, layout, fmt_code):
+    n, d = keys.shape
+    out = torch.full((n, layout.entry_bytes), POISON, dtype=torch.uint8, device=keys.device)
+    identity = torch.eye(d, device=keys.device)
+    _encode_keys_kernel[(n,)](keys, out, identity, D=d, FORMAT=fmt_code, DATA_BYTES=layout.data_bytes,
+                              SCALE_BYTES=layout.scale_bytes)
+    rotated = (keys @ identity).to(torch.bfloat16)  # layout._rotate with H = I (keeps its +0 for -0)
+    if fmt_code == 2:
+        packed, scale = quant.quantize_mxfp4(rotated, 32)
+        want = torch.cat((packed, quant.ue8m0_encode(scale)), dim=1)
+    else:
+        q, scale = quant.quantize_fp8(rotated, d)
+        want = torch.cat((q.view(torch.uint8), scale.contiguous().view(torch.uint8)), dim=1)
+    return out, want
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("fmt, fmt_code", [("mxfp4", 2), ("fp8", 1)])
+def test_index_key_encoders_bit_for_bit(fmt, fmt_code, d):
+    layout = indexer_layout(fmt, d)
+    keys = key_corners(fmt, d, gen(d)).to(DEVICE)
+    out, want = encode_keys(keys, layout, fmt_code)
+    assert torch.equal(out, want)
+
+
+@pytest.mark.parametrize("fmt, fmt_code", [("mxfp4", 2), ("fp8", 1)])
+def test_index_key_encoders_nonfinite(fmt, fmt_code):
+    """A NaN or inf makes the rotated key NaN (NaN * 0 in the rotation, also with H = I): every scale of the key is
+    NaN, and other keys are unaffected."""
+    layout = indexer_layout(fmt, 64)
+    keys = torch.randn(3, 64, generator=gen(5)).to(torch.bfloat16).float()
+    keys[0, 40], keys[1, 3] = float("nan"), float("-inf")
+    keys = keys.to(DEVICE)
+    out, want = encode_keys(keys, layout, fmt_code)
+    if fmt == "mxfp4":  # ue8m0 0xFF scales, e2m1 codes +0 as the reference's
+        assert torch.equal(out, want) and (out[:2, 32:] == 0xFF).all() and (out[:2, :32] == 0).all()
+    else:  # e4m3 data 0x7F where the reference's may carry a sign; the fp32 scale is NaN
+        assert torch.equal(out[2], want[2]) and torch.equal(out[:2, 64:], want[:2, 64:])
+        assert ((out[:2, :64] & 0x7F) == 0x7F).all() and ((want[:2, :64] & 0x7F) == 0x7F).all()
+    decoded = layout.decode(out[:, :layout.data_bytes], out[:, layout.data_bytes:])
+    assert decoded[:2].isnan().all() and decoded[2].isfinite().all()
+
+
+# --- bad input ------------------------------------------------------------------------------------------------
+def test_compress_insert_rejects_bad_input():
+    cache = CacheManager(TINY, max_requests=2, max_tokens=300, page_tokens=128, device=DEVICE, poison=True)
+    plan = cache.plan_step([(cache.admit(), 9)])
+    layer = cache.pools.layers[1]
+    layout, index = cache.spec.layers[1].main, cache.spec.layers[1].index  # fp8 main, mxfp4 indexer keys
+    state_kv, state_logits, pool = layer.state_kv, layer.state_score, layer.entries
+    kv_rows, logit_rows = torch.randn(9, 256, device=DEVICE), torch.randn(9, 256, device=DEVICE)
+    before = [t.clone() for t in (state_kv, state_logits, pool)]
+
+    def call(**changes):
+        args = dict(state_kv=state_kv, state_logits=state_logits, plan=plan, kv_rows=kv_rows, logit_rows=logit_rows,
+                    ratio=4, overlap=True, norm_weight=torch.ones(128, device=DEVICE), eps=1e-6,
+                    rope=TINY.layers[1].rope, out_dtype=torch.bfloat16, layout=layout, pool=pool, page_tokens=128,
+                    main=True)
+        args.update(changes)
+        compress_insert(**args)
+
+    with pytest.raises(ValueError, match=r"kv_rows: expected torch.float32 \[9, 256\], got torch.bfloat16"):
+        call(kv_rows=kv_rows.to(torch.bfloat16))
+    with pytest.raises(ValueError, match=r"kv_rows: expected torch.float32 \[9, 256\], got torch.float32 \[8, 256\]"):
+        call(kv_rows=kv_rows[:8])
+    with pytest.raises(ValueError, match=r"logit_rows: expected torch.float32 \[9, 256\], got .* \[9, 128\]"):
+        call(logit_rows=logit_rows[:, :128].contiguous())
+    with pytest.raises(ValueError, match=r"logit_rows: must be contiguous"):
+        call(logit_rows=torch.randn(9, 300, device=DEVICE)[:, :256])
+    with pytest.raises(ValueError, match=rf"kv_rows: on meta, expected {DEVICE}"):
+        call(kv_rows=kv_rows.to("meta"))
+    with pytest.raises(ValueError, match=r"state_kv: expected torch.float32 \[\*, \*, 256\]"):
+        call(state_kv=state_kv[..., :128].contiguous())
+    with pytest.raises(ValueError, match=r"state_kv: must be contiguous"):  # rejected, never copied
+        call(state_kv=torch.zeros(2, 8, 300, device=DEVICE)[..., :256])
+    with pytest.raises(ValueError, match=r"state_logits: expected torch.float32 \[2, 8, 256\], got .* \[2, 4, 256\]"):
+        call(state_logits=state_logits[:, :4].contiguous())
+    with pytest.raises(ValueError, match=r"state_logits: on meta"):
+        call(state_logits=state_logits.to("meta"))
+    with pytest.raises(ValueError, match=r"pool: must be contiguous"):  # rejected, never copied
+        call(pool=torch.zeros(pool.shape[0], pool.shape[1] + 8, dtype=torch.uint8, device=DEVICE)[:, :pool.shape[1]])
+    with pytest.raises(ValueError, match=rf"pool: expected torch.uint8 \[\*, {layout.page_bytes(64)}\]"):
+        call(page_tokens=256)
+    with pytest.raises(ValueError, match=r"pool: expected torch.uint8 .* got torch.float32"):
+        call(pool=pool.float())
+    with pytest.raises(ValueError, match=r"norm_weight: expected torch.float32 \[128\], got torch.bfloat16"):
+        call(norm_weight=torch.ones(128, dtype=torch.bfloat16, device=DEVICE))
+    with pytest.raises(ValueError, match=r"norm_weight: expected torch.float32 \[128\], got torch.float32 \[64\]"):
+        call(norm_weight=torch.ones(64, device=DEVICE))
+    with pytest.raises(ValueError, match=r"layout 'mxfp4' is not a main-entry layout"):  # indexer keys as main
+        call(layout=index)
+    with pytest.raises(ValueError, match=r"layout 'fp8' is not a indexer-key layout"):  # MODEL1 as indexer keys
+        call(main=False)
+    with pytest.raises(ValueError, match=r"the plan has no entries of ratio 8"):
+        call(ratio=8)
+    with pytest.raises(ValueError, match=r"out_dtype bf16 or fp32, got torch.float16"):
+        call(out_dtype=torch.float16)
+    with pytest.raises(ValueError, match=r"d = 64 \* a power of two"):
+        call(layout=main_layout("bf16", 192, 64))
+    for tensor, old in zip((state_kv, state_logits, pool), before):
+        assert same_bits(tensor, old)
+
+
+def test_append_state_rejects_bad_input():
+    cache = CacheManager(TINY, max_requests=2, max_tokens=300, page_tokens=128, device=DEVICE, poison=True)
+    plan = cache.plan_step([(cache.admit(), 5)])
+    state_kv, state_logits = cache.pools.layers[2].state_kv, cache.pools.layers[2].state_score  # HCA: [2, 16, 128]
+    kv_rows, logit_rows = torch.randn(5, 128, device=DEVICE), torch.randn(5, 128, device=DEVICE)
+    before = [state_kv.clone(), state_logits.clone()]
+    with pytest.raises(ValueError, match=r"state_kv: must be contiguous"):  # rejected, never copied
+        append_state(torch.zeros(2, 16, 130, device=DEVICE)[..., :128], state_logits, plan, kv_rows, logit_rows)
+    with pytest.raises(ValueError, match=r"state_kv: expected torch.float32 \[\*, \*, \*\], got torch.float64"):
+        append_state(state_kv.double(), state_logits, plan, kv_rows, logit_rows)
+    with pytest.raises(ValueError, match=r"state_logits: expected torch.float32 \[2, 16, 128\], got .* \[2, 16, 64\]"):
+        append_state(state_kv, state_logits[..., :64].contiguous(), plan, kv_rows, logit_rows)
+    with pytest.raises(ValueError, match=r"kv_rows: expected torch.float32 \[5, 128\], got torch.float32 \[4, 128\]"):
+        append_state(state_kv, state_logits, plan, kv_rows[:4], logit_rows)
+    with pytest.raises(ValueError, match=r"logit_rows: expected torch.float32 \[5, 128\], got torch.bfloat16"):
+        append_state(state_kv, state_logits, plan, kv_rows, logit_rows.to(torch.bfloat16))
+    with pytest.raises(ValueError, match=rf"logit_rows: on meta, expected {DEVICE}"):
+        append_state(state_kv, state_logits, plan, kv_rows, logit_rows.to("meta"))
+    assert same_bits(state_kv, before[0]) and same_bits(state_logits, before[1])
+
+
+# --- on a GPU, at V4 shapes -------------------------------------------------------------------------------------
+@needs_cuda
+@pytest.mark.parametrize("kind", [LayerKind.CSA, LayerKind.HCA], ids=["csa", "hca"])
+@pytest.mark.parametrize("preset", ["flash", "pro"])
+def test_cuda_compress_and_state_decode_and_prefill(preset, kind):
+    """24 live requests on 256-token pages: prefills, decode batches of every request, and 1024-token prefill
+    chunks mixed with decode tokens; exact and padded persistent plans, every layout on every step. Same checks
+    and tolerance as on the interpreter."""
+    g = ModelGeometry.preset(preset)
+    layer = next(i for i, spec in enumerate(g.layers) if spec.kind is kind)
+    cache = CacheManager(g, max_requests=25, max_tokens=16000, page_tokens=256, device=DEVICE, poison=True)
+    rids = admit(cache, 24)
+    buffers = cache.step_buffers(max_tokens=1100, max_requests=24)
+    decode = [(i, 1) for i in range(24)]
+    steps = [([(0, 1024)] + [(i, 3 + 41 * i % 300) for i in range(1, 24)], False), (decode, True), (decode, False)]
+    steps += [([(1, 1024)] + decode[2:], True), (decode, True), ([(0, 1024), (2, 1), (3, 60)], False)]
+    steps += [(decode[::2], True)] * 3 + [(decode, False)]
+    compressors = run_compress_schedule(cache, layer, rids, steps, buffers, seed=51)
+    untouched_slot(compressors, 0)

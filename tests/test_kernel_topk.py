@@ -1,0 +1,185 @@
+"""The top-k kernel against the reference `topk_picks` (a stable descending sort): the same index set,
+bit for bit, on rows full of exact ties, short and empty rows, -inf inside and NaN past the length.
+Small cases run under the interpreter; V4-Flash / V4-Pro shapes (1M tokens at ratio 4) need a GPU."""
+
+import pytest
+import torch
+
+from dsv4kv import ModelGeometry
+from dsv4kv.kernels import topk as topk_module
+from dsv4kv.kernels.topk import MAX_K, topk_indices, topk_workspace
+from dsv4kv.ops.indexer import topk_picks
+
+SENTINEL = -7  # prefilled into out: every element must be overwritten
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def reference(scores, lengths, k):
+    """int32 [R, k]: topk_picks on the length-masked scores, picks sorted ascending, -1 after."""
+    cols = torch.arange(scores.shape[1], device=scores.device)
+    masked = scores.masked_fill(cols >= lengths.long().clamp(0, scores.shape[1]).unsqueeze(1), float("-inf"))
+    picks = topk_picks(masked, k)
+    big = torch.iinfo(torch.int64).max
+    picks = torch.where(picks < 0, big, picks).sort(dim=1).values
+    return torch.where(picks == big, -1, picks).to(torch.int32)
+
+
+def make_rows(seed, rows, cols, kind, device="cpu"):
+    """fp32 [rows, cols] scores of `kind` with NaN past each row's length, and int32 lengths that include
+    0, cols, negative and > cols (clamped by the op)."""
+    g = torch.Generator().manual_seed(seed)
+    if kind == "ties":  # integers: long runs of exact ties at the threshold
+        scores = torch.randint(-6, 7, (rows, cols), generator=g).float()
+    elif kind == "equal":
+        scores = torch.full((rows, cols), 2.5)
+    elif kind == "normal":  # a fine grid (ties inside the last radix digits too), 5% -inf: no candidates
+        scores = (torch.randn(rows, cols, generator=g) * 64).round() / 64
+        scores = scores.masked_fill(torch.rand(rows, cols, generator=g) < 0.05, float("-inf"))
+    else:
+        raise ValueError(kind)
+    lengths = torch.randint(0, cols + 1, (rows,), generator=g)
+    fixed = [0, cols, cols + 5, -3, 1]
+    lengths[:min(rows, len(fixed))] = torch.tensor(fixed[:rows])
+    cols_idx = torch.arange(cols)
+    scores = scores.masked_fill(cols_idx >= lengths.clamp(0, cols).unsqueeze(1), float("nan"))
+    return scores.to(device), lengths.to(torch.int32).to(device)
+
+
+def run(scores, lengths, k, **kw):
+    out = torch.full((scores.shape[0], k), SENTINEL, dtype=torch.int32, device=scores.device)
+    result = topk_indices(scores, lengths, k, out=out, **kw)
+    assert result is out
+    return out
+
+
+# --- interpreter-sized cases ---------------------------------------------------------------------------
+@pytest.mark.parametrize("rows,cols,k,kind", [
+    (1, 300, 7, "ties"),  # one row split across programs
+    (3, 517, 64, "ties"),
+    (7, 201, 16, "normal"),  # one chunk per row
+    (5, 90, 128, "ties"),  # k > J: every candidate, then -1
+    (1, 257, 257, "normal"),  # k == J
+    (3, 300, 50, "equal"),  # the whole row ties: the buffer overflows, kernel 4 reads the row
+], ids=lambda v: str(v))
+def test_topk_matches_reference(rows, cols, k, kind):
+    scores, lengths = make_rows(rows * cols + k, rows, cols, kind, DEVICE)
+    assert torch.equal(run(scores, lengths, k), reference(scores, lengths, k))
+
+
+@pytest.mark.parametrize("capacity", [0, 9])
+def test_topk_small_buffer_is_exact(capacity):
+    """Rows whose candidates overflow the buffer are selected from the row itself, with the same result."""
+    scores, lengths = make_rows(11, 3, 203, "ties", DEVICE)
+    ws = topk_workspace(3, 203, 12, scores.device, capacity=capacity)
+    assert torch.equal(run(scores, lengths, 12, workspace=ws), reference(scores, lengths, 12))
+
+
+def test_topk_inf_and_signed_zero():
+    """-inf inside the length is no candidate; -0.0 ties +0.0 (lower column first); +inf ranks first."""
+    inf = float("inf")
+    row = [0.0, -inf, -0.0, 3.0, -inf, inf, 0.0, -1e38, -0.0, -inf, 3.0, -2.0, 0.0]
+    scores = torch.tensor([row, row, [-inf] * len(row)], device=DEVICE)
+    lengths = torch.tensor([13, 11, 13], dtype=torch.int32, device=DEVICE)
+    for k in (1, 3, 5, 7, 12):
+        assert torch.equal(run(scores, lengths, k), reference(scores, lengths, k)), k
+    assert run(scores, lengths, 4)[2].eq(-1).all()  # an all -inf row picks nothing
+
+
+def test_topk_workspace_reused():
+    """A workspace serves call after call: the histograms it needs zeroed are zero again afterwards."""
+    ws = topk_workspace(3, 150, 20, DEVICE)
+    for seed, kind in ((1, "ties"), (2, "normal"), (3, "equal")):
+        scores, lengths = make_rows(seed, 3, 150, kind, DEVICE)
+        assert torch.equal(run(scores, lengths, 20, workspace=ws), reference(scores, lengths, 20))
+        assert ws[:, :512].eq(0).all()
+
+
+def test_topk_bad_inputs():
+    scores, lengths = make_rows(0, 3, 40, "ties", DEVICE)
+    i32 = dict(dtype=torch.int32, device=DEVICE)
+    good = dict(scores=scores, lengths=lengths, k=5)
+    bad = [
+        (dict(scores=scores.half()), "scores: expected torch.float32"),
+        (dict(scores=scores[0]), r"scores: expected torch.float32 \[\*, \*\]"),
+        (dict(scores=scores.t().contiguous().t()), "scores: must be contiguous"),
+        (dict(scores=scores.to("meta")), "scores: Triton kernels need a CUDA tensor"),
+        (dict(lengths=lengths.to("meta")), f"lengths: on meta, expected {DEVICE}"),
+        (dict(lengths=lengths.long()), "lengths: expected torch.int32 \\[3\\]"),
+        (dict(lengths=lengths[:2]), "lengths: expected torch.int32 \\[3\\]"),
+        (dict(k=0), "k: expected an int in 1..2048"),
+        (dict(k=MAX_K + 1), "k: expected an int in 1..2048"),
+        (dict(k=5.0), "k: expected an int"),
+        (dict(k=True), "k: expected an int"),
+        (dict(out=torch.empty(3, 5, dtype=torch.int64, device=DEVICE)), "out: expected torch.int32 \\[3, 5\\]"),
+        (dict(out=torch.empty(3, 6, **i32)), "out: expected torch.int32 \\[3, 5\\]"),
+        (dict(out=torch.empty(5, 3, **i32).t()), "out: must be contiguous"),
+        (dict(out=torch.empty(3, 5, dtype=torch.int32, device="meta")), f"out: on meta, expected {DEVICE}"),
+        (dict(workspace=torch.zeros(3, 100, **i32)), "workspace: expected int32 \\[3, >= "),
+        (dict(workspace=torch.zeros(2, 5000, **i32)), "workspace: expected torch.int32 \\[3, \\*\\]"),
+        (dict(workspace=torch.zeros(3, 5000, dtype=torch.int64, device=DEVICE)), "workspace: expected torch.int32"),
+        (dict(workspace=torch.zeros(3, 10000, **i32)[:, ::2]), "workspace: must be contiguous"),
+    ]
+    for change, message in bad:
+        args = {**good, **change}
+        with pytest.raises(ValueError, match=message):
+            topk_indices(args.pop("scores"), args.pop("lengths"), args.pop("k"), **args)
+    with pytest.raises(ValueError, match="capacity must be >= 0"):
+        topk_workspace(3, 40, 5, "cpu", capacity=-1)
+
+
+def test_topk_empty_shapes():
+    out = run(torch.zeros(2, 0, device=DEVICE), torch.tensor([3, 0], dtype=torch.int32, device=DEVICE), 4)
+    assert out.eq(-1).all()
+    assert run(torch.zeros(0, 9, device=DEVICE), torch.zeros(0, dtype=torch.int32, device=DEVICE), 4).shape == (0, 4)
+
+
+def test_topk_splits_rows():
+    """The interpreted cases above do split single rows across programs (and leave bigger batches whole)."""
+    assert topk_module._split(1, 300, torch.device("cpu"))[0] > 1
+    assert topk_module._split(7, 201, torch.device("cpu"))[0] == 1
+
+
+# --- GPU: V4 shapes (1M-token context at ratio 4) -----------------------------------------------------
+CONTEXT = ModelGeometry.preset("flash").max_position // 4  # 262,144 candidates
+
+
+@cuda
+@pytest.mark.parametrize("preset", ["flash", "pro"])
+@pytest.mark.parametrize("kind", ["normal", "ties", "equal"])
+def test_topk_gpu_one_long_row(preset, kind):
+    k = ModelGeometry.preset(preset).index_topk  # 512 / 1024
+    scores, lengths = make_rows(5, 1, CONTEXT, kind, "cuda")
+    lengths.fill_(CONTEXT)
+    scores = torch.nan_to_num(scores, nan=0.0)
+    assert torch.equal(run(scores, lengths, k), reference(scores, lengths, k))
+
+
+@cuda
+@pytest.mark.parametrize("rows,cols,k,kind", [
+    (64, 32768, 512, "normal"), (64, 32768, 512, "ties"), (300, 65536, 1024, "normal"), (300, 20001, 512, "ties"),
+    (7, CONTEXT, 1024, "normal"),
+], ids=lambda v: str(v))
+def test_topk_gpu_batches(rows, cols, k, kind):
+    scores, lengths = make_rows(rows + k, rows, cols, kind, "cuda")  # mixed lengths, NaN past them
+    assert torch.equal(run(scores, lengths, k), reference(scores, lengths, k))
+
+
+@cuda
+def test_topk_gpu_graph_replay():
+    """Captured once with preallocated out and workspace, replayed over new scores and lengths."""
+    rows, cols, k = 5, CONTEXT, 512
+    scores, lengths = make_rows(1, rows, cols, "normal", "cuda")
+    out = torch.full((rows, k), SENTINEL, dtype=torch.int32, device="cuda")
+    ws = topk_workspace(rows, cols, k, "cuda")
+    topk_indices(scores, lengths, k, out=out, workspace=ws)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        topk_indices(scores, lengths, k, out=out, workspace=ws)
+    for seed, kind in ((2, "ties"), (3, "normal"), (4, "equal")):
+        new_scores, new_lengths = make_rows(seed, rows, cols, kind, "cuda")
+        scores.copy_(new_scores)
+        lengths.copy_(new_lengths)
+        out.fill_(SENTINEL)
+        graph.replay()
+        assert torch.equal(out, reference(scores, lengths, k)), kind
