@@ -104,13 +104,13 @@ def sinks_of(q):
 
 
 # --- the scenario: three requests, slots 1..3, interleaved blocks --------------------------------------------
-WARMUP = [[(0, 20), (1, 20)]] * 7  # 140 tokens each, alternating blocks: requests span non-contiguous blocks
+WARMUP = [[(0, 16), (1, 16)]] * 9  # 144 tokens each, alternating blocks: requests span non-contiguous blocks
 CHECKED = [
     [(0, 1), (1, 23), (2, 5)],  # decode; a chunk whose window is partly ring, partly step; a fresh request
     [(2, 30), (0, 1)],  # a chunk longer than the window (later rows read only the step); decode
-    [(1, 1), (0, 1), (2, 1)],  # a decode batch in a 40-row plan: 37 padding rows
+    [(1, 1), (0, 1), (2, 1)],  # a decode batch in a 32-row plan: 29 padding rows
 ]
-MAX_ROWS = 40
+MAX_ROWS = 32
 
 
 def run_scenario(kv_format, kind, q_dtype, seed):

@@ -38,9 +38,13 @@ from .common import check_pool, check_tensor, interpreted, padded_rows
 
 __all__ = ["sparse_attention_paged"]
 
-BLOCK_H = 16  # heads per program: the smallest tensor-core M; a [16, 512] fp32 accumulator fits in registers
+# Tile sizes, checked by compiling for sm_90 ahead of time (triton 3.9, H=64, D=512): 8 warps with 32-key blocks and
+# 2 stages use ~230 registers, no spills and ~130 KiB of shared memory (4 warps spill; 64-key blocks at 3 stages
+# exceed shared memory). Not yet timed on the H200.
+BLOCK_H = 16  # heads per program: the smallest tensor-core M; the [16, D] fp32 accumulator stays in registers
 BLOCK_N = 32  # keys per online-softmax block
-NUM_WARPS = 4
+NUM_WARPS = 8
+NUM_STAGES = 2
 
 _WINDOW_ONLY, _ALL_VISIBLE, _PICKS = 0, 1, 2  # which compressed entries a row attends to
 
@@ -158,7 +162,7 @@ def _sparse_attention_kernel(
     n_ring = tl.minimum(start, pos + 1) - lo
     for i0 in range(0, n_ring, BLOCK_N):
         valid = i0 + o_n < n_ring
-        p_data, p_scale = _rows(p_ring, (lo + i0 + o_n) % WINDOW, WINDOW, DATA_BYTES, SCALE_BYTES)
+        p_data, p_scale = _rows(p_ring, (lo + i0 + o_n + 1) % WINDOW, WINDOW, DATA_BYTES, SCALE_BYTES)
         b_k = _load_keys(p_data, p_scale, valid, D, NOPE)
         m_i, l_i, acc = _attend(b_q0, b_q1, b_q2, b_k, valid, m_i, l_i, acc, qk_scale, Q_SPLIT, DOT_F32)
     step_lo = tl.maximum(lo, start)
@@ -281,6 +285,6 @@ def sparse_attention_paged(q: torch.Tensor, plan: StepPlan, *, sinks: torch.Tens
         ent_pool, ent_pool.shape[1], per_page, max(ratio, 1), max(page_tokens, 1),
         picks if picks is not None else plan.positions, n_picks, float(scale) * 1.4426950408889634, heads,
         WINDOW=window, D=dim, NOPE=nope, DATA_BYTES=layout.data_bytes, SCALE_BYTES=scale_bytes, ENTRIES=mode,
-        Q_SPLIT=q.dtype == torch.float32, DOT_F32=interpreted(), BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, num_warps=NUM_WARPS,
+        Q_SPLIT=q.dtype == torch.float32, DOT_F32=interpreted(), BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )
     return out

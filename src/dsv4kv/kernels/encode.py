@@ -16,7 +16,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-SCALE_EPS = 1e-4  # quant.SCALE_EPS
+SCALE_EPS = tl.constexpr(1e-4)  # quant.SCALE_EPS (a constexpr: jit code reads no other globals)
 
 
 @triton.jit
