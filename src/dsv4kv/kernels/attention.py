@@ -16,13 +16,14 @@ over the keys, in one online-softmax pass (flash-attention style, log2 domain):
 Padding rows (position -1) and rows without keys return zeros: the sink starts the softmax as a key of
 value 0 (running max = sink, sum = 1), so a row that never meets a key ends with acc = 0.
 
-Numerics. Keys are dequantized in registers (no staging copy): e4m3 * 2^(ue8m0 - 127) and bf16 rope dims,
-both exactly bf16 values, so q . k runs as a bf16 tensor-core dot with fp32 accumulation, exact per
-product for a bf16 q (an fp32 q is split into two bf16 parts: ~2^-17 relative per product). The weights
-w are fp32; for w . V each weight is split into two bf16 parts (hi + lo, two dots) so the output carries
-~2^-17 relative rounding instead of bf16's 2^-9 (measured in tests/test_kernel_attention.py: max error
-~1e-6 of the row's max |out| against the fp32 reference; one bf16 part would give ~1e-3). Dequantized
-keys are not flushed: a ue8m0 code of 0 scales by 2^-127, code 0xFF is NaN, as `quant.ue8m0_decode`.
+Numerics. Keys are dequantized in registers (no staging copy of any pool): e4m3 * 2^(ue8m0 - 127) and the
+bf16 rope dims are exactly bf16 values, so q . k is a bf16 tensor-core dot with fp32 accumulation, exact per
+product for a bf16 q (an fp32 q is split into three bf16 parts, which carry all its 24 bits). The softmax
+runs in fp32; for w . V each fp32 weight is split into two bf16 parts (hi + lo, two dots), ~2^-17 relative
+instead of bf16's 2^-9. Measured against the fp32 reference (error / the row's max |out|, tests/
+test_kernel_attention.py, Triton's interpreter, whose fp32 -> bf16 casts truncate): <= 2.5e-5 with the split,
+4e-3..7e-3 with bf16 weights alone. Keys are not flushed: ue8m0 code 0 scales by 2^-127, code 0xFF is NaN,
+as `quant.ue8m0_decode`.
 """
 
 from __future__ import annotations
@@ -59,7 +60,8 @@ def _rows(p_page, entry, per_page, DATA_BYTES: tl.constexpr, SCALE_BYTES: tl.con
 
 @triton.jit
 def _load_keys(p_data, p_scale, mask, D: tl.constexpr, NOPE: tl.constexpr):
-    """Keys of the entries at data / scale row pointers [N] -> bf16 [N, D], exactly the decoded values; 0 where ~mask."""
+    """Keys of the entries at data / scale row pointers [N] -> bf16 [N, D], exactly their decoded values; 0 where
+    ~mask."""
     o_d = tl.arange(0, D)
     m_row = mask[:, None]
     if NOPE > 0:
@@ -162,7 +164,7 @@ def _sparse_attention_kernel(
     n_ring = tl.minimum(start, pos + 1) - lo
     for i0 in range(0, n_ring, BLOCK_N):
         valid = i0 + o_n < n_ring
-        p_data, p_scale = _rows(p_ring, (lo + i0 + o_n + 1) % WINDOW, WINDOW, DATA_BYTES, SCALE_BYTES)
+        p_data, p_scale = _rows(p_ring, (lo + i0 + o_n) % WINDOW, WINDOW, DATA_BYTES, SCALE_BYTES)
         b_k = _load_keys(p_data, p_scale, valid, D, NOPE)
         m_i, l_i, acc = _attend(b_q0, b_q1, b_q2, b_k, valid, m_i, l_i, acc, qk_scale, Q_SPLIT, DOT_F32)
     step_lo = tl.maximum(lo, start)
@@ -285,6 +287,7 @@ def sparse_attention_paged(q: torch.Tensor, plan: StepPlan, *, sinks: torch.Tens
         ent_pool, ent_pool.shape[1], per_page, max(ratio, 1), max(page_tokens, 1),
         picks if picks is not None else plan.positions, n_picks, float(scale) * 1.4426950408889634, heads,
         WINDOW=window, D=dim, NOPE=nope, DATA_BYTES=layout.data_bytes, SCALE_BYTES=scale_bytes, ENTRIES=mode,
-        Q_SPLIT=q.dtype == torch.float32, DOT_F32=interpreted(), BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+        Q_SPLIT=q.dtype == torch.float32, DOT_F32=interpreted(), BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N,
+        num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )
     return out

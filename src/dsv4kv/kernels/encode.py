@@ -156,7 +156,7 @@ def store_index_entry(data_ptr, scale_ptr, x, slot, hadamard_ptr, D: tl.constexp
         store_bf16(data_ptr + 2 * i, round_bf16(v), (i * 0 + slot) >= 0)
     else:
         h = tl.load(hadamard_ptr + i[:, None] * D + i[None, :])
-        rot = round_bf16(tl.sum(v[:, None] * h, axis=0))
+        rot = round_bf16(tl.sum(v[:, None] * h, axis=0) + 0.0)  # + 0.0: a GEMM gives +0 where a sum of -0 gives -0
         if FORMAT == 1:
             e, finite = pow2_exponent(nan_amax(rot, 0), 8, 0x600000)  # 448 = 1.75 * 2^8
             y = tl.minimum(tl.maximum(rot * exp2_int(-e), -448.0), 448.0)
