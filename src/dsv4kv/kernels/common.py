@@ -15,7 +15,7 @@ from ..backend import interpreted, kernels_can_run
 from ..layout import EntryLayout
 from ..ops.common import require
 
-__all__ = ["interpreted", "kernels_can_run", "check_pool", "check_tensor", "padded_rows"]
+__all__ = ["interpreted", "kernels_can_run", "check_pool", "check_tensor", "check_plan", "padded_rows"]
 
 
 def check_tensor(name: str, x, *, dtype: torch.dtype | tuple[torch.dtype, ...], shape: tuple[int | None, ...],
@@ -36,6 +36,14 @@ def check_pool(name: str, pool, layout: EntryLayout, entries: int, device: torch
     """A paged pool uint8 [pages, layout.page_bytes(entries)] on `device`, contiguous: kernels write it in
     place, so a non-contiguous pool is rejected, never copied."""
     check_tensor(name, pool, dtype=torch.uint8, shape=(None, layout.page_bytes(entries)), device=device)
+
+
+def check_plan(plan, device: torch.device) -> None:
+    """A StepPlan whose buffers live on `device` (the kernels read them there)."""
+    from ..plan import StepPlan
+
+    require(isinstance(plan, StepPlan), f"plan: expected a StepPlan, got {type(plan).__name__}")
+    require(plan.positions.device == device, f"plan: on {plan.positions.device}, the pools are on {device}")
 
 
 def padded_rows(plan) -> int:

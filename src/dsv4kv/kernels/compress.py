@@ -24,7 +24,7 @@ from ..geometry import RopeSpec
 from ..layout import EntryLayout, IndexerFP8Layout, IndexerMXFP4Layout, MainFP8Layout
 from ..ops.common import require
 from ..ops.rope import rope_cos_sin
-from .common import check_pool, check_tensor
+from .common import check_plan, check_pool, check_tensor
 from .encode import rope_last_block, round_bf16, store_index_entry, store_main_entry
 
 __all__ = ["compress_insert", "append_state"]
@@ -117,6 +117,7 @@ def compress_insert(state_kv: torch.Tensor, state_logits: torch.Tensor, plan, kv
     logit_rows: fp32 [R, w] (R = the plan's padded rows); norm_weight fp32 [d]; main: a main entry (FP8
     MODEL1 / bf16) or an indexer key (MXFP4 / FP8 / bf16)."""
     device = pool.device
+    check_plan(plan, device)
     rows = plan.positions.shape[0]
     d = layout.dim
     width = 2 * d if overlap else d
@@ -170,6 +171,7 @@ def append_state(state_kv: torch.Tensor, state_logits: torch.Tensor, plan, kv_ro
     """Write kv_rows / logit_rows fp32 [R, w] into the state rings fp32 [max_requests, ring, w] at position % ring
     (each request's last `ring` tokens of the step), as `ops.append.append_state`."""
     device = state_kv.device
+    check_plan(plan, device)
     rows = plan.positions.shape[0]
     check_tensor("state_kv", state_kv, dtype=torch.float32, shape=(None, None, None), device=device)
     check_tensor("state_logits", state_logits, dtype=torch.float32, shape=tuple(state_kv.shape), device=device)

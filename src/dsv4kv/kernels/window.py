@@ -18,7 +18,7 @@ from ..geometry import RopeSpec
 from ..layout import EntryLayout
 from ..ops.common import require
 from ..ops.rope import rope_cos_sin
-from .common import check_pool, check_tensor
+from .common import check_plan, check_pool, check_tensor
 from .encode import rope_last_block, store_main_entry
 
 __all__ = ["kv_insert", "append_window", "check_main_layout"]
@@ -89,6 +89,7 @@ def _copy_entries_kernel(src_ptr, src_page_bytes, src_entries, dst_ptr, dst_page
 def append_window(window_pool: torch.Tensor, layout: EntryLayout, window: int, plan, step_kv: torch.Tensor) -> None:
     """Copy each token's encoded kv from the step page step_kv (uint8 [1, layout.page_bytes(R)], entry t = row t)
     into the window ring window_pool (uint8 [max_requests, layout.page_bytes(window)]) at plan.window_slots."""
+    check_plan(plan, window_pool.device)
     rows = plan.positions.shape[0]
     check_pool("window_pool", window_pool, layout, window, window_pool.device)
     check_pool("step_kv", step_kv, layout, rows, window_pool.device)
