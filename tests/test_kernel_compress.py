@@ -12,19 +12,25 @@ keys MXFP4 / FP8 / bf16, exact and padded persistent plans, bf16 and fp32 entrie
 GPU tests use V4-Flash / V4-Pro shapes (d 512, index 128, ratios 4 and 128, 256-token pages).
 """
 
-import random
 from dataclasses import dataclass, field
 
 import pytest
 import torch
 import triton
 import triton.language as tl
+from schedules import admit, random_steps, written_bytes
 
 from dsv4kv import CacheManager, ModelGeometry, quant
 from dsv4kv.geometry import LayerKind
 from dsv4kv.kernels.compress import append_state, compress_insert
 from dsv4kv.kernels.encode import store_index_entry
-from dsv4kv.layout import IndexerFP8Layout, IndexerMXFP4Layout, MainFP8Layout, indexer_layout, main_layout
+from dsv4kv.layout import (
+    IndexerFP8Layout,
+    IndexerMXFP4Layout,
+    MainFP8Layout,
+    indexer_layout,
+    main_layout,
+)
 from dsv4kv.ops.append import append_state as reference_append
 from dsv4kv.ops.compress import compress_and_insert
 
@@ -62,16 +68,6 @@ def same_bits(a, b):
     """Bitwise equality (NaN == NaN when the bits agree)."""
     return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
-
-def written_bytes(layout, entries, pages, slots):
-    """bool [pages, page_bytes]: the data and scale bytes of the entries at `slots`."""
-    mask = torch.zeros(pages, layout.page_bytes(entries), dtype=torch.bool)
-    for slot in slots.tolist():
-        page, off = divmod(slot, entries)
-        mask[page, off * layout.data_bytes:(off + 1) * layout.data_bytes] = True
-        base = entries * layout.data_bytes + off * layout.scale_bytes
-        mask[page, base:base + layout.scale_bytes] = True
-    return mask
 
 
 def bf16_step(v):
@@ -234,30 +230,10 @@ def run_compress_schedule(cache, layer, rids, steps, buffers, seed, every_layout
 
 
 def schedule(seed, lengths, chunks, padded_every, cap):
-    """Random steps feeding each request its full length: ((request number, tokens), ...), padded). Every
-    `padded_every`-th step goes through the persistent buffers and so holds at most `cap` tokens."""
-    rng = random.Random(seed)
-    remaining, steps = list(lengths), []
-    while any(remaining):
-        padded = len(steps) % padded_every == padded_every - 1
-        room = cap if padded else sum(remaining)
-        batch = []
-        for i in rng.sample([i for i, r in enumerate(remaining) if r], rng.randint(1, sum(map(bool, remaining)))):
-            take = min(remaining[i], rng.choice(chunks), room)
-            if take:
-                batch.append((i, take))
-                remaining[i] -= take
-                room -= take
-        steps.append((batch, padded))
-    return steps
-
-
-def admit(cache, count):
-    """Request ids on slots 1..count: slot 0 (a released dummy) must stay untouched."""
-    dummy = cache.admit()
-    rids = [cache.admit() for _ in range(count)]
-    cache.release(dummy)
-    return rids
+    """Random steps as (batch, padded): every `padded_every`-th step goes through the persistent buffers and so
+    holds at most `cap` tokens."""
+    steps = random_steps(seed, lengths, chunks, cap=cap, capped_every=padded_every)
+    return [(step, k % padded_every == padded_every - 1) for k, step in enumerate(steps)]
 
 
 def untouched_slot(compressors, slot):

@@ -7,10 +7,10 @@ only the fp32 summation order differs: scores must agree within ROW_TOL of the r
 within TERM_TOL of the size of their own terms (sum_h |w_h| sum_d |q_hd K_jd| / sqrt(D)).
 """
 
-import random
 
 import pytest
 import torch
+from schedules import admit, random_steps
 
 from dsv4kv import CacheManager, ModelGeometry
 from dsv4kv.kernels import indexer as kernel_mod
@@ -41,28 +41,6 @@ def make_cache(geometry, indexer_format, *, page_tokens, **kw):
                          device=DEVICE, poison=True, **kw)
     layer = next(i for i, spec in enumerate(cache.spec.layers) if spec.index is not None)
     return cache, cache.spec.layers[layer].index, cache.pools.layers[layer].index_keys
-
-
-def admit_requests(cache, count):
-    """Request ids on slots 1..count: slot 0 belongs to a released dummy and is never used."""
-    dummy = cache.admit()
-    rids = [cache.admit() for _ in range(count)]
-    cache.release(dummy)
-    return rids
-
-
-def schedule(seed, lengths, chunks=(1, 5, 17, 29)):
-    """Random steps feeding every request its full length: lists of (request number, new tokens)."""
-    rng = random.Random(seed)
-    remaining, steps = list(lengths), []
-    while any(remaining):
-        active = [i for i, r in enumerate(remaining) if r]
-        step = []
-        for i in rng.sample(active, rng.randint(1, len(active))):
-            step.append((i, min(remaining[i], rng.choice(chunks))))
-            remaining[i] -= step[-1][1]
-        steps.append(step)
-    return steps
 
 
 def write_all_keys(cache, rid, layout, pool, keys, ratio, page_tokens):
@@ -138,7 +116,7 @@ def test_scores_over_random_chunked_schedule(indexer_format):
     count (the default, 71) and below some (37)."""
     cache, layout, pool = make_cache(TINY, indexer_format, page_tokens=PAGE, max_requests=4, max_tokens=700)
     lengths = [171, 37, 96]
-    rids = admit_requests(cache, 3)
+    rids = admit(cache, 3)
     buffers = cache.step_buffers(max_tokens=36, max_requests=4)  # at most 34 real rows
     g = gen(11)
     dim, heads = layout.dim, TINY.index_n_heads
@@ -148,7 +126,7 @@ def test_scores_over_random_chunked_schedule(indexer_format):
     default_entries = cache.block_table.shape[1] * (PAGE // M)
     assert default_entries > max(lengths) // M
     worst = (0.0, 0.0)
-    for k, step in enumerate(schedule(12, lengths)):
+    for k, step in enumerate(random_steps(12, lengths, (1, 5, 17, 29))):
         plan = cache.plan_step([(rids[i], n) for i, n in step], buffers=buffers)
         for i, _ in step:
             write_all_keys(cache, rids[i], layout, pool, bank[i], M, PAGE)
@@ -176,7 +154,7 @@ def test_chunk_boundaries(indexer_format, monkeypatch):
     and a J that is not a multiple of the tile."""
     monkeypatch.setattr(kernel_mod, "_config", lambda rows, entries, device: (16, 2, 4))
     cache, layout, pool = make_cache(TINY, indexer_format, page_tokens=PAGE, max_requests=4, max_tokens=500)
-    rids = admit_requests(cache, 3)
+    rids = admit(cache, 3)
     cache.plan_step([(rids[0], 150), (rids[2], 31)])
     plan = cache.plan_step([(rids[0], 2), (rids[1], 70), (rids[2], 1)])
     g = gen(21)
@@ -321,7 +299,7 @@ def v4_case(geometry_name, indexer_format, history, step, *, max_tokens, buffer_
     assert 4 in geometry.ratios  # the CSA ratio
     cache, layout, pool = make_cache(geometry, indexer_format, page_tokens=V4_PAGE, max_requests=len(history) + 1,
                                      max_tokens=max_tokens, max_seq_len=1 << 18)
-    rids = admit_requests(cache, len(history))
+    rids = admit(cache, len(history))
     for rid, n in zip(rids, history):
         if n:
             cache.plan_step([(rid, n)])

@@ -8,6 +8,7 @@ import random
 
 import pytest
 import torch
+from schedules import random_steps
 
 from dsv4kv import CacheManager, ModelGeometry
 from dsv4kv.graph import DecodeGraph
@@ -35,20 +36,6 @@ def make_cache(kv_format, indexer_format):
                         page_tokens=PAGE, poison=True, device=DEVICE)
 
 
-def schedule(seed, lengths, chunks=(1, 2, 7, 23, 40)):
-    rng = random.Random(seed)
-    remaining, steps = list(lengths), []
-    while any(remaining):
-        active = [i for i, r in enumerate(remaining) if r]
-        step = []
-        for i in rng.sample(active, rng.randint(1, len(active))):
-            n = min(remaining[i], rng.choice(chunks))
-            step.append((i, n))
-            remaining[i] -= n
-        steps.append(step)
-    return steps
-
-
 CASES = [(0, ("fp8", "mxfp4")), (0, ("bf16", "bf16")), (2, ("fp8", "mxfp4")), (2, ("bf16", "bf16")),
          (1, ("fp8", "mxfp4")), (1, ("fp8", "fp8")), (1, ("bf16", "bf16"))]
 
@@ -64,7 +51,7 @@ def test_kernels_match_the_reference_layer(index, formats):
     buffers = caches[1].step_buffers(max_tokens=32, max_requests=3, max_seq_len=128)
     gen = torch.Generator().manual_seed(index)
     worst = 0.0
-    for step in schedule(index, (45, 30), chunks=(1, 2, 7, 23)):
+    for step in random_steps(index, (45, 30), chunks=(1, 2, 7, 23)):
         x = torch.randn(sum(n for _, n in step), TINY.hidden_size, generator=gen).to(torch.bfloat16).to(DEVICE)
         want = torch_layer(x, caches[0].plan_step([(rids[0][i], n) for i, n in step]), caches[0])
         plan = caches[1].plan_step([(rids[1][i], n) for i, n in step], buffers=buffers)

@@ -9,10 +9,10 @@
 On the CPU the kernels run under Triton's interpreter; the GPU tests use V4-Flash / V4-Pro shapes.
 """
 
-import random
 
 import pytest
 import torch
+from schedules import admit, random_steps, written_bytes
 
 from dsv4kv import CacheManager, ModelGeometry
 from dsv4kv.geometry import RopeSpec
@@ -39,15 +39,7 @@ def gen(seed):
     return torch.Generator().manual_seed(seed)
 
 
-def written_bytes(layout, entries, pages, slots):
-    """bool [pages, page_bytes]: the data and scale bytes of the entries at `slots` (>= 0)."""
-    mask = torch.zeros(pages, layout.page_bytes(entries), dtype=torch.bool)
-    for slot in slots.tolist():
-        page, off = divmod(slot, entries)
-        mask[page, off * layout.data_bytes:(off + 1) * layout.data_bytes] = True
-        base = entries * layout.data_bytes + off * layout.scale_bytes
-        mask[page, base:base + layout.scale_bytes] = True
-    return mask
+
 
 
 def e4m3_ties():
@@ -280,32 +272,6 @@ def test_kv_insert_rejects_bad_input():
 
 
 # --- append_window --------------------------------------------------------------------------------------
-def schedule(seed, lengths, chunks, cap=None):
-    """Random steps feeding every request its full length: lists of (request number, new tokens), at most `cap`
-    tokens per step."""
-    rng = random.Random(seed)
-    remaining, steps = list(lengths), []
-    while any(remaining):
-        active = [i for i, r in enumerate(remaining) if r]
-        step, room = [], cap or sum(remaining)
-        for i in rng.sample(active, rng.randint(1, len(active))):
-            n = min(remaining[i], rng.choice(chunks), room)
-            if n:
-                step.append((i, n))
-                remaining[i] -= n
-                room -= n
-        steps.append(step)
-    return steps
-
-
-def admit(cache, count):
-    """Request ids on slots 1..count: slot 0 (a released dummy) must stay untouched."""
-    dummy = cache.admit()
-    rids = [cache.admit() for _ in range(count)]
-    cache.release(dummy)
-    return rids
-
-
 def run_window_schedule(cache, layer, rids, steps, buffers, seed):
     """Each step: kv_insert into a poisoned step page, then append_window into the ring; the reference writes
     the roped kv into its own ring. Steps alternate between exact plans and padded plans in `buffers` (when
@@ -336,7 +302,7 @@ def test_append_window_matches_reference(fmt):
                          poison=True)
     rids = admit(cache, 3)
     buffers = cache.step_buffers(max_tokens=41, max_requests=4)  # odd row count; 3 requests at most: one padding
-    steps = schedule(7, [50, 33, 20], chunks=(1, 1, 3, 17, 40), cap=41)
+    steps = random_steps(7, [50, 33, 20], chunks=(1, 1, 3, 17, 40), cap=41)
     for plans in (steps[0::2], steps[1::2]):  # exact, padded
         assert any(n > TINY.window for step in plans for _, n in step), "chunks longer than the window"
     ring = run_window_schedule(cache, 0, rids, steps, buffers, seed=21)
