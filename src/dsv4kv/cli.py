@@ -1,4 +1,5 @@
-"""Command line: `dsv4kv plan` (memory planner) and `dsv4kv demo` (a serving workload over the cache)."""
+"""Command line: `dsv4kv plan` (memory planner), `dsv4kv demo` (a serving workload over the cache) and
+`dsv4kv bench` (GPU benchmarks)."""
 
 from __future__ import annotations
 
@@ -29,6 +30,23 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench(args: argparse.Namespace) -> int:
+    from .bench import QUICK, WORKLOADS, plot_report, run_bench
+
+    if args.plot:
+        with open(args.plot) as f:
+            written = plot_report(json.load(f), args.out)
+        print("\n".join(written) if written else "no plots written (is matplotlib installed?)")
+        return 0
+    workloads = args.workloads or (list(QUICK) if args.quick else list(WORKLOADS))
+    report = run_bench(workloads, out_dir=args.out, name=args.name, quick=args.quick, runs=args.runs,
+                       device=args.device)
+    print(report.table())
+    for path in report.meta.get("written", []):
+        print(f"wrote {path}")
+    return 1 if any(r.refused for r in report.results) else 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dsv4kv", description="DeepSeek-V4 KV cache substrate")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -52,6 +70,18 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--no-progress", action="store_true", help="no progress bar")
     demo.set_defaults(run=_demo)
+
+    bench = sub.add_parser("bench", help="time the kernels, a decode step, prefill and scale on a GPU; write JSON "
+                                         "and plots")
+    bench.add_argument("workloads", nargs="*", help="machine, topk, insert, decode, layer, prefill, scale "
+                                                    "(default: all; --quick: a short subset)")
+    bench.add_argument("--quick", action="store_true", help="fewer sizes (a few minutes)")
+    bench.add_argument("--out", default="docs/bench", help="folder for the JSON and PNG files (default docs/bench)")
+    bench.add_argument("--name", default=None, help="JSON file name without .json (default bench-<date>-<gpu>)")
+    bench.add_argument("--runs", type=int, default=50, help="timed runs per figure (the median is reported)")
+    bench.add_argument("--device", default="cuda")
+    bench.add_argument("--plot", metavar="JSON", help="only draw the plots of an earlier run's JSON into --out")
+    bench.set_defaults(run=_bench)
     return parser
 
 

@@ -17,6 +17,7 @@ norms, RoPE, the compressor (as the official model), the indexer scores and atte
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from typing import Mapping
 
 import torch
@@ -31,11 +32,11 @@ from .ops.compress import compress_and_insert
 from .ops.gather import gather_entries, gather_window, visible_entries
 from .ops.indexer import indexer_query, indexer_topk
 from .backend import kernels_can_run
-from .ops.rope import apply_rope
+from .ops.rope import apply_rope, rope_cos_sin
 from .plan import StepPlan
 from .weights import WeightError, layer_state_dict
 
-__all__ = ["DSV4Attention", "RMSNorm", "init_random_weights", "BACKENDS"]
+__all__ = ["DSV4Attention", "Projected", "RMSNorm", "init_random_weights", "BACKENDS"]
 
 # "torch": the PyTorch reference ops; "triton": the kernels (CUDA, or CPU under TRITON_INTERPRET=1);
 # "auto": the kernels for bf16 activations on CUDA, else the reference.
@@ -96,6 +97,18 @@ class _MainCompressor(_Compressor):
         super().__init__(g, g.head_dim, ratio, overlap=csa, **kw)
         if csa:
             self.indexer = _Indexer(g, ratio, **kw)
+
+
+@dataclass
+class Projected:
+    """What a layer's input projections give its attention core, per padded row (`DSV4Attention.project`)."""
+
+    q: torch.Tensor  # bf16 [R, heads, head_dim]: normed (unweighted), not yet roped
+    kv: torch.Tensor  # bf16 [R, head_dim]: normed, not yet roped
+    state: tuple[torch.Tensor, torch.Tensor] | None = None  # compressor rows: fp32 kv, logits [R, width]
+    index_state: tuple[torch.Tensor, torch.Tensor] | None = None  # the indexer compressor's rows (CSA)
+    index_q: torch.Tensor | None = None  # bf16 [R, index_heads, index_head_dim], not yet roped (CSA)
+    index_weights: torch.Tensor | None = None  # fp32 [R, index_heads], times index_heads^-0.5 (CSA)
 
 
 class DSV4Attention(nn.Module):
@@ -250,52 +263,78 @@ class DSV4Attention(nn.Module):
 
     def _forward_kernels(self, x: torch.Tensor, plan: StepPlan, cache: CacheManager) -> torch.Tensor:
         """The same step through the Triton kernels, over every row of the plan's buffers (padding included):
-        no host sync, no data-dependent shape, so a CUDA graph can capture it.
+        no host sync, no data-dependent shape, so a CUDA graph can capture it."""
+        rows, given = plan.positions.shape[0], x.shape[0]
+        if given < rows:  # an eager call on persistent buffers: run the padding rows too
+            x = torch.cat((x, x.new_zeros(rows - given, x.shape[1])))
+        out = self.attention_core(self.project(x, plan.positions), plan, cache)
+        return self.o_b_proj(self._grouped_o_a(out))[:given]
+
+    def project(self, x: torch.Tensor, positions: torch.Tensor) -> "Projected":
+        """The input projections of the kernel path (bf16 GEMMs, the q and kv norms, the compressors' fp32 rows):
+        everything `attention_core` reads that is a function of x alone."""
+        g, spec = self.geometry, self.spec
+        qr = self.q_a_norm(self.q_a_proj(x))
+        q = self.q_b_proj(qr).view(x.shape[0], g.num_heads, g.head_dim)
+        q = q * torch.rsqrt(q.float().pow(2).mean(-1, keepdim=True) + g.rms_norm_eps).to(q.dtype)  # unweighted
+        projected = Projected(q=q, kv=self.kv_norm(self.kv_proj(x)))
+        if spec.compressed:
+            projected.state = self.compressor.rows(x, positions)
+            if spec.kind is LayerKind.CSA:
+                idx = self.compressor.indexer
+                projected.index_state = idx.rows(x, positions)
+                projected.index_q = idx.q_b_proj(qr).view(x.shape[0], g.index_n_heads, g.index_head_dim)
+                projected.index_weights = (idx.scorer.weights_proj(x).float() * g.index_n_heads ** -0.5).contiguous()
+        return projected
+
+    def attention_core(self, p: "Projected", plan: StepPlan, cache: CacheManager) -> torch.Tensor:
+        """The attention core on the kernels, over the plan's padded rows: kv insert, compress-and-insert (main,
+        then the indexer's keys), indexer scores and top-k (CSA), sparse attention, appends, inverse RoPE ->
+        bf16 [R, heads, head_dim], ready for the output projection. No checks: `forward` makes them.
 
         The step's kv is encoded once into a step page; attention reads its own window keys from there and
         older ones from the ring, which is updated (a byte copy) only after attention."""
         from .kernels import (append_state, append_window, compress_insert, indexer_scores_paged, kv_insert,
                               sparse_attention_paged, topk_indices)
+        from .kernels.topk import topk_workspace
         g, spec = self.geometry, self.spec
         layer_cache, cache_spec = cache.pools.layers[self.layer_index], cache.spec.layers[self.layer_index]
         page_tokens, main = cache.spec.page_tokens, cache_spec.main
-        rows, given = plan.positions.shape[0], x.shape[0]
-        if given < rows:  # an eager call on persistent buffers: run the padding rows too
-            x = torch.cat((x, x.new_zeros(rows - given, x.shape[1])))
         positions = plan.positions
-
-        qr = self.q_a_norm(self.q_a_proj(x))
-        q = self.q_b_proj(qr).view(rows, g.num_heads, g.head_dim)
-        q = q * torch.rsqrt(q.float().pow(2).mean(-1, keepdim=True) + g.rms_norm_eps).to(q.dtype)  # unweighted
-        q = apply_rope(q, positions, spec.rope)
-        step_kv = torch.empty((1, main.page_bytes(rows)), dtype=torch.uint8, device=x.device)
-        kv_insert(self.kv_norm(self.kv_proj(x)), positions, spec.rope, main, step_kv, rows,
-                  torch.arange(rows, dtype=torch.int32, device=x.device))
+        rows = positions.shape[0]
+        cos_sin = plan.derived(("rope", spec.rope), lambda: rope_cos_sin(spec.rope, positions))
+        q = apply_rope(p.q, positions, spec.rope)
+        step_kv = torch.empty((1, main.page_bytes(rows)), dtype=torch.uint8, device=q.device)
+        row_slots = plan.derived("rows", lambda: torch.arange(rows, dtype=torch.int32, device=q.device))
+        kv_insert(p.kv, positions, spec.rope, main, step_kv, rows, row_slots, cos_sin=cos_sin)
 
         state_rows, picks = [], None
         if spec.compressed:
-            comp, csa = self.compressor, spec.kind is LayerKind.CSA
-            insert = dict(ratio=spec.ratio, overlap=csa, eps=g.rms_norm_eps, rope=spec.rope, out_dtype=x.dtype,
-                          page_tokens=page_tokens)
-            kv_rows, logit_rows = comp.rows(x, positions)
-            compress_insert(layer_cache.state_kv, layer_cache.state_score, plan, kv_rows, logit_rows,
-                            norm_weight=comp.kv_norm.weight, layout=main, pool=layer_cache.entries, main=True, **insert)
-            state_rows.append((layer_cache.state_kv, layer_cache.state_score, kv_rows, logit_rows))
+            csa = spec.kind is LayerKind.CSA
+            entry_cos_sin = plan.derived(("entry rope", spec.rope, spec.ratio),
+                                         lambda: rope_cos_sin(spec.rope, plan.entries[spec.ratio].index * spec.ratio))
+            insert = dict(ratio=spec.ratio, overlap=csa, eps=g.rms_norm_eps, rope=spec.rope, out_dtype=q.dtype,
+                          page_tokens=page_tokens, cos_sin=entry_cos_sin)
+            compress_insert(layer_cache.state_kv, layer_cache.state_score, plan, *p.state,
+                            norm_weight=self.compressor.kv_norm.weight, layout=main, pool=layer_cache.entries,
+                            main=True, **insert)
+            state_rows.append((layer_cache.state_kv, layer_cache.state_score, *p.state))
             if csa:
-                idx, index_layout = comp.indexer, cache_spec.index
-                index_rows, index_logits = idx.rows(x, positions)
-                compress_insert(layer_cache.index_state_kv, layer_cache.index_state_score, plan, index_rows,
-                                index_logits, norm_weight=idx.kv_norm.weight, layout=index_layout,
-                                pool=layer_cache.index_keys, main=False, **insert)
-                state_rows.append((layer_cache.index_state_kv, layer_cache.index_state_score, index_rows, index_logits))
-                q_index = apply_rope(idx.q_b_proj(qr).view(rows, g.index_n_heads, g.index_head_dim), positions,
-                                     spec.rope)
-                weights = idx.scorer.weights_proj(x).float() * g.index_n_heads ** -0.5
-                scores = indexer_scores_paged(indexer_query(q_index, index_layout).contiguous(), weights.contiguous(),
-                                              plan, layer_cache.index_keys, index_layout, ratio=spec.ratio,
-                                              page_tokens=page_tokens, max_entries=max(plan.max_seq_len // spec.ratio, 1))
-                visible = torch.clamp((positions + 1) // spec.ratio, min=0).to(torch.int32)
-                picks = topk_indices(scores, visible, g.index_topk)
+                idx, index_layout = self.compressor.indexer, cache_spec.index
+                compress_insert(layer_cache.index_state_kv, layer_cache.index_state_score, plan, *p.index_state,
+                                norm_weight=idx.kv_norm.weight, layout=index_layout, pool=layer_cache.index_keys,
+                                main=False, **insert)
+                state_rows.append((layer_cache.index_state_kv, layer_cache.index_state_score, *p.index_state))
+                q_index = indexer_query(apply_rope(p.index_q, positions, spec.rope), index_layout).contiguous()
+                entries = max(plan.max_seq_len // spec.ratio, 1)
+                scores = indexer_scores_paged(q_index, p.index_weights, plan, layer_cache.index_keys, index_layout,
+                                              ratio=spec.ratio, page_tokens=page_tokens, max_entries=entries)
+                visible = plan.derived(("visible", spec.ratio),
+                                       lambda: torch.clamp((positions + 1) // spec.ratio, min=0).to(torch.int32))
+                # top-k leaves its workspace zeroed, so one serves every CSA layer of the step
+                workspace = plan.derived(("topk workspace", entries, g.index_topk),
+                                         lambda: topk_workspace(rows, entries, g.index_topk, q.device))
+                picks = topk_indices(scores, visible, g.index_topk, workspace=workspace)
         out = sparse_attention_paged(q, plan, sinks=self.sinks, scale=g.head_dim ** -0.5, layout=main, window=g.window,
                                      window_pool=layer_cache.window, step_kv=step_kv,
                                      entry_pool=layer_cache.entries if spec.compressed else None,
@@ -304,8 +343,7 @@ class DSV4Attention(nn.Module):
         append_window(layer_cache.window, main, g.window, plan, step_kv)
         for state_kv, state_logits, kv_rows, logit_rows in state_rows:
             append_state(state_kv, state_logits, plan, kv_rows, logit_rows)
-        out = apply_rope(out, positions, spec.rope, inverse=True).to(x.dtype)
-        return self.o_b_proj(self._grouped_o_a(out))[:given]
+        return apply_rope(out, positions, spec.rope, inverse=True).to(q.dtype)
 
     def _grouped_o_a(self, out: torch.Tensor) -> torch.Tensor:
         """[N, heads, head_dim] -> [N, o_groups * o_lora_rank]: each contiguous head group through its own block."""

@@ -11,7 +11,7 @@ captured CUDA graph replays with new contents. Rows past the real counts are pad
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -74,6 +74,16 @@ class StepPlan:
     # entries): the longest request for a plan of its own, the buffers' fixed capacity for persistent buffers
     # (so a captured graph's shapes hold for every later plan)
     max_seq_len: int = 0
+    # per-step tensors derived from the plan alone (RoPE tables, visible counts, ...), computed by the first
+    # layer that needs them and shared by the rest: one computation per step instead of one per layer
+    memo: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def derived(self, key, make):
+        """memo[key], made by make() the first time it is asked for (within a CUDA-graph capture, the making is
+        captured too, so every replay recomputes it before its first use)."""
+        if key not in self.memo:
+            self.memo[key] = make()
+        return self.memo[key]
 
     def __repr__(self) -> str:
         entries = ", ".join(f"m={m}: {w.count}" for m, w in self.entries.items())

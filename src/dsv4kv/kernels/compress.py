@@ -109,13 +109,14 @@ def _format_code(layout: EntryLayout, main: bool) -> int:
 def compress_insert(state_kv: torch.Tensor, state_logits: torch.Tensor, plan, kv_rows: torch.Tensor,
                     logit_rows: torch.Tensor, *, ratio: int, overlap: bool, norm_weight: torch.Tensor, eps: float,
                     rope: RopeSpec, out_dtype: torch.dtype, layout: EntryLayout, pool: torch.Tensor,
-                    page_tokens: int, main: bool) -> None:
+                    page_tokens: int, main: bool, cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """Every entry of `ratio` completing in the plan, pooled, normed, roped, rounded to `out_dtype` and encoded
     into `pool` at the plan's slots (`ops.compress.compress_and_insert`, without its return value).
 
     state_kv / state_logits: fp32 [max_requests, ring, w] (w = 2d with overlap, d without); kv_rows /
     logit_rows: fp32 [R, w] (R = the plan's padded rows); norm_weight fp32 [d]; main: a main entry (FP8
-    MODEL1 / bf16) or an indexer key (MXFP4 / FP8 / bf16)."""
+    MODEL1 / bf16) or an indexer key (MXFP4 / FP8 / bf16). cos_sin: `ops.rope.rope_cos_sin(rope,
+    plan.entries[ratio].index * ratio)` when the caller already has it (computed here otherwise)."""
     device = pool.device
     check_plan(plan, device)
     rows = plan.positions.shape[0]
@@ -137,10 +138,12 @@ def compress_insert(state_kv: torch.Tensor, state_logits: torch.Tensor, plan, kv
     count = writes.slots.shape[0]
     if count == 0:
         return
-    cos, sin = rope_cos_sin(rope, writes.index * ratio)
+    cos, sin = cos_sin if cos_sin is not None else rope_cos_sin(rope, writes.index * ratio)
+    check_tensor("cos", cos, dtype=torch.float32, shape=(count, rope.dim // 2), device=device)
+    check_tensor("sin", sin, dtype=torch.float32, shape=(count, rope.dim // 2), device=device)
     hadamard = quant.hadamard_matrix(d, device) if layout.rotated else norm_weight
     _compress_kernel[(count,)](
-        kv_rows, logit_rows, state_kv, state_logits, norm_weight, cos.contiguous(), sin.contiguous(),
+        kv_rows, logit_rows, state_kv, state_logits, norm_weight, cos, sin,
         writes.slots, writes.request, writes.index, plan.request_slots, plan.query_start, plan.seq_lens,
         pool, pool.shape[1], page_tokens // ratio, hadamard, eps,
         RATIO=ratio, OVERLAP=overlap, D=d, RING=state_kv.shape[1], MAIN=main, FORMAT=_format_code(layout, main),

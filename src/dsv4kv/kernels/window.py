@@ -48,9 +48,10 @@ def _kv_insert_kernel(kv_ptr, cos_ptr, sin_ptr, slots_ptr, pool_ptr, page_bytes,
 
 
 def kv_insert(kv: torch.Tensor, positions: torch.Tensor, rope: RopeSpec, layout: EntryLayout, pool: torch.Tensor,
-              entries: int, slots: torch.Tensor) -> None:
+              entries: int, slots: torch.Tensor, *, cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """Rotate kv bf16 [N, D] (normed, not yet roped) at positions int [N], encode it in `layout` and write row i
-    to pool slot slots[i] (int32 [N]; -1 = skip). pool: uint8 [pages, layout.page_bytes(entries)]."""
+    to pool slot slots[i] (int32 [N]; -1 = skip). pool: uint8 [pages, layout.page_bytes(entries)].
+    cos_sin: `ops.rope.rope_cos_sin(rope, positions)` when the caller already has it (computed here otherwise)."""
     n = kv.shape[0] if isinstance(kv, torch.Tensor) else -1
     check_main_layout(layout, rope)
     check_tensor("kv", kv, dtype=torch.bfloat16, shape=(None, layout.dim), device=pool.device)
@@ -59,8 +60,10 @@ def kv_insert(kv: torch.Tensor, positions: torch.Tensor, rope: RopeSpec, layout:
     check_pool("pool", pool, layout, entries, pool.device)
     if n == 0:
         return
-    cos, sin = rope_cos_sin(rope, positions)
-    _kv_insert_kernel[(n,)](kv, cos.contiguous(), sin.contiguous(), slots, pool, pool.shape[1], entries,
+    cos, sin = cos_sin if cos_sin is not None else rope_cos_sin(rope, positions)
+    check_tensor("cos", cos, dtype=torch.float32, shape=(n, rope.dim // 2), device=pool.device)
+    check_tensor("sin", sin, dtype=torch.float32, shape=(n, rope.dim // 2), device=pool.device)
+    _kv_insert_kernel[(n,)](kv, cos, sin, slots, pool, pool.shape[1], entries,
                             NB=layout.dim // 64, FP8=layout.name == "fp8", DATA_BYTES=layout.data_bytes,
                             SCALE_BYTES=max(layout.scale_bytes, 1), enable_fp_fusion=False, num_warps=2)
 

@@ -1,0 +1,144 @@
+"""How the benchmarks time GPU work, and the machine figures every result is compared with.
+
+Times are medians of many CUDA-event measurements after warm-up. Before each timed run the L2 cache is
+flushed (a 256 MiB write, larger than the H200's 50 MiB L2: a decode step of a real model meets its layer's
+cache cold) and a short spin kernel is queued, so the host's launch of the timed work overlaps the spin and
+the events measure the GPU's execution alone. `graph=True` captures the work once as a CUDA graph and times
+replays, as a serving step would run it; `graph=False` times eager calls, launch overhead included
+(transformers' eager module is measured that way: its cost is what a user of it pays).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import statistics
+import subprocess
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+__all__ = ["Timing", "time_cuda", "copy_bandwidth", "gemm_rate", "machine_info", "profile_kernels"]
+
+_FLUSH_BYTES = 256 << 20
+_SPIN_CYCLES = 40_000  # ~20 us at 1.98 GHz: longer than the host needs to launch a graph or a few kernels
+
+
+@dataclass(frozen=True)
+class Timing:
+    median_us: float
+    p10_us: float
+    p90_us: float
+    runs: int
+
+    def as_dict(self) -> dict:
+        return {"median_us": self.median_us, "p10_us": self.p10_us, "p90_us": self.p90_us, "runs": self.runs}
+
+
+_flush_buffers: dict[torch.device, torch.Tensor] = {}
+
+
+def _flush_l2(device: torch.device) -> None:
+    if device not in _flush_buffers:
+        _flush_buffers[device] = torch.empty(_FLUSH_BYTES, dtype=torch.uint8, device=device)
+    _flush_buffers[device].zero_()
+
+
+def time_cuda(fn: Callable[[], object], *, device: torch.device, runs: int = 50, warmup: int = 3,
+              graph: bool = True, flush: bool = True, spin: bool = True) -> Timing:
+    """Median GPU time of fn() over `runs` runs (after `warmup` eager calls; with `graph`, of replays of one
+    captured call). fn must be repeatable: each run sees the state the previous one left."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize(device)
+    work = fn
+    if graph:
+        captured = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(captured):
+            fn()
+        work = captured.replay
+        work()  # the first replay uploads the graph
+    torch.cuda.synchronize(device)
+    pairs = []
+    for _ in range(runs):
+        if flush:
+            _flush_l2(device)
+        if spin:
+            torch.cuda._sleep(_SPIN_CYCLES)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        work()
+        end.record()
+        pairs.append((start, end))
+    torch.cuda.synchronize(device)
+    times = sorted(s.elapsed_time(e) * 1e3 for s, e in pairs)
+    return Timing(statistics.median(times), times[len(times) // 10], times[(9 * len(times)) // 10], runs)
+
+
+def copy_bandwidth(device: torch.device, nbytes: int = 2 << 30) -> float:
+    """Device-to-device copy bandwidth in bytes/s, counting the bytes read and the bytes written."""
+    src = torch.empty(nbytes // 2, dtype=torch.uint8, device=device).random_()
+    dst = torch.empty_like(src)
+    timing = time_cuda(lambda: dst.copy_(src), device=device, runs=20, graph=False, flush=False)
+    return 2 * src.numel() / (timing.median_us * 1e-6)
+
+
+def gemm_rate(device: torch.device, n: int = 8192) -> float:
+    """Dense bf16 GEMM rate (FLOP/s) of an n x n x n torch.matmul (cuBLAS)."""
+    a = torch.randn(n, n, dtype=torch.bfloat16, device=device)
+    b = torch.randn(n, n, dtype=torch.bfloat16, device=device)
+    out = torch.empty(n, n, dtype=torch.bfloat16, device=device)
+    timing = time_cuda(lambda: torch.matmul(a, b, out=out), device=device, runs=20, graph=False, flush=False)
+    return 2 * n ** 3 / (timing.median_us * 1e-6)
+
+
+def _commit() -> str:
+    if os.environ.get("DSV4KV_COMMIT"):
+        return os.environ["DSV4KV_COMMIT"]
+    try:
+        here = os.path.dirname(os.path.abspath(__file__))
+        return subprocess.run(["git", "-C", here, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def machine_info(device: torch.device) -> dict:
+    """GPU, versions, date and commit (DSV4KV_COMMIT overrides git, for copies of the tree without .git)."""
+    import triton
+
+    props = torch.cuda.get_device_properties(device)
+    return {"gpu": torch.cuda.get_device_name(device), "sm_count": props.multi_processor_count,
+            "memory_bytes": props.total_memory, "capability": f"{props.major}.{props.minor}",
+            "torch": torch.__version__, "cuda": torch.version.cuda, "triton": triton.__version__,
+            "python": platform.python_version(),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "commit": _commit()}
+
+
+def profile_kernels(fn: Callable[[], object], *, device: torch.device, runs: int = 10) -> list[tuple[str, float]]:
+    """Each GPU kernel fn() launches, in launch order, with its median duration (us) over `runs` replays of a
+    captured graph of fn (L2 flushed before each). Empty when the profiler records no kernels (no CUPTI)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    captured = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(captured):
+        fn()
+    captured.replay()
+    torch.cuda.synchronize(device)
+    per_run: list[list[tuple[str, float]]] = []
+    for _ in range(runs):
+        _flush_l2(device)
+        torch.cuda.synchronize(device)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            captured.replay()
+            torch.cuda.synchronize(device)
+        kernels = sorted((e for e in prof.events() if e.device_type.name == "CUDA" and "Memset" not in e.name
+                          and "Memcpy" not in e.name), key=lambda e: e.time_range.start)
+        per_run.append([(e.name, e.time_range.elapsed_us()) for e in kernels])
+    per_run = [r for r in per_run if r]
+    if not per_run or any(len(r) != len(per_run[0]) for r in per_run):
+        return [(name, t) for name, t in (per_run[0] if per_run else [])]
+    return [(per_run[0][i][0], statistics.median(r[i][1] for r in per_run)) for i in range(len(per_run[0]))]

@@ -1,0 +1,564 @@
+"""The named benchmark workloads of `dsv4kv bench` (V4-Flash geometry, FP8 entries, MXFP4 indexer keys).
+
+Each workload checks what it times against the PyTorch reference in the same run (a failed check refuses
+the figure) and adds `Result`s to the report. Long contexts are planned (every block allocated) and filled
+with random valid bytes (`synthetic.fill_layer`) instead of being prefilled, except where a workload
+compares outputs with transformers, which needs a real history.
+
+    machine   copy bandwidth and bf16 GEMM rate (every other figure is a fraction of these)
+    topk      top-k (k = 512) over one row of 16K .. 1M candidates and over batches
+    insert    kv insert (RoPE, FP8 encode, write) and compress-and-insert at sizes that fill the GPU
+    decode    a decode step of a layer: the attention core and the whole layer under CUDA graphs, per-kernel
+              times (profiler), against context length (batch 1) and batch (128K context)
+    layer     our layer against transformers' DeepseekV4Attention, decode, batch 1, 4K and 16K, each kind
+    prefill   a CSA layer over a 64K-token prompt in 8K chunks, against the indexer's FLOP floor
+    scale     one request at 2^20 tokens through all 43 layers; the most concurrent 128K requests that fit
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import statistics
+import json
+import time
+from dataclasses import dataclass
+from importlib import resources
+from typing import Callable
+
+import torch
+
+from ..geometry import LayerKind, ModelGeometry
+from ..layer import DSV4Attention, init_random_weights
+from ..manager import CacheManager
+from ..memory.planner import MemoryPlan
+from ..ops.common import require
+from .report import Report, Result
+from .synthetic import fill_layer
+from .timing import copy_bandwidth, gemm_rate, profile_kernels, time_cuda
+
+__all__ = ["Context", "WORKLOADS", "QUICK"]
+
+ROW_TOL = 2e-2  # kernels against the reference layer: worst row error / row max (tests/test_kernel_layer.py)
+HF_TOL = 0.05  # exact mode against transformers in fp32, decode rows (tests/test_oracle.py: 0.03 where picks agree)
+
+
+@dataclass
+class Context:
+    device: torch.device
+    report: Report
+    quick: bool
+    log: Callable[[str], None]
+    runs: int = 50
+
+    @property
+    def geometry(self) -> ModelGeometry:
+        return ModelGeometry.from_hf_config("flash")
+
+
+def _layer_index(g: ModelGeometry, kind: str) -> int:
+    return next(i for i, layer in enumerate(g.layers) if layer.kind.short.lower() == kind)
+
+
+def _row_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """Worst row of max |out - ref| / max |ref| (NaN anywhere counts as infinite)."""
+    out, ref = out.float(), ref.float()
+    if not torch.isfinite(out).all():
+        return float("inf")
+    err = (out - ref).abs().amax(dim=-1) / ref.abs().amax(dim=-1).clamp_min(1e-30)
+    return float(err.max())
+
+
+def _free() -> None:
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+# --- machine -------------------------------------------------------------------------------------------------
+def machine(ctx: Context) -> None:
+    ctx.log("machine: copy bandwidth and bf16 GEMM rate")
+    bw, flops = copy_bandwidth(ctx.device), gemm_rate(ctx.device)
+    ctx.report.meta.update(copy_bandwidth_Bps=bw, bf16_gemm_flops=flops)
+    ctx.report.add(Result("machine", "copy 1 GiB -> 1 GiB (read + write)", {}, 2 * (1 << 30) / bw * 1e6,
+                          bytes=2 << 30, check="torch copy_"))
+    ctx.report.add(Result("machine", "bf16 GEMM 8192^3", {}, 2 * 8192 ** 3 / flops * 1e6, flops=2 * 8192 ** 3,
+                          check="torch.matmul"))
+
+
+# --- top-k ---------------------------------------------------------------------------------------------------
+def topk(ctx: Context) -> None:
+    from ..kernels import topk_indices
+    from ..kernels.topk import topk_workspace
+    from ..ops.indexer import topk_picks
+
+    k = ctx.geometry.index_topk
+    shapes = [(1, 65536), (1, 262144), (64, 32768)] if ctx.quick else \
+        [(1, 4096), (1, 16384), (1, 65536), (1, 262144), (1, 1 << 20), (8, 262144), (64, 32768), (256, 32768)]
+    for rows, cols in shapes:
+        g = torch.Generator(device=ctx.device).manual_seed(rows * cols)
+        scores = torch.randn(rows, cols, generator=g, device=ctx.device)
+        lengths = torch.full((rows,), cols, dtype=torch.int32, device=ctx.device)
+        out = torch.empty(rows, k, dtype=torch.int32, device=ctx.device)
+        workspace = topk_workspace(rows, cols, k, ctx.device)
+        run = lambda: topk_indices(scores, lengths, k, out=out, workspace=workspace)  # noqa: E731
+        run()
+        want = topk_picks(scores, k).sort(dim=1).values
+        passed = torch.equal(out.long().sort(dim=1).values, want)
+        timing = time_cuda(run, device=ctx.device, runs=ctx.runs)
+        kernels = profile_kernels(run, device=ctx.device)
+        ctx.report.add(Result("topk", f"top-{k} of {cols} x {rows} rows", {"rows": rows, "cols": cols, "k": k},
+                              timing.median_us, bytes=rows * cols * 4,
+                              check=f"index sets {'equal' if passed else 'DIFFER'} (torch stable sort)", passed=passed,
+                              extra={**timing.as_dict(), "kernels_us": kernels}))
+        ctx.log(f"  topk {rows} x {cols}: {timing.median_us:.1f} us; kernels "
+                + ", ".join(f"{name[:12]} {us:.1f}" for name, us in kernels))
+
+
+# --- insert / compress ---------------------------------------------------------------------------------------
+def insert(ctx: Context) -> None:
+    from ..kernels import compress_insert, kv_insert
+    from ..ops.common import step_rows
+    from ..ops.compress import compress_and_insert
+    from ..ops.rope import apply_rope
+
+    g = ctx.geometry
+    i_csa = _layer_index(g, "csa")
+    for n in ([65536] if ctx.quick else [64, 4096, 65536]):
+        cache = CacheManager(g, max_requests=1, max_tokens=n, device=ctx.device)
+        layer_spec = cache.spec.layers[i_csa]
+        main, pool_entries = layer_spec.main, layer_spec.entries_per_page
+        pool = torch.zeros(-(-n // pool_entries), layer_spec.entry_page_bytes, dtype=torch.uint8, device=ctx.device)
+        gen = torch.Generator(device=ctx.device).manual_seed(n)
+        kv = torch.randn(n, g.head_dim, generator=gen, device=ctx.device).bfloat16()
+        positions = torch.randint(0, g.max_position, (n,), generator=gen, device=ctx.device, dtype=torch.int32)
+        slots = torch.randperm(n, generator=gen, device=ctx.device).int()
+        rope = g.layers[i_csa].rope
+        run = lambda: kv_insert(kv, positions, rope, main, pool, pool_entries, slots)  # noqa: E731
+        run()
+        want = torch.zeros_like(pool)
+        main.write(want, pool_entries, slots, apply_rope(kv, positions, rope))
+        passed = torch.equal(pool, want)
+        timing = time_cuda(run, device=ctx.device, runs=ctx.runs)
+        nbytes = n * (2 * g.head_dim + main.entry_bytes + 4 * rope.dim)  # kv bf16, entry, cos + sin fp32
+        ctx.report.add(Result("insert", f"kv_insert {n} rows (RoPE, FP8 MODEL1, scatter)", {"rows": n},
+                              timing.median_us, bytes=nbytes, check=f"bytes {'equal' if passed else 'DIFFER'}",
+                              passed=passed, extra={**timing.as_dict(), "includes": "torch cos/sin (~6 kernels)"}))
+        ctx.log(f"  kv_insert {n}: {timing.median_us:.1f} us")
+        del cache, pool, want
+        _free()
+
+    # compress-and-insert over a prefill chunk: CSA main entries and indexer keys, every entry completing
+    for n in ([8192] if ctx.quick else [1024, 8192, 32768]):
+        cache = CacheManager(g, max_requests=1, max_tokens=n, device=ctx.device)
+        rid = cache.admit()
+        plan = cache.plan_step([(rid, n)])
+        lc, ls = cache.pools.layers[i_csa], cache.spec.layers[i_csa]
+        gen = torch.Generator(device=ctx.device).manual_seed(n + 1)
+        spec = g.layers[i_csa]
+        for main_entry, layout, pool, state_kv, state_score, d in (
+                (True, ls.main, lc.entries, lc.state_kv, lc.state_score, g.head_dim),
+                (False, ls.index, lc.index_keys, lc.index_state_kv, lc.index_state_score, g.index_head_dim)):
+            kv_rows = torch.randn(n, 2 * d, generator=gen, device=ctx.device)
+            logit_rows = torch.randn(n, 2 * d, generator=gen, device=ctx.device)
+            norm = 1 + 0.1 * torch.randn(d, generator=gen, device=ctx.device)
+            args = dict(ratio=spec.ratio, overlap=True, eps=g.rms_norm_eps, rope=spec.rope, out_dtype=torch.bfloat16,
+                        page_tokens=cache.spec.page_tokens, norm_weight=norm, layout=layout)
+            want_pool = pool.clone()
+            compress_and_insert(state_kv.clone(), state_score.clone(), kv_rows=kv_rows, logit_rows=logit_rows,
+                                pool=want_pool, plan=plan, rows=step_rows(plan), **args)
+            run = lambda: compress_insert(state_kv, state_score, plan, kv_rows, logit_rows, pool=pool,  # noqa: E731
+                                          main=main_entry, **args)
+            run()
+            entries = n // spec.ratio
+            differ = int((pool != want_pool).sum())
+            passed = differ <= 0.01 * entries * layout.entry_bytes
+            timing = time_cuda(run, device=ctx.device, runs=ctx.runs)
+            nbytes = n * 2 * (2 * d) * 4 + entries * layout.entry_bytes  # rows (kv + logits) read once, entries written
+            what = "main entries (FP8)" if main_entry else "indexer keys (MXFP4)"
+            ctx.report.add(Result("insert", f"compress_insert {n} rows -> {entries} {what}",
+                                  {"rows": n, "main": main_entry}, timing.median_us, bytes=nbytes,
+                                  check=f"{differ} of {entries * layout.entry_bytes} bytes differ (<= 1% allowed)",
+                                  passed=passed, extra=timing.as_dict()))
+            ctx.log(f"  compress_insert {n} {what}: {timing.median_us:.1f} us")
+        del cache
+        _free()
+
+
+# --- decode --------------------------------------------------------------------------------------------------
+def _decode_grid(quick: bool) -> list[tuple[int, int, tuple[str, ...]]]:
+    """(context, batch, kinds) configurations."""
+    if quick:
+        return [(16384, 1, ("csa",)), (1 << 20, 1, ("csa",)), (131072, 64, ("csa",))]
+    return [(4096, 1, ("window", "csa", "hca")), (16384, 1, ("window", "csa", "hca")), (65536, 1, ("csa",)),
+            (131072, 1, ("csa", "hca")), (262144, 1, ("csa",)), (1 << 20, 1, ("csa", "hca")),
+            (131072, 8, ("csa",)), (131072, 32, ("csa",)), (131072, 64, ("window", "csa", "hca"))]
+
+
+def core_bytes(g: ModelGeometry, cache: CacheManager, layer_index: int, context: int, batch: int) -> dict[str, int]:
+    """Bytes one decode step's attention core must move, per part, for `batch` requests at `context` tokens
+    (the step's own token included): the keys it reads, the compressor state it pools when an entry completes,
+    q in and the output out. Scores written by the indexer and read by top-k are the implementation's, not
+    counted."""
+    spec, ls = g.layers[layer_index], cache.spec.layers[layer_index]
+    entry = ls.main.entry_bytes
+    parts = {"window keys": min(g.window, context) * entry, "q + out": 2 * 2 * g.num_heads * g.head_dim}
+    if spec.compressed:
+        visible = context // spec.ratio
+        if spec.kind is LayerKind.CSA:
+            parts["indexer keys"] = visible * ls.index.entry_bytes
+            parts["picked entries"] = min(g.index_topk, visible) * entry
+        else:
+            parts["entries"] = visible * entry
+        if context % spec.ratio == 0:  # this token completes an entry: the state ring is pooled
+            parts["compressor state"] = ls.state_bytes // 2 + entry + (ls.index.entry_bytes if ls.index else 0)
+    return {k: v * batch for k, v in parts.items()}
+
+
+_STAGES = (("_kv_insert", "kv insert"), ("_compress", "compress-and-insert"), ("_indexer_scores", "indexer scores"),
+           ("_hist1", "top-k"), ("_hist2", "top-k"), ("_compact", "top-k"), ("_select", "top-k"),
+           ("_sparse_attention", "attention"), ("_combine", "attention"), ("_copy_entries", "window append"),
+           ("_append_state", "state append"))
+
+
+def _stage(kernel: str) -> str:
+    return next((stage for key, stage in _STAGES if key in kernel), "torch glue")
+
+
+def decode(ctx: Context) -> None:
+    g = ctx.geometry
+    for context, batch, kinds in _decode_grid(ctx.quick):
+        ctx.log(f"decode: context {context}, batch {batch}, {'/'.join(kinds)}")
+        cache = CacheManager(g, max_requests=batch, max_tokens=batch * context, device=ctx.device)
+        rids = [cache.admit() for _ in range(batch)]
+        for rid in rids:
+            cache.plan_step([(rid, context - 1)])  # the history: blocks allocated, contents filled below
+        indices = [_layer_index(g, kind) for kind in kinds]
+        for i in indices:
+            fill_layer(cache.pools.layers[i], window=g.window, seed=i)
+        buffers = cache.step_buffers(max_tokens=batch, max_requests=batch, max_seq_len=context)
+        plan = cache.plan_step([(rid, 1) for rid in rids], buffers=buffers)
+        x = torch.randn(batch, g.hidden_size, generator=torch.Generator(device=ctx.device).manual_seed(batch),
+                        device=ctx.device).bfloat16()
+        for kind, i in zip(kinds, indices):
+            layer = init_random_weights(DSV4Attention(g, i, device=ctx.device), seed=i)
+            _decode_layer(ctx, cache, layer, plan, x, kind, context, batch)
+            del layer
+            _free()
+        del cache, plan, buffers
+        _free()
+
+
+def _decode_layer(ctx: Context, cache: CacheManager, layer: DSV4Attention, plan, x, kind: str, context: int,
+                  batch: int) -> None:
+    g = ctx.geometry
+    tensors = cache.pools.layers[layer.layer_index].tensors()
+    snapshot = [t.clone() for t in tensors]
+
+    def restore():
+        for t, s in zip(tensors, snapshot):
+            t.copy_(s)
+
+    ref = layer._forward_reference(x, plan, cache)
+    restore()
+    out = layer._forward_kernels(x, plan, cache)
+    restore()
+    error = _row_error(out, ref)
+    passed = error <= ROW_TOL
+    check = f"layer vs reference: worst row {error:.2e} (<= {ROW_TOL:g})"
+    del ref, out
+    snapshot.clear()
+    projected = layer.project(x, plan.positions)
+    params = {"kind": kind, "context": context, "batch": batch}
+    parts = core_bytes(g, cache, layer.layer_index, context, batch)
+    core = time_cuda(lambda: layer.attention_core(projected, plan, cache), device=ctx.device, runs=ctx.runs)
+    whole = time_cuda(lambda: layer._forward_kernels(x, plan, cache), device=ctx.device, runs=ctx.runs)
+    ctx.report.add(Result("decode", f"{kind} core, ctx {context}, batch {batch}", params, core.median_us,
+                          bytes=sum(parts.values()), check=check, passed=passed,
+                          extra={"stage": "core", **core.as_dict(), "bytes_by_part": parts}))
+    ctx.report.add(Result("decode", f"{kind} layer, ctx {context}, batch {batch}", params, whole.median_us,
+                          check=check, passed=passed, extra={"stage": "layer", **whole.as_dict()}))
+    ctx.log(f"  {kind}: core {core.median_us:.1f} us, layer {whole.median_us:.1f} us, {check}")
+    kernels = profile_kernels(lambda: layer.attention_core(projected, plan, cache), device=ctx.device)
+    by_stage: dict[str, list[float]] = {}
+    for name, us in kernels:
+        by_stage.setdefault(_stage(name), []).append(us)
+    stage_bytes = {"indexer scores": parts.get("indexer keys"), "attention": parts.get("window keys", 0)
+                   + parts.get("picked entries", 0) + parts.get("entries", 0)}
+    ctx.log("    kernels: " + ", ".join(f"{name[:16]} {us:.1f}" for name, us in kernels))
+    for stage, times in by_stage.items():
+        ctx.report.add(Result("decode", f"  {kind} {stage} ({len(times)} kernels), ctx {context}, batch {batch}",
+                              params, sum(times), bytes=stage_bytes.get(stage) or None, check=check, passed=passed,
+                              extra={"stage": stage, "kernels": len(times)}))
+
+
+# --- layer vs transformers -------------------------------------------------------------------------------------
+def _hf_config():
+    from transformers import DeepseekV4Config
+
+    return DeepseekV4Config(**json.loads(resources.files("dsv4kv.presets").joinpath("flash.json").read_text()))
+
+
+class _HFDecoder:
+    """transformers' DeepseekV4Attention fed a prompt in chunks, then decode steps, with its own cache and an
+    explicit sliding-window causal mask (its incremental path; SPEC section 4). `inputs` builds a call's
+    RoPE tables and mask (what a model does once per step for all its layers), `run` is the module call."""
+
+    def __init__(self, hf, config, device):
+        from transformers import DynamicCache
+        from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4RotaryEmbedding
+
+        self.hf, self.config, self.device = hf, config, device
+        self.cache = DynamicCache(config=config)
+        self.rotary = DeepseekV4RotaryEmbedding(config).to(device)
+        self.length = 0
+
+    def inputs(self, x: torch.Tensor) -> tuple:
+        n, window = x.shape[0], self.config.sliding_window
+        x = x.to(next(self.hf.parameters()).dtype)
+        kept = min(self.length, window - 1)  # window keys the cache holds from before
+        positions = torch.arange(self.length, self.length + n, device=self.device)
+        key_positions = torch.arange(self.length - kept, self.length + n, device=self.device)
+        allowed = (key_positions[None] <= positions[:, None]) & (positions[:, None] - key_positions[None] < window)
+        mask = torch.where(allowed, 0.0, float("-inf")).to(x.dtype)[None, None]
+        cos_sin = {kind: self.rotary(x[None], positions[None], layer_type=kind) for kind in ("main", "compress")}
+        return x[None], cos_sin, positions[None], mask
+
+    def run(self, args: tuple) -> torch.Tensor:
+        out = self.hf(*args, past_key_values=self.cache)[0][0]
+        self.length += args[0].shape[1]
+        return out
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.run(self.inputs(x))
+
+
+def _our_decoder(layer: DSV4Attention, prompt: torch.Tensor, steps: int, kv_format: str, indexer_format: str):
+    """Our layer over a cache of the given formats, the prompt prefilled in 8K chunks: (decode graph, request id)."""
+    from ..graph import DecodeGraph
+
+    g, context = layer.geometry, prompt.shape[0]
+    cache = CacheManager(g, max_requests=1, max_tokens=context + steps, device=prompt.device, kv_format=kv_format,
+                         indexer_format=indexer_format)
+    rid = cache.admit()
+    for lo in range(0, context, 8192):
+        hi = min(context, lo + 8192)
+        layer(prompt[lo:hi], cache.plan_step([(rid, hi - lo)]), cache)
+    return DecodeGraph([layer], cache, batch=1, max_seq_len=context + steps), rid
+
+
+def layer_vs_transformers(ctx: Context) -> None:
+    """Decode steps of one layer: transformers' module (eager bf16) against ours (CUDA graph), same weights and
+    inputs. The check: our exact mode (bf16 cache) against transformers in fp32, the project's oracle; the
+    official mode (FP8 / MXFP4, the timed one) is checked against our reference in the `decode` workload."""
+    try:
+        config = _hf_config()
+    except ImportError:
+        ctx.log("layer: transformers is not installed, skipped")
+        return
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4Attention
+
+    g = ctx.geometry
+    steps = 12
+    for context in ([16384] if ctx.quick else [4096, 16384]):
+        for kind in ("window", "csa", "hca"):
+            i = _layer_index(g, kind)
+            hf32 = init_random_weights(DeepseekV4Attention(config, i).eval().to(ctx.device), seed=i)
+            with torch.no_grad():  # bf16-representable weights: every module here holds the same values
+                for param in hf32.parameters():
+                    param.copy_(param.bfloat16().float())
+            hf16 = _HFDecoder(copy.deepcopy(hf32).to(torch.bfloat16), config, ctx.device)
+            oracle = _HFDecoder(hf32, config, ctx.device)
+            gen = torch.Generator(device=ctx.device).manual_seed(context + i)
+            prompt = torch.randn(context, g.hidden_size, generator=gen, device=ctx.device).bfloat16()
+            tokens = torch.randn(steps, g.hidden_size, generator=gen, device=ctx.device).bfloat16()
+            with torch.no_grad():
+                for lo in range(0, context, 2048):
+                    hf16(prompt[lo:lo + 2048])
+                    oracle(prompt[lo:lo + 2048])
+                ours = {mode: _our_decoder(DSV4Attention.from_transformers(hf16.hf), prompt, steps, *formats)
+                        for mode, formats in (("official", ("fp8", "mxfp4")), ("exact", ("bf16", "bf16")))}
+                hf_times, walls, errors = [], [], {"official": [], "exact": []}
+                for s in range(steps):
+                    token = tokens[s:s + 1]
+                    args = hf16.inputs(token)
+                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    start.record()
+                    hf16.run(args)
+                    end.record()
+                    torch.cuda.synchronize()
+                    hf_times.append(start.elapsed_time(end) * 1e3)
+                    want = oracle(token)
+                    for mode, (graph, rid) in ours.items():
+                        t0 = time.perf_counter()
+                        got = graph.step([(rid, 1)], token) - token  # the graph's chain adds the residual
+                        torch.cuda.synchronize()
+                        if mode == "official":
+                            walls.append((time.perf_counter() - t0) * 1e6)
+                        errors[mode].append(_row_error(got, want))
+                # replays of the last plan: the graph's device time (the step is idempotent over one plan)
+                replay = {mode: time_cuda(graph.graph.replay, device=ctx.device, runs=ctx.runs, graph=False, warmup=1)
+                          for mode, (graph, _) in ours.items()}
+            hf_us = statistics.median(hf_times[2:])
+            wall_us = statistics.median(walls[2:])
+            exact, official = max(errors["exact"]), max(errors["official"])
+            passed = exact <= HF_TOL
+            check = (f"exact mode vs transformers fp32: worst row {exact:.2e} (<= {HF_TOL:g}); "
+                     f"official mode: {official:.2e} (FP8/MXFP4 numerics, not gated)")
+            params = {"kind": kind, "context": context, "batch": 1}
+            ctx.report.add(Result("layer", f"transformers {kind}, ctx {context} (eager bf16)", params, hf_us,
+                                  check="the module timed", extra={"module": "DeepseekV4Attention"}))
+            for mode, timing in replay.items():
+                ctx.report.add(Result("layer", f"dsv4kv {kind}, ctx {context}, {mode} (graph replay)",
+                                      {**params, "mode": mode}, timing.median_us, check=check, passed=passed,
+                                      extra={**timing.as_dict(), "speedup": hf_us / timing.median_us,
+                                             "step_wall_us": wall_us if mode == "official" else None}))
+            ctx.log(f"  {kind} {context}: transformers {hf_us:.0f} us, ours {replay['official'].median_us:.1f} us "
+                    f"official / {replay['exact'].median_us:.1f} us exact (x{hf_us / replay['official'].median_us:.1f}"
+                    f"; a whole step with planning {wall_us:.0f} us), {check}")
+            del hf16, oracle, ours, hf32
+            _free()
+
+
+# --- prefill -------------------------------------------------------------------------------------------------
+def prefill(ctx: Context) -> None:
+    from ..kernels import indexer_scores_paged
+    from ..ops.indexer import indexer_query
+    from ..ops.rope import apply_rope
+
+    g = ctx.geometry
+    i = _layer_index(g, "csa")
+    spec = g.layers[i]
+    prompt_len, chunk = (32768, 8192) if ctx.quick else (65536, 8192)
+    layer = init_random_weights(DSV4Attention(g, i, device=ctx.device), seed=i)
+    cache = CacheManager(g, max_requests=1, max_tokens=prompt_len, device=ctx.device)
+    rid = cache.admit()
+    gen = torch.Generator(device=ctx.device).manual_seed(7)
+    x = torch.randn(prompt_len, g.hidden_size, generator=gen, device=ctx.device).bfloat16()
+    tensors = cache.pools.layers[i].tensors()
+    chunk_us, check, passed = [], "not run", True
+    for c, lo in enumerate(range(0, prompt_len, chunk)):
+        plan = cache.plan_step([(rid, chunk)])
+        if c == 1:  # check one chunk with history against the reference, then run it for real
+            snapshot = [t.clone() for t in tensors]
+            ref = layer._forward_reference(x[lo:lo + chunk], plan, cache)
+            for t, s in zip(tensors, snapshot):
+                t.copy_(s)
+            out = layer._forward_kernels(x[lo:lo + chunk], plan, cache)
+            for t, s in zip(tensors, snapshot):
+                t.copy_(s)
+            error = _row_error(out, ref)
+            passed = error <= ROW_TOL
+            check = f"chunk 1 (history {lo}) vs reference: worst row {error:.2e} (<= {ROW_TOL:g})"
+            del ref, out, snapshot
+            _free()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        layer(x[lo:lo + chunk], plan, cache)
+        end.record()
+        torch.cuda.synchronize()
+        chunk_us.append(start.elapsed_time(end) * 1e3)
+    # the indexer's arithmetic: 2 * H * D per (row, visible entry)
+    visible = sum((t + 1) // spec.ratio for t in range(prompt_len))
+    flops = 2 * g.index_n_heads * g.index_head_dim * visible
+    total = sum(chunk_us)
+    params = {"prompt": prompt_len, "chunk": chunk}
+    ctx.report.add(Result("prefill", f"CSA layer, {prompt_len} tokens in {chunk}-token chunks", params, total,
+                          flops=flops, check=check, passed=passed,
+                          extra={"tokens_per_s": prompt_len / (total * 1e-6), "chunk_us": chunk_us,
+                                 "flops_are": "the indexer's alone (the floor)"}))
+    # the indexer kernel alone on the last chunk (the plan is reused read-only)
+    projected = layer.project(x[-chunk:], plan.positions)
+    ls = cache.spec.layers[i]
+    q_index = indexer_query(apply_rope(projected.index_q, plan.positions, spec.rope), ls.index).contiguous()
+    last_visible = sum((t + 1) // spec.ratio for t in range(prompt_len - chunk, prompt_len))
+    run = lambda: indexer_scores_paged(q_index, projected.index_weights, plan, cache.pools.layers[i].index_keys,  # noqa
+                                       ls.index, ratio=spec.ratio, page_tokens=cache.spec.page_tokens,
+                                       max_entries=prompt_len // spec.ratio)
+    timing = time_cuda(run, device=ctx.device, runs=max(5, ctx.runs // 5), graph=False)
+    ctx.report.add(Result("prefill", f"indexer scores, last chunk ({chunk} rows x <= {prompt_len // 4} keys)", params,
+                          timing.median_us, flops=2 * g.index_n_heads * g.index_head_dim * last_visible,
+                          bytes=chunk * (prompt_len // spec.ratio) * 4, check=check, passed=passed,
+                          extra=timing.as_dict()))
+    ctx.log(f"  prefill {prompt_len}: {total / 1e3:.1f} ms ({prompt_len / (total * 1e-6):.0f} tokens/s), "
+            f"indexer floor {flops / ctx.report.gemm * 1e3:.2f} ms" if ctx.report.gemm else "")
+    del layer
+    _free()
+
+
+# --- scale ---------------------------------------------------------------------------------------------------
+def scale(ctx: Context) -> None:
+    from ..graph import DecodeGraph
+
+    g = ctx.geometry
+    steps = 8
+    ctx.log("scale: building all 43 layers (random bf16 weights)")
+    layers = [init_random_weights(DSV4Attention(g, i, device=ctx.device), seed=i) for i in range(g.num_layers)]
+    weights = sum(p.numel() * p.element_size() for layer in layers for p in layer.parameters())
+
+    def run(label: str, batch: int, context: int) -> None:
+        cache = CacheManager(g, max_requests=batch, max_tokens=batch * context, device=ctx.device,
+                             max_seq_len=context)
+        allocated_before = torch.cuda.memory_allocated(ctx.device)
+        rids = [cache.admit() for _ in range(batch)]
+        for rid in rids:
+            cache.plan_step([(rid, context - steps)])
+        for i in range(g.num_layers):
+            fill_layer(cache.pools.layers[i], window=g.window, seed=i)
+        graph = DecodeGraph(layers, cache, batch=batch, max_seq_len=context)
+        x = torch.randn(batch, g.hidden_size, device=ctx.device).bfloat16()
+        walls = []
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            out = graph.step([(rid, 1) for rid in rids], x)
+            torch.cuda.synchronize()
+            walls.append((time.perf_counter() - t0) * 1e6)
+        finite = bool(torch.isfinite(out).all())
+        replay = time_cuda(graph.graph.replay, device=ctx.device, runs=10, graph=False, warmup=1)
+        plan_report = MemoryPlan(cache.spec, context=context).report()
+        planned = batch * plan_report["request"]["total_bytes"]
+        held = cache.bytes_used
+        params = {"batch": batch, "context": context, "layers": g.num_layers}
+        ctx.report.add(Result("scale", label, params, replay.median_us, check=f"outputs finite: {finite}",
+                              passed=finite,
+                              extra={**replay.as_dict(), "step_wall_us": sorted(walls[2:])[len(walls[2:]) // 2],
+                                     "tokens_per_s": batch / (replay.median_us * 1e-6),
+                                     "held_bytes": held, "planned_bytes": planned, "held_over_planned": held / planned,
+                                     "reserved_bytes": cache.bytes_reserved,
+                                     "cuda_allocated_by_cache": allocated_before,
+                                     "weights_bytes": weights,
+                                     "peak_allocated": torch.cuda.max_memory_allocated(ctx.device)}))
+        ctx.log(f"  {label}: step {replay.median_us / 1e3:.2f} ms (graph), held {held / 2**30:.2f} GiB vs planned "
+                f"{planned / 2**30:.2f} GiB ({100 * (held / planned - 1):+.2f}%)")
+        del cache, graph
+        _free()
+
+    run("one request at 2^20 tokens, 43 layers", 1, 1 << 20)
+    if not ctx.quick:
+        context = 131072
+        free, _ = torch.cuda.mem_get_info(ctx.device)
+        budget = free - (8 << 30)  # the decode graph's workspace and the allocator's slack
+        probe = MemoryPlan(_spec(g), context=context).report()["request"]["total_bytes"]
+        batch = int(budget // probe)
+        while batch > 1 and _pool_bytes(g, batch, context) > budget:
+            batch -= 1
+        require(batch >= 1, "scale: not even one 128K request fits")
+        ctx.log(f"  {batch} concurrent 128K requests fit in {budget / 2**30:.1f} GiB")
+        run(f"{batch} concurrent requests at 131072 tokens, 43 layers", batch, context)
+
+
+def _spec(g: ModelGeometry):
+    from ..memory.spec import CacheSpec
+
+    return CacheSpec(g)
+
+
+def _pool_bytes(g: ModelGeometry, batch: int, context: int) -> int:
+    spec = _spec(g)
+    return spec.pool_bytes(spec.blocks_for(batch * context) + batch - 1, batch)
+
+
+WORKLOADS: dict[str, Callable[[Context], None]] = {
+    "machine": machine, "topk": topk, "insert": insert, "decode": decode, "layer": layer_vs_transformers,
+    "prefill": prefill, "scale": scale,
+}
+QUICK = ("machine", "topk", "insert", "decode", "layer")
