@@ -30,7 +30,7 @@ from .ops.attention import sparse_attention
 from .ops.common import StepRows, require, step_rows
 from .ops.compress import compress_and_insert
 from .ops.gather import gather_entries, gather_window, visible_entries
-from .ops.indexer import indexer_query, indexer_topk
+from .ops.indexer import indexer_topk
 from .backend import kernels_can_run
 from .ops.rope import apply_rope, rope_cos_sin
 from .plan import StepPlan
@@ -108,7 +108,7 @@ class Projected:
     state: tuple[torch.Tensor, torch.Tensor] | None = None  # compressor rows: fp32 kv, logits [R, width]
     index_state: tuple[torch.Tensor, torch.Tensor] | None = None  # the indexer compressor's rows (CSA)
     index_q: torch.Tensor | None = None  # bf16 [R, index_heads, index_head_dim], not yet roped (CSA)
-    index_weights: torch.Tensor | None = None  # fp32 [R, index_heads], times index_heads^-0.5 (CSA)
+    index_weights: torch.Tensor | None = None  # bf16 [R, index_heads]: the scorer's projection (CSA)
 
 
 class DSV4Attention(nn.Module):
@@ -284,7 +284,7 @@ class DSV4Attention(nn.Module):
                 idx = self.compressor.indexer
                 projected.index_state = idx.rows(x, positions)
                 projected.index_q = idx.q_b_proj(qr).view(x.shape[0], g.index_n_heads, g.index_head_dim)
-                projected.index_weights = (idx.scorer.weights_proj(x).float() * g.index_n_heads ** -0.5).contiguous()
+                projected.index_weights = idx.scorer.weights_proj(x)
         return projected
 
     def attention_core(self, p: "Projected", plan: StepPlan, cache: CacheManager) -> torch.Tensor:
@@ -294,8 +294,8 @@ class DSV4Attention(nn.Module):
 
         The step's kv is encoded once into a step page; attention reads its own window keys from there and
         older ones from the ring, which is updated (a byte copy) only after attention."""
-        from .kernels import (append_state, append_window, compress_insert, indexer_scores_paged, kv_insert,
-                              sparse_attention_paged, topk_indices)
+        from .kernels import (append_state, append_window, compress_insert, indexer_query_and_weights,
+                              indexer_scores_paged, kv_insert, rope_rows, sparse_attention_paged, topk_indices)
         from .kernels.topk import topk_workspace
         g, spec = self.geometry, self.spec
         layer_cache, cache_spec = cache.pools.layers[self.layer_index], cache.spec.layers[self.layer_index]
@@ -303,7 +303,7 @@ class DSV4Attention(nn.Module):
         positions = plan.positions
         rows = positions.shape[0]
         cos_sin = plan.derived(("rope", spec.rope), lambda: rope_cos_sin(spec.rope, positions))
-        q = apply_rope(p.q, positions, spec.rope)
+        q = rope_rows(p.q, *cos_sin)
         step_kv = torch.empty((1, main.page_bytes(rows)), dtype=torch.uint8, device=q.device)
         row_slots = plan.derived("rows", lambda: torch.arange(rows, dtype=torch.int32, device=q.device))
         kv_insert(p.kv, positions, spec.rope, main, step_kv, rows, row_slots, cos_sin=cos_sin)
@@ -325,9 +325,10 @@ class DSV4Attention(nn.Module):
                                 norm_weight=idx.kv_norm.weight, layout=index_layout, pool=layer_cache.index_keys,
                                 main=False, **insert)
                 state_rows.append((layer_cache.index_state_kv, layer_cache.index_state_score, *p.index_state))
-                q_index = indexer_query(apply_rope(p.index_q, positions, spec.rope), index_layout).contiguous()
+                q_index, weights = indexer_query_and_weights(p.index_q, p.index_weights, *cos_sin, index_layout,
+                                                             scale=g.index_n_heads ** -0.5)
                 entries = max(plan.max_seq_len // spec.ratio, 1)
-                scores = indexer_scores_paged(q_index, p.index_weights, plan, layer_cache.index_keys, index_layout,
+                scores = indexer_scores_paged(q_index, weights, plan, layer_cache.index_keys, index_layout,
                                               ratio=spec.ratio, page_tokens=page_tokens, max_entries=entries)
                 visible = plan.derived(("visible", spec.ratio),
                                        lambda: torch.clamp((positions + 1) // spec.ratio, min=0).to(torch.int32))
@@ -343,7 +344,7 @@ class DSV4Attention(nn.Module):
         append_window(layer_cache.window, main, g.window, plan, step_kv)
         for state_kv, state_logits, kv_rows, logit_rows in state_rows:
             append_state(state_kv, state_logits, plan, kv_rows, logit_rows)
-        return apply_rope(out, positions, spec.rope, inverse=True).to(q.dtype)
+        return rope_rows(out, *cos_sin, inverse=True)
 
     def _grouped_o_a(self, out: torch.Tensor) -> torch.Tensor:
         """[N, heads, head_dim] -> [N, o_groups * o_lora_rank]: each contiguous head group through its own block."""
