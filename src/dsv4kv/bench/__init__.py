@@ -15,11 +15,11 @@ from typing import Callable, Sequence
 
 import torch
 
-from .report import Report, Result, plot_report
+from .report import Report, Result, markdown, plot_report
 from .timing import machine_info
 from .workloads import QUICK, WORKLOADS, Context
 
-__all__ = ["run_bench", "evaluate_targets", "WORKLOADS", "QUICK", "Report", "Result", "plot_report"]
+__all__ = ["run_bench", "evaluate_targets", "WORKLOADS", "QUICK", "Report", "Result", "plot_report", "markdown"]
 
 
 def run_bench(workloads: Sequence[str] = QUICK, *, out_dir: str | None = "docs/bench", name: str | None = None,
@@ -44,7 +44,9 @@ def run_bench(workloads: Sequence[str] = QUICK, *, out_dir: str | None = "docs/b
         name = name or f"bench-{report.meta['date'][:10]}-{gpu}"
         path = os.path.join(out_dir, f"{name}.json")
         report.save(path)
-        report.meta["written"] = [path] + plot_report(report.to_json(), out_dir)
+        with open(os.path.join(out_dir, f"{name}.md"), "w") as f:
+            f.write(markdown(report.to_json()))
+        report.meta["written"] = [path, os.path.join(out_dir, f"{name}.md")] + plot_report(report.to_json(), out_dir)
     return report
 
 

@@ -12,7 +12,7 @@ import math
 import os
 from dataclasses import asdict, dataclass, field
 
-__all__ = ["Result", "Report", "plot_report"]
+__all__ = ["Result", "Report", "plot_report", "markdown"]
 
 
 @dataclass
@@ -107,6 +107,30 @@ class Report:
             for t in self.targets:
                 lines.append(f"    [{'met' if t['met'] else 'MISSED'}] {t['target']}: {t['measured']}")
         return "\n".join(lines)
+
+
+def markdown(data: dict) -> str:
+    """A report's JSON as markdown tables (what docs/performance.md quotes)."""
+    m = data["meta"]
+    lines = [f"{m.get('gpu')}, torch {m.get('torch')} (CUDA {m.get('cuda')}), triton {m.get('triton')}, {m.get('date')}, "
+             f"commit {m.get('commit')}; measured copy bandwidth {m.get('copy_bandwidth_Bps', 0) / 1e12:.2f} TB/s "
+             f"(read + write), bf16 GEMM {m.get('bf16_gemm_flops', 0) / 1e12:.0f} TFLOP/s.", ""]
+    for workload in dict.fromkeys(r["workload"] for r in data["results"]):
+        rows = [r for r in data["results"] if r["workload"] == workload]
+        lines += [f"**{workload}**", "", "| what | median us | MB moved | GB/s | % of copy bw | TFLOP/s | % of GEMM |"
+                  " check |", "|---|---:|---:|---:|---:|---:|---:|---|"]
+        for r in rows:
+            def cell(key, fmt):
+                return format(r[key], fmt) if r.get(key) is not None else ""
+            time = "refused" if r.get("refused") else cell("time_us", ".1f")
+            mb = format(r["bytes"] / 1e6, ".2f") if r.get("bytes") else ""
+            lines.append(f"| {r['name'].strip()} | {time} | {mb} | {cell('GBps', '.0f')} | {cell('pct_bandwidth', '.0f')} | "
+                         f"{cell('TFLOPs', '.1f')} | {cell('pct_gemm', '.1f')} | {r['check']} |")
+        lines.append("")
+    if data.get("targets"):
+        lines += ["**targets**", "", "| target | measured | |", "|---|---|---|"]
+        lines += [f"| {t['target']} | {t['measured']} | {'met' if t['met'] else 'missed'} |" for t in data["targets"]]
+    return "\n".join(lines) + "\n"
 
 
 def plot_report(data: dict, out_dir: str) -> list[str]:
