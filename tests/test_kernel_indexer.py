@@ -1,5 +1,7 @@
 """Triton indexer scores (`kernels.indexer.indexer_scores_paged`) against the reference: `ops.indexer.indexer_scores`
-over keys decoded by `layout.read`, masked to -inf past each row's visible count as `indexer_topk` does.
+over keys decoded by `layout.read`, masked to -inf past each row's visible count as `indexer_topk` does. Both
+kernels (row: decode; stacked: rows of a request share key tiles) are checked, each forced with `stack_rows`,
+and against each other.
 
 Small cases run under Triton's interpreter on the CPU (or on the GPU where there is one); the V4-Flash /
 V4-Pro shaped cases need a CUDA device. q and the keys are bf16 values, so the MMA's products are exact and
@@ -7,6 +9,7 @@ only the fp32 summation order differs: scores must agree within ROW_TOL of the r
 within TERM_TOL of the size of their own terms (sum_h |w_h| sum_d |q_hd K_jd| / sqrt(D)).
 """
 
+import dataclasses
 
 import pytest
 import torch
@@ -29,6 +32,9 @@ M = TINY.layers[1].ratio
 FORMATS = ("mxfp4", "fp8", "bf16")
 # |kernel - reference| relative to the row's max |score| and to the score's own terms (measured: see report)
 ROW_TOL, TERM_TOL = 1e-4, 2e-6  # row-max measure: 1.6e-5 seen on the H200 where a score nearly cancels
+# Stacked kernel tiles small enough that interpreter-sized cases cross every boundary: 4-row blocks, 16-entry tiles,
+# 32-entry chunks, 16-column -inf stores (_FILL_ELEMS // block_t)
+SMALL_STACK = {"block_t": 4, "block_j": 16, "max_iters": 2, "num_warps": 4, "num_stages": 1}
 
 
 # --- helpers ----------------------------------------------------------------------------------------
@@ -108,6 +114,42 @@ def assert_close_scores(got, reference_and_size):
     assert by_row <= ROW_TOL and by_terms <= TERM_TOL, (by_row, by_terms)
 
 
+def assert_paths_agree(got, other, reference_and_size):
+    """Two kernels' scores: the same -inf and NaN positions, and within TERM_TOL of each score's terms of each
+    other (they differ only in fp32 summation order). -> the largest difference relative to the terms."""
+    _, size = reference_and_size
+    assert torch.equal(torch.isneginf(got), torch.isneginf(other)) and torch.equal(torch.isnan(got), torch.isnan(other))
+    finite = torch.isfinite(got)
+    diff = torch.where(finite, (got - other).abs(), 0.0)
+    by_terms = float(torch.where(finite & (diff > 0), diff / size, 0.0).max()) if got.numel() else 0.0
+    assert by_terms <= TERM_TOL, by_terms
+    return by_terms
+
+
+def small_stack_tiles(monkeypatch):
+    monkeypatch.setattr(kernel_mod, "_STACK_TILES", SMALL_STACK)
+    monkeypatch.setattr(kernel_mod, "_FILL_ELEMS", 64)
+
+
+class LaunchSpy:
+    """Stands in for a jitted kernel and counts its launches."""
+
+    def __init__(self, kernel):
+        self.kernel, self.launches = kernel, 0
+
+    def __getitem__(self, grid):
+        self.launches += 1
+        return self.kernel[grid]
+
+
+def spy_kernels(monkeypatch):
+    row = LaunchSpy(kernel_mod._indexer_scores_kernel)
+    stacked = LaunchSpy(kernel_mod._indexer_scores_stacked_kernel)
+    monkeypatch.setattr(kernel_mod, "_indexer_scores_kernel", row)
+    monkeypatch.setattr(kernel_mod, "_indexer_scores_stacked_kernel", stacked)
+    return row, stacked
+
+
 # --- interpreter-sized cases ------------------------------------------------------------------------------
 @pytest.mark.parametrize("indexer_format", FORMATS)
 def test_scores_over_random_chunked_schedule(indexer_format):
@@ -148,11 +190,13 @@ def test_scores_over_random_chunked_schedule(indexer_format):
     assert worst[0] <= ROW_TOL and worst[1] <= TERM_TOL, worst
 
 
+@pytest.mark.parametrize("stack_rows", [False, True], ids=["row", "stacked"])
 @pytest.mark.parametrize("indexer_format", FORMATS)
-def test_chunk_boundaries(indexer_format, monkeypatch):
-    """Small tiles (BLOCK_J 16, 2 per program): visible(t) inside a tile, on a tile boundary, in a second chunk,
-    and a J that is not a multiple of the tile."""
+def test_chunk_boundaries(indexer_format, stack_rows, monkeypatch):
+    """Small tiles (BLOCK_J 16, 2 per program; stacked: 4-row blocks): visible(t) inside a tile, on a tile boundary,
+    in a second chunk, and a J that is not a multiple of the tile."""
     monkeypatch.setattr(kernel_mod, "_config", lambda rows, entries, device: (16, 2, 4))
+    small_stack_tiles(monkeypatch)
     cache, layout, pool = make_cache(TINY, indexer_format, page_tokens=PAGE, max_requests=4, max_tokens=500)
     rids = admit(cache, 3)
     cache.plan_step([(rids[0], 150), (rids[2], 31)])
@@ -162,15 +206,96 @@ def test_chunk_boundaries(indexer_format, monkeypatch):
         write_all_keys(cache, rid, layout, pool, torch.randn(200, layout.dim, generator=g).to(DEVICE), M, PAGE)
     q, w = make_query(layout, plan.positions.shape[0], TINY.index_n_heads, seed=22)
     out = torch.full((plan.positions.shape[0], 45), float("nan"), device=DEVICE)
-    indexer_scores_paged(q, w, plan, pool, layout, ratio=M, page_tokens=PAGE, out=out)
+    indexer_scores_paged(q, w, plan, pool, layout, ratio=M, page_tokens=PAGE, out=out, stack_rows=stack_rows)
     assert_close_scores(out, reference(plan, pool, layout, q, w, 45, ratio=M, page_tokens=PAGE))
 
 
+@pytest.mark.parametrize("indexer_format", FORMATS)
+def test_stacked_rows_over_random_chunked_schedule(indexer_format, monkeypatch):
+    """The stacked kernel, forced, with small tiles: four requests at odd lengths fed in random chunks of 3..23
+    rows (not multiples of the 4-row block, so request boundaries fall inside blocks and several requests share
+    one) through padded persistent plans; NaN-poisoned pool, NaN q / weights on padding rows, NaN-prefilled out,
+    widths past every visible count (two 32-entry chunks, both with scores) and below some."""
+    small_stack_tiles(monkeypatch)
+    cache, layout, pool = make_cache(TINY, indexer_format, page_tokens=PAGE, max_requests=5, max_tokens=600)
+    lengths = [171, 45, 70, 19]
+    rids = admit(cache, 4)
+    buffers = cache.step_buffers(max_tokens=38, max_requests=5)  # at most 36 real rows: padding in every step
+    g = gen(71)
+    dim, heads = layout.dim, TINY.index_n_heads
+    bank = [(torch.randn(n // M, dim, generator=g) * 2.0 ** torch.randint(-12, 13, (n // M, 1), generator=g)
+             ).to(DEVICE) for n in lengths]
+    worst = (0.0, 0.0)
+    for k, step in enumerate(random_steps(82, lengths, (3, 7, 13, 23), cap=36)):  # 15 steps, up to 4 requests
+        plan = cache.plan_step([(rids[i], n) for i, n in step], buffers=buffers)
+        for i, _ in step:
+            write_all_keys(cache, rids[i], layout, pool, bank[i], M, PAGE)
+        rows = plan.positions.shape[0]
+        q, w = make_query(layout, rows, heads, seed=200 + k, padding_from=plan.num_tokens)
+        width = (45, 37)[k % 2]  # 45: past every visible count (42); 37: cuts some rows
+        out = torch.full((rows, width), float("nan"), device=DEVICE)
+        indexer_scores_paged(q, w, plan, pool, layout, ratio=M, page_tokens=PAGE, out=out, stack_rows=True)
+        worst = tuple(map(max, worst, score_error(out, reference(plan, pool, layout, q, w, width, ratio=M,
+                                                                 page_tokens=PAGE))))
+        assert torch.isneginf(out[plan.num_tokens:]).all()
+    assert worst[0] <= ROW_TOL and worst[1] <= TERM_TOL, worst
+
+
+def test_stacked_rows_in_any_order(monkeypatch):
+    """Rows of several requests interleaved inside blocks (a plan's rows are in request order, but the stacked
+    kernel does not rely on it): row for row the reference's scores, and the row kernel's on the ordered plan."""
+    small_stack_tiles(monkeypatch)
+    cache, layout, pool = make_cache(TINY, "mxfp4", page_tokens=PAGE, max_requests=4, max_tokens=500)
+    rids = admit(cache, 3)
+    cache.plan_step([(rids[0], 90), (rids[2], 33)])
+    plan = cache.plan_step([(rids[0], 9), (rids[1], 70), (rids[2], 1)])
+    g = gen(81)
+    for rid in rids:
+        write_all_keys(cache, rid, layout, pool, torch.randn(200, layout.dim, generator=g).to(DEVICE), M, PAGE)
+    q, w = make_query(layout, plan.positions.shape[0], TINY.index_n_heads, seed=82)
+    by_row = indexer_scores_paged(q, w, plan, pool, layout, ratio=M, page_tokens=PAGE, max_entries=41,
+                                  stack_rows=False)
+    want, size = reference(plan, pool, layout, q, w, 41, ratio=M, page_tokens=PAGE)
+    perm = torch.randperm(plan.positions.shape[0], generator=gen(83)).to(DEVICE)
+    shuffled = dataclasses.replace(plan, positions=plan.positions[perm].contiguous(),
+                                   token_request=plan.token_request[perm].contiguous())
+    got = indexer_scores_paged(q[perm].contiguous(), w[perm].contiguous(), shuffled, pool, layout, ratio=M,
+                               page_tokens=PAGE, max_entries=41, stack_rows=True)
+    assert_close_scores(got, (want[perm], size[perm]))
+    assert_paths_agree(got, by_row[perm], (want[perm], size[perm]))
+
+
+def test_kernel_choice(monkeypatch):
+    """Automatic choice from host facts: the row kernel for decode steps (and mixes averaging under two rows
+    per request), the stacked one for prefill chunks; `stack_rows` overrides either way."""
+    cache, layout, pool = make_cache(TINY, "mxfp4", page_tokens=PAGE, max_requests=8, max_tokens=600)
+    rids = admit(cache, 6)
+    for rid in rids:
+        cache.plan_step([(rid, 41)])
+    row, stacked = spy_kernels(monkeypatch)
+    cases = [([(rid, 1) for rid in rids], None, "row"),  # decode: 6 rows, 6 requests
+             ([(rids[0], 3)] + [(rid, 1) for rid in rids[1:]], None, "row"),  # 8 rows, 6 requests
+             ([(rids[0], 9), (rids[1], 1), (rids[2], 2)], None, "stacked"),  # 12 rows, 3 requests
+             ([(rids[3], 2)], None, "stacked"),
+             ([(rids[4], 5)], False, "row"),
+             ([(rids[5], 1)], True, "stacked")]
+    for step, stack_rows, want in cases:
+        plan = cache.plan_step(step)
+        q, w = make_query(layout, plan.positions.shape[0], TINY.index_n_heads, seed=91)
+        before = (row.launches, stacked.launches)
+        indexer_scores_paged(q, w, plan, pool, layout, ratio=M, page_tokens=PAGE, max_entries=16,
+                             stack_rows=stack_rows)
+        ran = "row" if row.launches > before[0] else "stacked"
+        assert ran == want and row.launches + stacked.launches == sum(before) + 1, (step, stack_rows)
+
+
+@pytest.mark.parametrize("stack_rows", [False, True], ids=["row", "stacked"])
 @pytest.mark.parametrize("indexer_format", ["mxfp4", "fp8"])
-def test_hand_written_key_bytes(indexer_format):
+def test_hand_written_key_bytes(indexer_format, stack_rows):
     """Every e2m1 / e4m3 code and extreme scales written straight into the pages: ue8m0 0x00 (2^-127) and
     0xFF (NaN), fp32 scales 2^-100 .. 2^40 and NaN. The error relative to each score's own terms checks tiny
-    scales as closely as large ones; a key with a NaN scale scores NaN, and only in its own column."""
+    scales as closely as large ones; a key with a NaN scale scores NaN, and only in its own column. Both
+    kernels (they share the key decode)."""
     cache, layout, pool = make_cache(TINY, indexer_format, page_tokens=PAGE, max_requests=2, max_tokens=256)
     rid = cache.admit()
     plan = cache.plan_step([(rid, 200)])
@@ -196,7 +321,7 @@ def test_hand_written_key_bytes(indexer_format):
     scale_rows[page.to(DEVICE), off.to(DEVICE)] = scales.to(DEVICE)
     q, w = make_query(layout, plan.positions.shape[0], TINY.index_n_heads, seed=32)
     q = q * 2.0 ** 60  # still bf16 values; keeps the products of 2^-127-scaled keys normal fp32 numbers
-    got = indexer_scores_paged(q, w, plan, pool, layout, ratio=M, page_tokens=PAGE)
+    got = indexer_scores_paged(q, w, plan, pool, layout, ratio=M, page_tokens=PAGE, stack_rows=stack_rows)
     assert_close_scores(got, reference(plan, pool, layout, q, w, got.shape[1], ratio=M, page_tokens=PAGE))
     visible = (plan.positions.long() + 1) // M
     assert torch.isnan(got[:, 3]).sum() == (visible > 3).sum()  # the NaN-scale key, only where it is visible
@@ -264,8 +389,12 @@ def test_rejects_bad_input():
         run(pool=pool.view(torch.int8))
     with pytest.raises(ValueError, match=r"key_pool: must be contiguous"):
         run(pool=pool.t().contiguous().t())
-    with pytest.raises(ValueError, match=r"layout: the kernel needs a power-of-two dim"):
+    with pytest.raises(ValueError, match=r"layout: the kernel needs a power-of-two dim >= 32, got 48"):
         run(layout=indexer_layout("bf16", 48))
+    with pytest.raises(ValueError, match=r"layout: the kernel needs a power-of-two dim >= 32, got 16"):
+        run(layout=indexer_layout("bf16", 16))
+    with pytest.raises(ValueError, match=r"stack_rows: expected True, False or None, got 1"):
+        run(stack_rows=1)
     with pytest.raises(ValueError, match=r"layout: expected an indexer layout"):
         run(layout=main_layout("fp8", 128, 64))
     with pytest.raises(ValueError, match=r"plan: expected a StepPlan, got dict"):
@@ -366,4 +495,59 @@ def test_v4_prefill_512_rows(indexer_format):
     entries = cache.block_table.shape[1] * V4_PAGE // 4
     out = torch.full((520, entries), float("nan"), device=DEVICE)
     indexer_scores_paged(q, w, plan, pool, layout, ratio=4, page_tokens=V4_PAGE, out=out)
+    assert_close_scores(out, reference(plan, pool, layout, q, w, entries, ratio=4, page_tokens=V4_PAGE))
+
+
+@needs_cuda
+@pytest.mark.parametrize("indexer_format", FORMATS)
+def test_v4_prefill_2048_rows_after_6k_stacked(indexer_format, monkeypatch):
+    """V4-Flash prefill: one request, a 2048-row chunk after 6144 tokens of history (64 heads x 128), in a padded
+    plan, over the default width (65536 columns: the -inf fill). The automatic choice runs the stacked kernel;
+    it matches the reference and the row kernel."""
+    cache, layout, pool, plan, _, _, heads = v4_case("flash", indexer_format, [6144], [(0, 2048)],
+                                                     max_tokens=8192 + 256, buffer_tokens=2053, seed=7)
+    assert (heads, layout.dim) == (64, 128)
+    entries = cache.block_table.shape[1] * V4_PAGE // 4
+    q, w = make_query(layout, 2053, heads, seed=7, padding_from=2048)
+    row, stacked = spy_kernels(monkeypatch)
+    out = torch.full((2053, entries), float("nan"), device=DEVICE)
+    indexer_scores_paged(q, w, plan, pool, layout, ratio=4, page_tokens=V4_PAGE, out=out)
+    assert (row.launches, stacked.launches) == (0, 1)
+    want = reference(plan, pool, layout, q, w, entries, ratio=4, page_tokens=V4_PAGE)
+    assert_close_scores(out, want)
+    by_row = indexer_scores_paged(q, w, plan, pool, layout, ratio=4, page_tokens=V4_PAGE, max_entries=entries,
+                                  stack_rows=False)
+    assert_paths_agree(out, by_row, want)
+
+
+@needs_cuda
+@pytest.mark.parametrize("indexer_format", ["mxfp4", "fp8"])
+def test_v4_prefill_graph_replay_stacked(indexer_format, monkeypatch):
+    """A CUDA graph captured over a prefill step (the stacked kernel: chunks of 700, 300, 13 and 1 rows) replays
+    a different step planned into the same buffers (1, 777, 250 and 64 rows: other row blocks, other request
+    boundaries) with new keys, q and weights."""
+    history, step = [6000, 3001, 0, 0], [(0, 700), (1, 300), (2, 13), (3, 1)]
+    cache, layout, pool, plan, buffers, rids, heads = v4_case("flash", indexer_format, history, step,
+                                                              max_tokens=12_000, buffer_tokens=1100, seed=8)
+    entries = cache.block_table.shape[1] * V4_PAGE // 4
+    q, w = make_query(layout, 1100, heads, seed=8, padding_from=1014)
+    out = torch.full((1100, entries), float("nan"), device=DEVICE)
+    row, stacked = spy_kernels(monkeypatch)
+    indexer_scores_paged(q, w, plan, pool, layout, ratio=4, page_tokens=V4_PAGE, out=out)
+    assert_close_scores(out, reference(plan, pool, layout, q, w, entries, ratio=4, page_tokens=V4_PAGE))
+
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        indexer_scores_paged(q, w, plan, pool, layout, ratio=4, page_tokens=V4_PAGE, out=out)
+    assert (row.launches, stacked.launches) == (0, 2)
+    plan = cache.plan_step([(rids[0], 1), (rids[1], 777), (rids[2], 250), (rids[3], 64)], buffers=buffers)
+    g = gen(9, DEVICE)
+    for rid in rids:
+        write_all_keys(cache, rid, layout, pool, torch.randn(cache.length(rid) // 4 + 8, layout.dim, generator=g,
+                                                             device=DEVICE), 4, V4_PAGE)
+    q2, w2 = make_query(layout, 1100, heads, seed=10, padding_from=1092)
+    q.copy_(q2)
+    w.copy_(w2)
+    out.fill_(float("nan"))
+    graph.replay()
     assert_close_scores(out, reference(plan, pool, layout, q, w, entries, ratio=4, page_tokens=V4_PAGE))

@@ -20,16 +20,34 @@ fp32 caller) is rounded to bf16 (round to nearest even) before the dot: the scor
 those of the reference evaluated with `q.to(torch.bfloat16)`, i.e. off by up to ~2^-9 relative per
 product from the fp32 result. Keys with a NaN scale (a non-finite entry) score NaN, as in the reference.
 Under Triton's interpreter an e4m3 NaN byte (0x7F / 0xFF) decodes to +-480 rather than NaN; the GPU
-conversion gives NaN, and the quantizer never writes such a byte under a finite scale.
+conversion gives NaN, and the quantizer never writes such a byte under a finite scale. The MXFP4 decode
+is bit arithmetic (`_e2m1_pair`) and two exact fp32 multiplies: the same fp32 value as `layout.read`.
 
-Work split. Grid (row, chunk of BLOCK_J * ITERS entries): a program loads q[t] ([H, D] = [64, 128] for
-V4, as bf16 q^T [D, H]) and the head weights once, then per iteration decodes [BLOCK_J, D] keys in
-registers and runs one [BLOCK_J, D] x [D, H] MMA (the keys are the A operand so the decoded registers
-feed it directly). Chunks past visible(t) only store -inf. Decode (R small, J up to 2^18) gets its
-parallelism from the chunks. For prefill (R in the thousands) this reads every key once per row; the
-change to make there: a program per (request, chunk) that stacks BLOCK_T rows of one request into the
-MMA's N dimension (BLOCK_T * H columns, weights reduced per row after), so each key tile is decoded
-once for BLOCK_T rows, with the -inf mask per row.
+Two kernels compute the same function; the wrapper picks one from host facts only (`plan.num_tokens`,
+the request count; `stack_rows=` overrides), so a captured CUDA graph replays either correctly over any
+later plan. Both split each MMA into two K = D/2 halves (a byte's low / high nibbles for MXFP4).
+
+Row kernel (decode: about one row per request). Grid (row, chunk of BLOCK_J * ITERS entries): a program
+loads q[t] ([H, D] = [64, 128] for V4, as bf16 q^T) and the head weights once, then per iteration decodes
+[BLOCK_J, D] keys in registers and runs a [BLOCK_J, D] x [D, H] MMA (the keys are the A operand so the
+decoded registers feed it directly). Decode (R small, J up to 2^18) gets its parallelism from the chunks.
+
+Stacked kernel (prefill: many consecutive rows of a request). Grid (block of BLOCK_T consecutive rows,
+chunk of entries). A block's rows of one request (a segment) share every decoded key tile: q of the
+segment's rows is stacked in the MMA's N dimension, [BLOCK_J, D] x [D, BLOCK_T * H] (other rows' columns
+are zero), and ReLU, the head weights and the sum over heads are applied per row on a [BLOCK_J, BLOCK_T, H]
+view of the accumulator. Rows are in request order, so a block holds one request except at a chunk
+boundary; a block holding k requests runs k segments in a device-side loop (no host sync; any row order
+works), each over the entries its rows see. Per key value the decode (~6 CUDA-core ops) is shared by
+BLOCK_T * H MMA columns instead of H, and q is loaded once per segment for up to BLOCK_T x BLOCK_J * ITERS
+(row, entry) pairs. The products and their fp32 accumulation are those of the row kernel (equal results
+up to summation order: bit-identical in most scores under the interpreter).
+
+-inf fill. Every column < J of every row is written: score tiles store -inf past visible(t), and the columns
+of a chunk past a row's last score tile (all of them for padding rows and chunks wholly past visible(t))
+get -inf from wide streaming stores (16-B vectors, `.cs`: top-k never reads them, so they should not
+evict scores from L2). A graph captured with a large J therefore pays one write of R x J x 4 B at store
+bandwidth, and no key or q traffic, for the columns nobody sees.
 """
 
 from __future__ import annotations
@@ -48,6 +66,17 @@ from .common import check_pool, check_tensor, interpreted, padded_rows
 __all__ = ["indexer_scores_paged"]
 
 _BF16, _FP8, _MXFP4 = 0, 1, 2
+_SIGN = tl.constexpr(-(2 ** 31))  # fp32 sign bit as an int32 constant
+_E2M1_MAG = tl.constexpr(0x01C00000)  # fp32 bits 22..24
+_TWO_126 = tl.constexpr(2.0 ** 126)
+_FILL_ELEMS = 2048  # elements per -inf store tile: 16 per thread at 4 warps, i.e. four 16-B stores
+
+# Tile choices, read at each call (a benchmark may reassign them to time variants; see `_config`,
+# `_stack_config` for why these defaults).
+_ROW_TILES = {"block_j": 64, "max_iters": 16, "num_warps": 4}
+_STACK_TILES = {"block_t": 4, "block_j": 64, "max_iters": 64, "num_warps": 4, "num_stages": 3}
+_MXFP4_FLAT = False  # decode MXFP4 tiles as [keys, D/2] bytes (no reshape) rather than [keys, D/32, 16]
+_STACK_MIN_ROWS_PER_REQUEST = 2  # the automatic choice of the stacked kernel (`_stacked`)
 
 
 @triton.jit
@@ -58,13 +87,15 @@ def _ue8m0(code):
 
 
 @triton.jit
-def _e2m1(code):
-    """e2m1 code (int32, 0..15; bit 3 = sign) -> fp32 value in {0, 0.5, 1, 1.5, 2, 3, 4, 6} with sign."""
-    mag = code & 7
-    # codes >= 2 are normal: exponent (mag >> 1) - 1, mantissa bit mag & 1 -> fp32 bits directly
-    normal = ((mag << 22) + (126 << 23)).to(tl.float32, bitcast=True)
-    value = tl.where(mag < 2, mag.to(tl.float32) * 0.5, normal)
-    return tl.where((code & 8) != 0, -value, value)
+def _e2m1_pair(byte):
+    """Packed MXFP4 byte (int32, 0..255) -> (low nibble, high nibble) as fp32 e2m1 values, exactly.
+
+    A code's sign to fp32 bit 31 and its 3 magnitude bits to bits 22..24 make the fp32 number value * 2^-126
+    (code 1 = 0.5 lands on the subnormal 2^-127, codes >= 2 on normals), so one exact multiply by 2^126
+    finishes the decode: two shifts and one and-or per value instead of a chain of selects."""
+    lo = ((byte << 28) & _SIGN) | ((byte << 22) & _E2M1_MAG)
+    hi = ((byte << 24) & _SIGN) | ((byte << 18) & _E2M1_MAG)
+    return lo.to(tl.float32, bitcast=True) * _TWO_126, hi.to(tl.float32, bitcast=True) * _TWO_126
 
 
 @triton.jit
@@ -74,6 +105,74 @@ def _round_bf16(x):
     bits = x.to(tl.int32, bitcast=True)
     bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
     return tl.where(x != x, x, bits.to(tl.float32, bitcast=True))  # noqa: PLR0124 (x != x: NaN)
+
+
+@triton.jit
+def _key_dot(pool_ptr, p_table, o_j, m_j, b_q0, b_q1,
+             FORMAT: tl.constexpr, D: tl.constexpr, P: tl.constexpr, PAGE_BYTES: tl.constexpr,
+             DATA_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr, BLOCK_J: tl.constexpr, DOT: tl.constexpr,
+             MXFP4_FLAT: tl.constexpr = False):
+    """Keys of entries o_j [BLOCK_J] of the request whose block-table row is p_table, decoded in registers,
+    times the query -> fp32 [BLOCK_J, N]. b_q0 / b_q1: bf16 q^T [D/2, N] at the dims `_q_dims` gives (two
+    K = D/2 MMAs). Masked or unallocated entries decode to 0 and are never loaded."""
+    block = tl.load(p_table + o_j // P, mask=m_j, other=-1)
+    m_j = m_j & (block >= 0)
+    p_entry = pool_ptr + block.to(tl.int64) * PAGE_BYTES
+    p_data = p_entry + (o_j % P) * DATA_BYTES
+    p_scale = p_entry + P * DATA_BYTES + (o_j % P) * SCALE_BYTES
+    if FORMAT == 2 and MXFP4_FLAT:
+        # bytes loaded as [BLOCK_J, D/2] (byte i = values 2i, 2i+1), the scale of byte i (i // 16) broadcast by a
+        # repeated load: no reshape, so the decoded tile keeps its load layout on the way into the MMA
+        o_b = tl.arange(0, D // 2)
+        b_byte = tl.load(p_data[:, None] + o_b[None, :], mask=m_j[:, None], other=0).to(tl.int32)
+        b_sc = _ue8m0(tl.load(p_scale[:, None] + (o_b // 16)[None, :], mask=m_j[:, None], other=127).to(tl.int32))
+        b_lo, b_hi = _e2m1_pair(b_byte)
+        b_dot = tl.dot((b_lo * b_sc).to(DOT), b_q0)
+        b_dot = tl.dot((b_hi * b_sc).to(DOT), b_q1, b_dot)
+    elif FORMAT == 2:
+        # [BLOCK_J, D/32 scale blocks, 16 bytes = 32 values]
+        o_nb = tl.arange(0, D // 32)
+        o_nib = tl.arange(0, 16)
+        b_byte = tl.load(p_data[:, None, None] + o_nb[None, :, None] * 16 + o_nib[None, None, :],
+                         mask=m_j[:, None, None], other=0).to(tl.int32)
+        b_sc = tl.load(p_scale[:, None] + o_nb[None, :], mask=m_j[:, None], other=127).to(tl.int32)
+        b_sc = _ue8m0(b_sc)[:, :, None]
+        b_lo, b_hi = _e2m1_pair(b_byte)
+        # e2m1 times a power of two: exact in fp32 (or inf / NaN, as in the reference) and in bf16
+        b_lo = tl.reshape(b_lo * b_sc, (BLOCK_J, D // 2)).to(DOT)
+        b_hi = tl.reshape(b_hi * b_sc, (BLOCK_J, D // 2)).to(DOT)
+        b_dot = tl.dot(b_lo, b_q0)
+        b_dot = tl.dot(b_hi, b_q1, b_dot)
+    elif FORMAT == 1:
+        p_k = p_data[:, None] + tl.arange(0, D // 2)[None, :]
+        b_k0 = tl.load(p_k, mask=m_j[:, None], other=0).to(tl.float8e4nv, bitcast=True).to(DOT)
+        b_k1 = tl.load(p_k + D // 2, mask=m_j[:, None], other=0).to(tl.float8e4nv, bitcast=True).to(DOT)
+        b_ks = tl.load(p_scale.to(tl.pointer_type(tl.float32)), mask=m_j, other=0.0)
+        b_dot = tl.dot(b_k1, b_q1, tl.dot(b_k0, b_q0)) * b_ks[:, None]  # a power-of-two scale: exact
+    else:
+        p_k = p_data.to(tl.pointer_type(tl.bfloat16))[:, None] + tl.arange(0, D // 2)[None, :]
+        b_k0 = tl.load(p_k, mask=m_j[:, None], other=0.0).to(DOT)
+        b_k1 = tl.load(p_k + D // 2, mask=m_j[:, None], other=0.0).to(DOT)
+        b_dot = tl.dot(b_k1, b_q1, tl.dot(b_k0, b_q0))
+    return b_dot
+
+
+@triton.jit
+def _q_dims(FORMAT: tl.constexpr, D: tl.constexpr):
+    """The q dims of the two K = D/2 halves [D/2]: even / odd for MXFP4 (they meet a key byte's low / high
+    nibbles), first / second half otherwise. Halves also halve the registers a q tile passes through on its
+    way to shared memory (128 per thread for 4 rows of 64 heads)."""
+    o_d = tl.arange(0, D // 2)
+    if FORMAT == 2:
+        return 2 * o_d, 2 * o_d + 1
+    else:
+        return o_d, o_d + D // 2
+
+
+@triton.jit
+def _relu(x):
+    """max(x, 0) that keeps NaN, like torch.relu (one max.NaN on the GPU)."""
+    return tl.maximum(x, 0.0, propagate_nan=tl.PropagateNan.ALL)
 
 
 @triton.jit
@@ -87,8 +186,10 @@ def _indexer_scores_kernel(
     num_heads, num_entries, table_stride, score_scale,
     FORMAT: tl.constexpr, RATIO: tl.constexpr, D: tl.constexpr, P: tl.constexpr, PAGE_BYTES: tl.constexpr,
     DATA_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_J: tl.constexpr, ITERS: tl.constexpr, DOT: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_J: tl.constexpr, ITERS: tl.constexpr, FILL_J: tl.constexpr, DOT: tl.constexpr,
+    MXFP4_FLAT: tl.constexpr,
 ):
+    """The row kernel: one token row, one chunk of BLOCK_J * ITERS entries."""
     i_t, i_c = tl.program_id(0), tl.program_id(1)
     t = i_t.to(tl.int64)
     position = tl.load(positions_ptr + i_t)
@@ -106,54 +207,101 @@ def _indexer_scores_kernel(
         # D^-0.5 folded into the head weights; padded heads get weight 0 (and a zero query column)
         b_w = tl.load(w_ptr + t * num_heads + o_h, mask=m_h, other=0.0) * score_scale
         p_q = q_ptr + t * num_heads * D + o_h[None, :] * D
-        if FORMAT == 2:
-            # q^T split into even / odd elements: they meet the low / high nibbles of each key byte
-            o_d = tl.arange(0, D // 2)
-            b_qe = _round_bf16(tl.load(p_q + 2 * o_d[:, None], mask=m_h[None, :], other=0.0)).to(DOT)  # [D/2, H]
-            b_qo = _round_bf16(tl.load(p_q + 2 * o_d[:, None] + 1, mask=m_h[None, :], other=0.0)).to(DOT)
-            o_nb = tl.arange(0, D // 32)
-            o_nib = tl.arange(0, 16)
-        else:
-            o_d = tl.arange(0, D)
-            b_q = _round_bf16(tl.load(p_q + o_d[:, None], mask=m_h[None, :], other=0.0)).to(DOT)  # [D, BLOCK_H]
+        o_d0, o_d1 = _q_dims(FORMAT, D)
+        b_q0 = _round_bf16(tl.load(p_q + o_d0[:, None], mask=m_h[None, :], other=0.0)).to(DOT)  # [D/2, BLOCK_H]
+        b_q1 = _round_bf16(tl.load(p_q + o_d1[:, None], mask=m_h[None, :], other=0.0)).to(DOT)
         p_table = block_table_ptr + slot.to(tl.int64) * table_stride
 
         for j0 in range(chunk_lo, tl.minimum(chunk_hi, visible), BLOCK_J):
             o_j = j0 + tl.arange(0, BLOCK_J)
-            m_j = o_j < visible
-            block = tl.load(p_table + o_j // P, mask=m_j, other=-1)
-            m_j = m_j & (block >= 0)
-            p_entry = pool_ptr + block.to(tl.int64) * PAGE_BYTES
-            p_data = p_entry + (o_j % P) * DATA_BYTES
-            p_scale = p_entry + P * DATA_BYTES + (o_j % P) * SCALE_BYTES
-            if FORMAT == 2:
-                # [BLOCK_J, D/32 scale blocks, 16 bytes = 32 values]; masked entries decode to 0 (scale 1)
-                b_byte = tl.load(p_data[:, None, None] + o_nb[None, :, None] * 16 + o_nib[None, None, :],
-                                 mask=m_j[:, None, None], other=0).to(tl.int32)
-                b_sc = tl.load(p_scale[:, None] + o_nb[None, :], mask=m_j[:, None], other=127).to(tl.int32)
-                b_sc = _ue8m0(b_sc)[:, :, None]
-                # e2m1 times a power of two: exact in bf16
-                b_lo = tl.reshape(_e2m1(b_byte & 15) * b_sc, (BLOCK_J, D // 2)).to(DOT)
-                b_hi = tl.reshape(_e2m1(b_byte >> 4) * b_sc, (BLOCK_J, D // 2)).to(DOT)
-                b_dot = tl.dot(b_lo, b_qe)
-                b_dot = tl.dot(b_hi, b_qo, b_dot)  # [BLOCK_J, BLOCK_H]
-            elif FORMAT == 1:
-                b_k = tl.load(p_data[:, None] + o_d[None, :], mask=m_j[:, None], other=0)
-                b_k = b_k.to(tl.float8e4nv, bitcast=True).to(DOT)
-                b_ks = tl.load(p_scale.to(tl.pointer_type(tl.float32)), mask=m_j, other=0.0)
-                b_dot = tl.dot(b_k, b_q) * b_ks[:, None]  # a power-of-two scale: exact
-            else:
-                b_k = tl.load(p_data.to(tl.pointer_type(tl.bfloat16))[:, None] + o_d[None, :], mask=m_j[:, None],
-                              other=0.0).to(DOT)
-                b_dot = tl.dot(b_k, b_q)
-            b_dot = tl.where(b_dot < 0, 0.0, b_dot)  # ReLU that keeps NaN, like torch.relu
-            b_s = tl.sum(b_dot * b_w[None, :], axis=1)
+            b_dot = _key_dot(pool_ptr, p_table, o_j, o_j < visible, b_q0, b_q1, FORMAT, D, P, PAGE_BYTES,
+                             DATA_BYTES, SCALE_BYTES, BLOCK_J, DOT, MXFP4_FLAT)  # [BLOCK_J, BLOCK_H]
+            b_s = tl.sum(_relu(b_dot) * b_w[None, :], axis=1)
             tl.store(p_out + o_j, tl.where(o_j < visible, b_s, float("-inf")), mask=o_j < num_entries)
 
-    # the rest of the chunk is past visible(t)
-    for j0 in range(tl.maximum(chunk_lo, tl.cdiv(visible, BLOCK_J) * BLOCK_J), chunk_hi, BLOCK_J):
-        o_j = j0 + tl.arange(0, BLOCK_J)
-        tl.store(p_out + o_j, tl.full((BLOCK_J,), float("-inf"), tl.float32), mask=o_j < num_entries)
+    # the rest of the chunk is past visible(t): one wide streaming store (FILL_J = the chunk)
+    fill_lo = tl.maximum(chunk_lo, tl.cdiv(visible, BLOCK_J) * BLOCK_J)
+    o_f = chunk_lo + tl.arange(0, FILL_J)
+    tl.store(p_out + o_f, tl.full((FILL_J,), float("-inf"), tl.float32), mask=(o_f >= fill_lo) & (o_f < chunk_hi),
+             cache_modifier=".cs")
+
+
+@triton.jit
+def _indexer_scores_stacked_kernel(
+    q_ptr,  # fp32 [R, H, D]
+    w_ptr,  # fp32 [R, H]
+    positions_ptr, token_request_ptr, request_slots_ptr,  # int32 [R], [R], [B]
+    block_table_ptr,  # int32 [max_requests, table_stride]
+    pool_ptr,  # uint8 [pages, PAGE_BYTES]
+    out_ptr,  # fp32 [R, num_entries]
+    num_rows, num_heads, num_entries, table_stride, score_scale,
+    FORMAT: tl.constexpr, RATIO: tl.constexpr, D: tl.constexpr, P: tl.constexpr, PAGE_BYTES: tl.constexpr,
+    DATA_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr, BLOCK_T: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_J: tl.constexpr, ITERS: tl.constexpr, FILL_J: tl.constexpr, DOT: tl.constexpr,
+    MXFP4_FLAT: tl.constexpr,
+):
+    """The stacked kernel: BLOCK_T consecutive token rows, one chunk of BLOCK_J * ITERS entries."""
+    i_b, i_c = tl.program_id(0), tl.program_id(1)
+    o_t = i_b * BLOCK_T + tl.arange(0, BLOCK_T)
+    m_t = o_t < num_rows
+    position = tl.load(positions_ptr + o_t, mask=m_t, other=-1)
+    request = tl.load(token_request_ptr + o_t, mask=m_t, other=-1)
+    slot = tl.load(request_slots_ptr + request, mask=request >= 0, other=-1)
+    visible = tl.where((position >= 0) & (slot >= 0), (position + 1) // RATIO, 0)
+    visible = tl.minimum(visible, num_entries)  # [BLOCK_T]
+    chunk_lo = i_c * (BLOCK_J * ITERS)
+    chunk_hi = tl.minimum(chunk_lo + BLOCK_J * ITERS, num_entries)
+    p_out = out_ptr + o_t.to(tl.int64) * num_entries  # [BLOCK_T]
+
+    o_h = tl.arange(0, BLOCK_H)
+    m_h = o_h < num_heads
+    p_q = q_ptr + o_t.to(tl.int64)[None, :, None] * (num_heads * D) + o_h[None, None, :] * D  # [1, BLOCK_T, BLOCK_H]
+    p_w = w_ptr + o_t.to(tl.int64)[:, None] * num_heads + o_h[None, :]  # [BLOCK_T, BLOCK_H]
+
+    todo = visible > chunk_lo  # rows with scores in this chunk; the others (and padding rows) are only filled
+    # first column of the chunk that row t's score tiles leave unwritten: the end of the last tile its segment
+    # scores (computed here, not carried out of the loop below, so the compiler can see its alignment)
+    same = (request[:, None] == request[None, :]) & todo[None, :]  # [BLOCK_T, BLOCK_T]
+    seg_visible = tl.minimum(tl.max(tl.where(same, visible[None, :], 0), axis=1), chunk_hi)
+    # (tl.where inside the cdiv: a select of the products would hide their alignment from the compiler)
+    fill_from = chunk_lo + tl.cdiv(tl.where(todo, seg_visible, chunk_lo) - chunk_lo, BLOCK_J) * BLOCK_J
+    while tl.sum(todo.to(tl.int32), axis=0) > 0:
+        # a segment: the todo rows of the lowest request among them (one block table row, one key stream)
+        seg_request = tl.min(tl.where(todo, request, 2147483647), axis=0)
+        seg = todo & (request == seg_request)
+        todo = todo & (request != seg_request)
+        seg_slot = tl.max(tl.where(seg, slot, -1), axis=0)
+        seg_hi = tl.minimum(tl.max(tl.where(seg, visible, 0), axis=0), chunk_hi)
+
+        # q^T of the segment's rows stacked in N: column t * BLOCK_H + h; other rows and padded heads are zero
+        m_q = seg[None, :, None] & m_h[None, None, :]
+        o_d0, o_d1 = _q_dims(FORMAT, D)
+        b_q0 = _round_bf16(tl.load(p_q + o_d0[:, None, None], mask=m_q, other=0.0))  # [D/2, BLOCK_T, BLOCK_H]
+        b_q0 = tl.reshape(b_q0, (D // 2, BLOCK_T * BLOCK_H)).to(DOT)
+        b_q1 = _round_bf16(tl.load(p_q + o_d1[:, None, None], mask=m_q, other=0.0))
+        b_q1 = tl.reshape(b_q1, (D // 2, BLOCK_T * BLOCK_H)).to(DOT)
+        m_w = seg[:, None] & m_h[None, :]
+        p_table = block_table_ptr + seg_slot.to(tl.int64) * table_stride
+
+        for j0 in range(chunk_lo, seg_hi, BLOCK_J):
+            o_j = j0 + tl.arange(0, BLOCK_J)
+            b_dot = _key_dot(pool_ptr, p_table, o_j, o_j < seg_hi, b_q0, b_q1, FORMAT, D, P, PAGE_BYTES,
+                             DATA_BYTES, SCALE_BYTES, BLOCK_J, DOT, MXFP4_FLAT)  # [BLOCK_J, BLOCK_T * BLOCK_H]
+            b_dot = tl.reshape(_relu(b_dot), (BLOCK_J, BLOCK_T, BLOCK_H))
+            # the head weights are (re)loaded per tile (L1 hits): held across the loop they would take 64 registers
+            # per thread at N = 256, as many as half the accumulator; D^-0.5 folded in
+            b_w = tl.load(p_w, mask=m_w, other=0.0) * score_scale  # [BLOCK_T, BLOCK_H]
+            b_s = tl.sum(b_dot * b_w[None, :, :], axis=2)  # [BLOCK_J, BLOCK_T]
+            b_s = tl.where(o_j[:, None] < visible[None, :], b_s, float("-inf"))
+            tl.store(p_out[None, :] + o_j[:, None], b_s, mask=seg[None, :] & (o_j < num_entries)[:, None])
+
+    # -inf for the rest of each row's chunk (16-B vector stores when J is a multiple of 4: the masks change
+    # only at multiples of BLOCK_J; the lower bound, a multiple too, is written as such for the compiler)
+    for j0 in range(tl.min(fill_from, axis=0) // BLOCK_J * BLOCK_J, chunk_hi, FILL_J):
+        o_f = j0 + tl.arange(0, FILL_J)
+        tl.store(p_out[:, None] + o_f[None, :], tl.full((BLOCK_T, FILL_J), float("-inf"), tl.float32),
+                 mask=m_t[:, None] & (o_f[None, :] >= fill_from[:, None]) & (o_f < chunk_hi)[None, :],
+                 cache_modifier=".cs")
 
 
 @functools.lru_cache(maxsize=8)
@@ -161,16 +309,42 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _config(rows: int, entries: int, device: torch.device) -> tuple[int, int, int]:
-    """(BLOCK_J, ITERS, num_warps): iterations per program grow (q is loaded once per program) while
-    the grid still fills the GPU about once over."""
-    block_j = 64
-    blocks = triton.cdiv(entries, block_j)
+def _iters(programs_per_chunk: int, tiles: int, device: torch.device, max_iters: int) -> int:
+    """Tiles per program: grow (q is loaded once per program) while the grid still fills the GPU about once."""
     target = 1 if device.type != "cuda" else _num_sms(device)
     iters = 1
-    while iters < 16 and rows * triton.cdiv(blocks, 2 * iters) >= target:
+    while iters < max_iters and programs_per_chunk * triton.cdiv(tiles, 2 * iters) >= target:
         iters *= 2
-    return block_j, iters, 4
+    return iters
+
+
+def _config(rows: int, entries: int, device: torch.device) -> tuple[int, int, int]:
+    """Row kernel tiles: (BLOCK_J, ITERS, num_warps). A decode row's MMA is [64, D] x [D, 64 heads]; the
+    chunks (up to 16 tiles) give a few long rows the whole GPU."""
+    t = _ROW_TILES
+    return t["block_j"], _iters(rows, triton.cdiv(entries, t["block_j"]), device, t["max_iters"]), t["num_warps"]
+
+
+def _stack_config(rows: int, entries: int, block_h: int, device: torch.device) -> tuple[int, int, int, int, int]:
+    """Stacked kernel tiles: (BLOCK_T, BLOCK_J, ITERS, num_warps, num_stages); BLOCK_T * block_h <= 256.
+
+    BLOCK_T = 4 rows of 64 heads make N = 256, the widest wgmma, so the decode (~6 CUDA-core ops per key value)
+    is shared by 256 MMA columns; what is left per (row, entry, head) is the epilogue's max + FMA. With
+    BLOCK_J = 64 and 4 warps (one warpgroup) the fp32 accumulator takes 128 registers per thread and the
+    kernel fits 255 (sm_90, triton 3.6: no spill inside the tile loop), so two programs share an SM and one
+    decodes or reduces while the other's MMA runs. Up to 64 tiles per program (4096 entries) amortise the
+    128 KB fp32 q of 4 rows; fewer when the grid would not fill the GPU."""
+    t = _STACK_TILES
+    block_t, block_j = min(t["block_t"], max(1, 256 // block_h)), t["block_j"]
+    iters = _iters(triton.cdiv(rows, block_t), triton.cdiv(entries, block_j), device, t["max_iters"])
+    return block_t, block_j, iters, t["num_warps"], t["num_stages"]
+
+
+def _stacked(plan: StepPlan) -> bool:
+    """The stacked kernel when requests average at least two rows: a decode row in it costs an MMA and an
+    epilogue BLOCK_T times wider than in the row kernel, a chunk's rows share their key tiles. Host facts
+    only (`plan.num_tokens`, `plan.request_ids`), so the choice never reads the device."""
+    return plan.num_tokens >= _STACK_MIN_ROWS_PER_REQUEST * max(len(plan.request_ids), 1)
 
 
 def _format(layout: EntryLayout) -> int:
@@ -187,7 +361,7 @@ def _format(layout: EntryLayout) -> int:
 
 def indexer_scores_paged(q: torch.Tensor, weights: torch.Tensor, plan, key_pool: torch.Tensor, layout: EntryLayout,
                          *, ratio: int, page_tokens: int, out: torch.Tensor | None = None,
-                         max_entries: int | None = None) -> torch.Tensor:
+                         max_entries: int | None = None, stack_rows: bool | None = None) -> torch.Tensor:
     """Indexer scores of every plan row against its request's compressed keys -> fp32 [R, J].
 
     Args:
@@ -200,6 +374,9 @@ def indexer_scores_paged(q: torch.Tensor, weights: torch.Tensor, plan, key_pool:
         ratio: the layer's compression ratio; page_tokens: original tokens per block (a multiple of ratio).
         out: optional fp32 [R, J] contiguous, overwritten entirely (for CUDA-graph capture).
         max_entries: J when `out` is not given; default block_table.shape[1] * page_tokens // ratio.
+        stack_rows: True = the stacked (prefill) kernel, False = the row (decode) kernel, None = the stacked
+            one when the plan's requests average at least two rows (`plan.num_tokens`, `plan.request_ids`:
+            host facts, so a captured graph replays correctly whatever the later plans hold).
 
     Returns `out`: scores for j < visible(t), -inf elsewhere and on padding rows.
     """
@@ -209,7 +386,7 @@ def indexer_scores_paged(q: torch.Tensor, weights: torch.Tensor, plan, key_pool:
     require(isinstance(ratio, int) and ratio > 0, f"ratio: expected a positive int, got {ratio!r}")
     require(isinstance(page_tokens, int) and page_tokens > 0 and page_tokens % ratio == 0,
             f"page_tokens: expected a positive multiple of ratio {ratio}, got {page_tokens!r}")
-    require(dim >= 16 and dim & (dim - 1) == 0, f"layout: the kernel needs a power-of-two dim >= 16, got {dim}")
+    require(dim >= 32 and dim & (dim - 1) == 0, f"layout: the kernel needs a power-of-two dim >= 32, got {dim}")
     device = key_pool.device if isinstance(key_pool, torch.Tensor) else None
     per_page = page_tokens // ratio
     check_pool("key_pool", key_pool, layout, per_page, device)
@@ -222,6 +399,8 @@ def indexer_scores_paged(q: torch.Tensor, weights: torch.Tensor, plan, key_pool:
     check_tensor("plan.token_request", plan.token_request, dtype=torch.int32, shape=(rows,), device=device)
     check_tensor("plan.request_slots", plan.request_slots, dtype=torch.int32, shape=(None,), device=device)
     check_tensor("plan.block_table", plan.block_table, dtype=torch.int32, shape=(None, None), device=device)
+    require(stack_rows is None or isinstance(stack_rows, bool),
+            f"stack_rows: expected True, False or None, got {stack_rows!r}")
     if out is not None:
         check_tensor("out", out, dtype=torch.float32, shape=(rows, None), device=device)
         require(max_entries is None or max_entries == out.shape[1],
@@ -237,16 +416,25 @@ def indexer_scores_paged(q: torch.Tensor, weights: torch.Tensor, plan, key_pool:
     if rows == 0 or entries == 0:
         return out
 
-    block_j, iters, num_warps = _config(rows, entries, device)
-    grid = (rows, triton.cdiv(entries, block_j * iters))
-    _indexer_scores_kernel[grid](
-        q, weights, plan.positions, plan.token_request, plan.request_slots, plan.block_table, key_pool, out,
-        heads, entries, plan.block_table.stride(0), dim ** -0.5,
-        FORMAT=fmt, RATIO=ratio, D=dim, P=per_page, PAGE_BYTES=key_pool.shape[1],
-        DATA_BYTES=layout.data_bytes, SCALE_BYTES=layout.scale_bytes,
-        BLOCK_H=max(16, triton.next_power_of_2(heads)), BLOCK_J=block_j, ITERS=iters, num_warps=num_warps,
-        # Triton's interpreter multiplies the bit patterns of bf16 dot operands (triton-lang/triton#11584):
-        # there the same bf16 values go through an fp32 dot, which forms the same exact products
-        DOT=tl.float32 if interpreted() else tl.bfloat16,
-    )
+    block_h = max(16, triton.next_power_of_2(heads))
+    common = {"FORMAT": fmt, "RATIO": ratio, "D": dim, "P": per_page, "PAGE_BYTES": key_pool.shape[1],
+              "DATA_BYTES": layout.data_bytes, "SCALE_BYTES": layout.scale_bytes, "BLOCK_H": block_h,
+              # Triton's interpreter multiplies the bit patterns of bf16 dot operands (triton-lang/triton#11584):
+              # there the same bf16 values go through an fp32 dot, which forms the same exact products
+              "DOT": tl.float32 if interpreted() else tl.bfloat16}
+    args = (q, weights, plan.positions, plan.token_request, plan.request_slots, plan.block_table, key_pool, out)
+    if _stacked(plan) if stack_rows is None else stack_rows:
+        block_t, block_j, iters, num_warps, num_stages = _stack_config(rows, entries, block_h, device)
+        chunk = block_j * iters
+        grid = (triton.cdiv(rows, block_t), triton.cdiv(entries, chunk))
+        _indexer_scores_stacked_kernel[grid](
+            *args, rows, heads, entries, plan.block_table.stride(0), dim ** -0.5, **common, BLOCK_T=block_t,
+            BLOCK_J=block_j, ITERS=iters, FILL_J=min(chunk, max(block_j, _FILL_ELEMS // block_t)),
+            MXFP4_FLAT=_MXFP4_FLAT, num_warps=num_warps, num_stages=num_stages)
+    else:
+        block_j, iters, num_warps = _config(rows, entries, device)
+        grid = (rows, triton.cdiv(entries, block_j * iters))
+        _indexer_scores_kernel[grid](*args, heads, entries, plan.block_table.stride(0), dim ** -0.5, **common,
+                                     BLOCK_J=block_j, ITERS=iters, FILL_J=block_j * iters, MXFP4_FLAT=_MXFP4_FLAT,
+                                     num_warps=num_warps)
     return out
