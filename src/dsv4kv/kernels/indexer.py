@@ -71,11 +71,11 @@ _E2M1_MAG = tl.constexpr(0x01C00000)  # fp32 bits 22..24
 _TWO_126 = tl.constexpr(2.0 ** 126)
 _FILL_ELEMS = 2048  # elements per -inf store tile: 16 per thread at 4 warps, i.e. four 16-B stores
 
-# Tile choices, read at each call (a benchmark may reassign them to time variants; see `_config`,
-# `_stack_config` for why these defaults).
+# Tile choices, read at each call (scripts/bench_variants.py reassigns them to time variants; the defaults are
+# the fastest measured on the H200, docs/performance.md).
 _ROW_TILES = {"block_j": 64, "max_iters": 16, "num_warps": 4}
-_STACK_TILES = {"block_t": 4, "block_j": 64, "max_iters": 64, "num_warps": 4, "num_stages": 3}
-_MXFP4_FLAT = False  # decode MXFP4 tiles as [keys, D/2] bytes (no reshape) rather than [keys, D/32, 16]
+_STACK_TILES = {"block_t": 4, "block_j": 128, "max_iters": 32, "num_warps": 8, "num_stages": 3}
+_GRID_WAVES = 3  # programs per SM the chunking aims for: one decode row at 1M, 29 us at 3 against 36 us at 1
 _STACK_MIN_ROWS_PER_REQUEST = 2  # the automatic choice of the stacked kernel (`_stacked`)
 
 
@@ -110,8 +110,7 @@ def _round_bf16(x):
 @triton.jit
 def _key_dot(pool_ptr, p_table, o_j, m_j, b_q0, b_q1,
              FORMAT: tl.constexpr, D: tl.constexpr, P: tl.constexpr, PAGE_BYTES: tl.constexpr,
-             DATA_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr, BLOCK_J: tl.constexpr, DOT: tl.constexpr,
-             MXFP4_FLAT: tl.constexpr = False):
+             DATA_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr, BLOCK_J: tl.constexpr, DOT: tl.constexpr):
     """Keys of entries o_j [BLOCK_J] of the request whose block-table row is p_table, decoded in registers,
     times the query -> fp32 [BLOCK_J, N]. b_q0 / b_q1: bf16 q^T [D/2, N] at the dims `_q_dims` gives (two
     K = D/2 MMAs). Masked or unallocated entries decode to 0 and are never loaded."""
@@ -120,16 +119,7 @@ def _key_dot(pool_ptr, p_table, o_j, m_j, b_q0, b_q1,
     p_entry = pool_ptr + block.to(tl.int64) * PAGE_BYTES
     p_data = p_entry + (o_j % P) * DATA_BYTES
     p_scale = p_entry + P * DATA_BYTES + (o_j % P) * SCALE_BYTES
-    if FORMAT == 2 and MXFP4_FLAT:
-        # bytes loaded as [BLOCK_J, D/2] (byte i = values 2i, 2i+1), the scale of byte i (i // 16) broadcast by a
-        # repeated load: no reshape, so the decoded tile keeps its load layout on the way into the MMA
-        o_b = tl.arange(0, D // 2)
-        b_byte = tl.load(p_data[:, None] + o_b[None, :], mask=m_j[:, None], other=0).to(tl.int32)
-        b_sc = _ue8m0(tl.load(p_scale[:, None] + (o_b // 16)[None, :], mask=m_j[:, None], other=127).to(tl.int32))
-        b_lo, b_hi = _e2m1_pair(b_byte)
-        b_dot = tl.dot((b_lo * b_sc).to(DOT), b_q0)
-        b_dot = tl.dot((b_hi * b_sc).to(DOT), b_q1, b_dot)
-    elif FORMAT == 2:
+    if FORMAT == 2:
         # [BLOCK_J, D/32 scale blocks, 16 bytes = 32 values]
         o_nb = tl.arange(0, D // 32)
         o_nib = tl.arange(0, 16)
@@ -187,7 +177,6 @@ def _indexer_scores_kernel(
     FORMAT: tl.constexpr, RATIO: tl.constexpr, D: tl.constexpr, P: tl.constexpr, PAGE_BYTES: tl.constexpr,
     DATA_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_J: tl.constexpr, ITERS: tl.constexpr, FILL_J: tl.constexpr, DOT: tl.constexpr,
-    MXFP4_FLAT: tl.constexpr,
 ):
     """The row kernel: one token row, one chunk of BLOCK_J * ITERS entries."""
     i_t, i_c = tl.program_id(0), tl.program_id(1)
@@ -215,7 +204,7 @@ def _indexer_scores_kernel(
         for j0 in range(chunk_lo, tl.minimum(chunk_hi, visible), BLOCK_J):
             o_j = j0 + tl.arange(0, BLOCK_J)
             b_dot = _key_dot(pool_ptr, p_table, o_j, o_j < visible, b_q0, b_q1, FORMAT, D, P, PAGE_BYTES,
-                             DATA_BYTES, SCALE_BYTES, BLOCK_J, DOT, MXFP4_FLAT)  # [BLOCK_J, BLOCK_H]
+                             DATA_BYTES, SCALE_BYTES, BLOCK_J, DOT)  # [BLOCK_J, BLOCK_H]
             b_s = tl.sum(_relu(b_dot) * b_w[None, :], axis=1)
             tl.store(p_out + o_j, tl.where(o_j < visible, b_s, float("-inf")), mask=o_j < num_entries)
 
@@ -238,7 +227,6 @@ def _indexer_scores_stacked_kernel(
     FORMAT: tl.constexpr, RATIO: tl.constexpr, D: tl.constexpr, P: tl.constexpr, PAGE_BYTES: tl.constexpr,
     DATA_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr, BLOCK_T: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_J: tl.constexpr, ITERS: tl.constexpr, FILL_J: tl.constexpr, DOT: tl.constexpr,
-    MXFP4_FLAT: tl.constexpr,
 ):
     """The stacked kernel: BLOCK_T consecutive token rows, one chunk of BLOCK_J * ITERS entries."""
     i_b, i_c = tl.program_id(0), tl.program_id(1)
@@ -286,7 +274,7 @@ def _indexer_scores_stacked_kernel(
         for j0 in range(chunk_lo, seg_hi, BLOCK_J):
             o_j = j0 + tl.arange(0, BLOCK_J)
             b_dot = _key_dot(pool_ptr, p_table, o_j, o_j < seg_hi, b_q0, b_q1, FORMAT, D, P, PAGE_BYTES,
-                             DATA_BYTES, SCALE_BYTES, BLOCK_J, DOT, MXFP4_FLAT)  # [BLOCK_J, BLOCK_T * BLOCK_H]
+                             DATA_BYTES, SCALE_BYTES, BLOCK_J, DOT)  # [BLOCK_J, BLOCK_T * BLOCK_H]
             b_dot = tl.reshape(_relu(b_dot), (BLOCK_J, BLOCK_T, BLOCK_H))
             # the head weights are (re)loaded per tile (L1 hits): held across the loop they would take 64 registers
             # per thread at N = 256, as many as half the accumulator; D^-0.5 folded in
@@ -310,8 +298,9 @@ def _num_sms(device: torch.device) -> int:
 
 
 def _iters(programs_per_chunk: int, tiles: int, device: torch.device, max_iters: int) -> int:
-    """Tiles per program: grow (q is loaded once per program) while the grid still fills the GPU about once."""
-    target = 1 if device.type != "cuda" else _num_sms(device)
+    """Tiles per program: grow (q is loaded once per program) while the grid still gives every SM
+    `_GRID_WAVES` programs (latency hiding: a program's tiles run one after another)."""
+    target = 1 if device.type != "cuda" else _GRID_WAVES * _num_sms(device)
     iters = 1
     while iters < max_iters and programs_per_chunk * triton.cdiv(tiles, 2 * iters) >= target:
         iters *= 2
@@ -329,11 +318,10 @@ def _stack_config(rows: int, entries: int, block_h: int, device: torch.device) -
     """Stacked kernel tiles: (BLOCK_T, BLOCK_J, ITERS, num_warps, num_stages); BLOCK_T * block_h <= 256.
 
     BLOCK_T = 4 rows of 64 heads make N = 256, the widest wgmma, so the decode (~6 CUDA-core ops per key value)
-    is shared by 256 MMA columns; what is left per (row, entry, head) is the epilogue's max + FMA. With
-    BLOCK_J = 64 and 4 warps (one warpgroup) the fp32 accumulator takes 128 registers per thread and the
-    kernel fits 255 (sm_90, triton 3.6: no spill inside the tile loop), so two programs share an SM and one
-    decodes or reduces while the other's MMA runs. Up to 64 tiles per program (4096 entries) amortise the
-    128 KB fp32 q of 4 rows; fewer when the grid would not fill the GPU."""
+    is shared by 256 MMA columns; what is left per (row, entry, head) is the epilogue's max + FMA. Measured on
+    the H200 (8192 rows after 56K tokens, MXFP4): 128-key tiles over 8 warps 6.18 ms (333 TFLOP/s), 64-key
+    tiles over 4 warps 6.45 ms, 2 rows 7.16 ms, 64 keys over 8 warps at 2 stages 12.8 ms. Up to 32 tiles per
+    program (4096 entries) amortise the 128 KB fp32 q of 4 rows; fewer when the grid would not fill the GPU."""
     t = _STACK_TILES
     block_t, block_j = min(t["block_t"], max(1, 256 // block_h)), t["block_j"]
     iters = _iters(triton.cdiv(rows, block_t), triton.cdiv(entries, block_j), device, t["max_iters"])
@@ -430,11 +418,10 @@ def indexer_scores_paged(q: torch.Tensor, weights: torch.Tensor, plan, key_pool:
         _indexer_scores_stacked_kernel[grid](
             *args, rows, heads, entries, plan.block_table.stride(0), dim ** -0.5, **common, BLOCK_T=block_t,
             BLOCK_J=block_j, ITERS=iters, FILL_J=min(chunk, max(block_j, _FILL_ELEMS // block_t)),
-            MXFP4_FLAT=_MXFP4_FLAT, num_warps=num_warps, num_stages=num_stages)
+            num_warps=num_warps, num_stages=num_stages)
     else:
         block_j, iters, num_warps = _config(rows, entries, device)
         grid = (rows, triton.cdiv(entries, block_j * iters))
         _indexer_scores_kernel[grid](*args, heads, entries, plan.block_table.stride(0), dim ** -0.5, **common,
-                                     BLOCK_J=block_j, ITERS=iters, FILL_J=block_j * iters, MXFP4_FLAT=_MXFP4_FLAT,
-                                     num_warps=num_warps)
+                                     BLOCK_J=block_j, ITERS=iters, FILL_J=block_j * iters, num_warps=num_warps)
     return out

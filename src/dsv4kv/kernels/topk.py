@@ -60,8 +60,6 @@ _BINS = 256  # 8-bit digits: four levels cover the 32-bit key
 _HEADER = 2 * _BINS  # hist1, hist2
 _BLOCK = {"cuda": 1024, "cpu": 64}  # columns per tile; small under the interpreter so tests split rows
 _CPU_PROGRAMS = 6  # programs the interpreter aims for when splitting rows (tests exercise S > 1)
-# warps of the one-program-per-row select (its three passes over ~k buffered candidates are latency-bound)
-SELECT_WARPS = 4
 
 
 @functools.lru_cache(maxsize=None)
@@ -130,7 +128,7 @@ def topk_indices(scores: torch.Tensor, lengths: torch.Tensor, k: int, *, out: to
     _compact[grid](scores, lengths, workspace, cols, width, chunk, splits, capacity, k,
                    BLOCK=block, SPLITS=splits_p2)
     _select[(rows,)](scores, lengths, workspace, out, cols, width, splits, capacity, k,
-                     BLOCK=block, SPLITS=splits_p2, num_warps=SELECT_WARPS)
+                     BLOCK=block, SPLITS=splits_p2)
     return out
 
 
