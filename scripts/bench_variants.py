@@ -2,6 +2,8 @@
 
     python scripts/bench_variants.py [indexer] [attention] [insert]  > variants.txt
 
+(`attention` also times the kernel before split-KV when .base/attention_before.py holds it.)
+
 Each variant is checked against the default's output before it is timed (a variant that disagrees is
 reported as such, never timed)."""
 
@@ -87,6 +89,77 @@ def _indexer_case(batch: int, history: int, new: int):
                     {"block_t": 2, "block_j": 64, "max_iters": 64, "num_warps": 4, "num_stages": 3},
                     {"block_t": 4, "block_j": 64, "max_iters": 64, "num_warps": 8, "num_stages": 2}]
         variants(label + " stack tiles", run, settings, lambda v: setattr(K, "_STACK_TILES", v))
+
+
+def attention():
+    for kind, batch, history in (("CSA", 1, (1 << 20) - 1), ("CSA", 64, 131071), ("HCA", 1, (1 << 20) - 1),
+                                 ("HCA", 64, 131071), ("CSA", 1, 65536 - 1)):
+        _attention_case(kind, batch, history)
+        torch.cuda.empty_cache()
+
+
+def _load_base_attention():
+    """The kernel file as committed before split-KV (.base/attention.py), for a before / after figure."""
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(__file__), "..", ".base", "attention_before.py")
+    if not os.path.exists(path):
+        return None
+    spec = importlib.util.spec_from_file_location("dsv4kv.kernels._attention_before", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _attention_case(kind: str, batch: int, history: int):
+    import dsv4kv.kernels.attention as A
+    from dsv4kv.kernels import kv_insert
+
+    index = next(i for i, layer in enumerate(G.layers) if layer.kind.short == kind)
+    spec = G.layers[index]
+    cache = CacheManager(G, max_requests=batch, max_tokens=batch * (history + 1), device=DEVICE)
+    rids = [cache.admit() for _ in range(batch)]
+    for rid in rids:
+        cache.plan_step([(rid, history)])
+    fill_layer(cache.pools.layers[index], window=G.window, seed=2)
+    plan = cache.plan_step([(rid, 1) for rid in rids])
+    lc, ls = cache.pools.layers[index], cache.spec.layers[index]
+    gen = torch.Generator(device=DEVICE).manual_seed(3)
+    q = torch.randn(batch, G.num_heads, G.head_dim, generator=gen, device=DEVICE).bfloat16()
+    step_kv = torch.empty(1, ls.main.page_bytes(batch), dtype=torch.uint8, device=DEVICE)
+    kv_insert(torch.randn(batch, G.head_dim, generator=gen, device=DEVICE).bfloat16(), plan.positions, spec.rope,
+              ls.main, step_kv, batch, torch.arange(batch, dtype=torch.int32, device=DEVICE))
+    visible = (history + 1) // spec.ratio
+    picks = None
+    if kind == "CSA":
+        picks = torch.rand(batch, visible, generator=gen, device=DEVICE).topk(G.index_topk).indices.int().contiguous()
+    sinks = torch.randn(G.num_heads, generator=gen, device=DEVICE)
+    out = torch.empty(batch, G.num_heads, G.head_dim, device=DEVICE)
+    args = dict(sinks=sinks, scale=G.head_dim ** -0.5, layout=ls.main, window=G.window, window_pool=lc.window,
+                step_kv=step_kv, entry_pool=lc.entries, ratio=spec.ratio, page_tokens=cache.spec.page_tokens,
+                picks=picks, out=out)
+    keys = batch * (G.window + (G.index_topk if kind == "CSA" else visible))
+    label = f"attention {kind} batch {batch} ctx {history + 1} ({keys * 584 / 1e6:.1f} MB of keys)"
+    before = _load_base_attention()
+    if before is not None:
+        variants(label + " before split-KV", lambda: before.sparse_attention_paged(q, plan, **args), [None],
+                 lambda v: None)
+    chosen = {}
+
+    def run():
+        return A.sparse_attention_paged(q, plan, max_entries=visible, splits=chosen.get("splits"), **args)
+
+    def apply(setting):
+        chosen.clear()
+        chosen.update(setting)
+        A.BLOCK_H = setting.get("block_h", 32)
+        A.NUM_STAGES = setting.get("stages", 2)
+
+    print(label, "auto config:", A._config(batch, G.num_heads, G.window + (G.index_topk if kind == "CSA" else visible),
+                                           DEVICE), flush=True)
+    variants(label, run, [{}, {"splits": 1}, {"block_h": 16}, {"block_h": 16, "splits": 1}, {"stages": 3},
+                          {"splits": 32}], apply)
 
 
 if __name__ == "__main__":

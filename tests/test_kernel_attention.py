@@ -5,7 +5,14 @@ Interpreter tests use the tiny geometry (H 8, D 128, window 16, CSA m 4, HCA m 1
 padded plans, several requests on non-contiguous blocks, and chunks that take their window partly from the
 ring and partly from the step; where CUDA exists they run compiled on the GPU instead. GPU-only tests run the
 V4-Flash / V4-Pro shapes (decode of 1 and 8 rows at a few thousand tokens, a 256-row prefill chunk, a decode at
-~2^20 tokens) and a CUDA-graph replay.
+~2^20 tokens), V4-Flash split-KV decodes (batch 1 and 64; CSA with 512 picks, HCA up to ~2^20 tokens) and
+CUDA-graph replays (single pass, split path with its workspace allocated under capture or given).
+
+Split-KV: each scenario runs the single pass and a forced split count (2, 3 or 7; on a GPU also the automatic
+choice) into a NaN-filled `out` and a NaN-filled workspace (the merge must read only what the splits wrote),
+against the same reference; CSA rows take 40 picks, so their entries span two key blocks, and a tile variant with
+16-key blocks splits HCA rows inside their entries. Rows with fewer key blocks than splits, padding rows and the
+host-side split choice (`_config`) have their own tests. Splits change only the summation order: same tolerance.
 
 Error measure: per (row, head), max |out - ref| / max |ref| (the row's largest output). The kernel's own
 rounding (two-part bf16 weights) is ~2^-17 relative with the GPU's round-to-nearest casts; Triton's interpreter
@@ -21,6 +28,7 @@ import torch
 
 from dsv4kv import CacheManager, ModelGeometry
 from dsv4kv.geometry import LayerKind
+from dsv4kv.kernels import attention
 from dsv4kv.kernels.attention import sparse_attention_paged
 from dsv4kv.layout import indexer_layout, main_layout
 from dsv4kv.ops.append import append_window
@@ -34,6 +42,8 @@ DEVICE = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_avai
 PAGE = 128
 TOL = 1e-4  # max |out - ref| / max |ref| per (row, head)
 LAYER = {"window": 0, "csa": 1, "hca": 2}
+AUTO = (None,) if torch.cuda.is_available() else ()  # the automatic split count (always 1 off CUDA)
+CSA_PICKS = 40  # picks per CSA row in the scenario: 2 key blocks of 32 after the window's one
 
 
 # --- helpers ----------------------------------------------------------------------------------------------
@@ -117,9 +127,22 @@ CHECKED = [
 MAX_ROWS = 32
 
 
-def run_scenario(kv_format, kind, q_dtype, seed):
+def attend(q, plan, layout, window, window_pool, step_kv, splits, **kw):
+    """The kernel into a NaN-filled out (and, for a forced split count > 1, a NaN-filled workspace)."""
+    rows, heads, dim = q.shape
+    out = torch.full((rows, heads, dim), float("nan"), device=q.device)
+    if splits is not None and splits > 1:
+        kw["workspace"] = torch.full((rows, splits, heads, dim + 2), float("nan"), device=q.device)
+    got = sparse_attention_paged(q, plan, sinks=sinks_of(q), scale=dim ** -0.5, layout=layout, window=window,
+                                 window_pool=window_pool, step_kv=step_kv, out=out, splits=splits, **kw)
+    assert got is out
+    return got
+
+
+def run_scenario(kv_format, kind, q_dtype, seed, splits=(None,)):
     """Feed WARMUP then CHECKED through the cache (entries written as plans complete them, the ring appended
-    after attention, as the layer does), and compare the kernel with the reference on each CHECKED step."""
+    after attention, as the layer does), and compare the kernel with the reference on each CHECKED step, once
+    per split count. Returns {splits: max error}."""
     cache = CacheManager(TINY, max_requests=4, max_tokens=600, kv_format=kv_format, indexer_format="bf16",
                          page_tokens=PAGE, device=DEVICE, poison=True)
     layer = LAYER[kind]
@@ -133,7 +156,7 @@ def run_scenario(kv_format, kind, q_dtype, seed):
     g = gen(seed)
     heads, dim = TINY.num_heads, TINY.head_dim
     unreadable = (lambda j: j % 3 == 1) if kind == "csa" else None  # CSA entries no pick may read
-    errors = []
+    errors = {s: [] for s in splits}
     for step_index, step in enumerate(WARMUP + CHECKED):
         plan = cache.plan_step([(rids[i], n) for i, n in step], buffers=buffers)
         n, rows = plan.num_tokens, plan.positions.shape[0]
@@ -147,7 +170,7 @@ def run_scenario(kv_format, kind, q_dtype, seed):
                 poison(lc.entries, layout, per_page, slots[unreadable(index)])
             kw = dict(entry_pool=lc.entries, ratio=ratio, page_tokens=PAGE)
             if kind == "csa":
-                kw["picks"] = random_picks(plan, ratio, TINY.index_topk + 3, g, avoid=unreadable)
+                kw["picks"] = random_picks(plan, ratio, CSA_PICKS, g, avoid=unreadable)
         if step_index >= len(WARMUP):
             # the ring entry at start % window holds position start - window: in no row's window
             stale = [cache.slot(rids[i]) * window + (cache.length(rids[i]) - c) % window for i, c in step]
@@ -155,25 +178,49 @@ def run_scenario(kv_format, kind, q_dtype, seed):
             q = randn(rows, heads, dim, g=g, dtype=q_dtype)
             q[n:] = float("nan")  # padding rows must give zeros whatever their q holds
             step_kv = encode_step_kv(layout, rows, kv)
-            out = torch.full((rows, heads, dim), float("nan"), device=DEVICE)
-            got = sparse_attention_paged(q, plan, sinks=sinks_of(q), scale=dim ** -0.5, layout=layout, window=window,
-                                         window_pool=lc.window, step_kv=step_kv, out=out, **kw)
             want = reference(q, plan, layout, window, lc.window, kv, **kw)
-            assert got is out
-            assert torch.isfinite(want).all() and torch.isfinite(got).all()
-            assert torch.equal(got[n:], torch.zeros_like(got[n:])), "padding rows must be zeros"
-            errors.append(rel_error(got[:n], want))
+            assert torch.isfinite(want).all()
+            for count in splits:
+                got = attend(q, plan, layout, window, lc.window, step_kv, count, **kw)
+                assert torch.isfinite(got).all(), f"{count} splits"
+                assert torch.equal(got[n:], torch.zeros_like(got[n:])), f"{count} splits: padding rows must be zeros"
+                errors[count].append(rel_error(got[:n], want))
         append_window(lc.window, layout, window, plan, kv)
-    return max(errors)
+    return {count: max(e) for count, e in errors.items()}
 
 
-@pytest.mark.parametrize("kv_format,kind,q_dtype", [
-    ("fp8", "window", torch.bfloat16), ("bf16", "window", torch.bfloat16),
-    ("fp8", "hca", torch.bfloat16), ("bf16", "hca", torch.bfloat16),
-    ("fp8", "csa", torch.bfloat16), ("bf16", "csa", torch.float32),
-], ids=["fp8-window", "bf16-window", "fp8-hca", "bf16-hca", "fp8-csa", "bf16-csa-q32"])
-def test_matches_reference_over_chunked_steps(kv_format, kind, q_dtype):
-    assert run_scenario(kv_format, kind, q_dtype, seed=7) < TOL
+# one forced split count per case beside the single pass (the interpreter pays per key block, and splitting only
+# moves blocks between programs); with the tile variants below, 2, 3 and 7 each meet HCA and CSA, fp8 and bf16
+# entries, and 7 is more than any row's blocks. On a GPU every case also runs the automatic choice (None).
+CASES = {
+    "fp8-window": ("fp8", "window", torch.bfloat16, (1, 3)),
+    "bf16-window": ("bf16", "window", torch.bfloat16, (1, 7)),
+    "fp8-hca": ("fp8", "hca", torch.bfloat16, (1, 7)),
+    "bf16-hca": ("bf16", "hca", torch.bfloat16, (1, 2)),
+    "fp8-csa": ("fp8", "csa", torch.bfloat16, (1, 7)),
+    "bf16-csa-q32": ("bf16", "csa", torch.float32, (1, 3)),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_matches_reference_over_chunked_steps(case):
+    kv_format, kind, q_dtype, splits = CASES[case]
+    errors = run_scenario(kv_format, kind, q_dtype, seed=7, splits=splits + AUTO)
+    print(f"{case}: " + ", ".join(f"{s} splits {e:.2e}" for s, e in errors.items()))
+    assert max(errors.values()) < TOL, errors
+
+
+@pytest.mark.parametrize("kv_format,kind,block_h,block_n,splits", [
+    ("fp8", "hca", 16, 16, (3,)), ("fp8", "csa", 16, 32, (2,)), ("bf16", "hca", 64, 32, (7,)),
+])
+def test_tile_variants_match_reference(monkeypatch, kv_format, kind, block_h, block_n, splits):
+    """Other tiles `_config` may choose (the lead times variants by overriding it): 16-key blocks split HCA rows
+    (up to 19 entries) inside their entries; 16 heads (the previous default); 64 heads mask most of the 8 tiny heads
+    off."""
+    choose = attention._config
+    monkeypatch.setattr(attention, "_config", lambda *a: choose(*a)._replace(block_h=block_h, block_n=block_n))
+    errors = run_scenario(kv_format, kind, torch.bfloat16, seed=5, splits=splits)
+    assert max(errors.values()) < TOL, errors
 
 
 def test_padding_only_and_keyless_rows_are_zeros_and_out_is_optional():
@@ -196,6 +243,68 @@ def test_padding_only_and_keyless_rows_are_zeros_and_out_is_optional():
     logit = 0.1 * (q[0].float() @ key)
     want = torch.sigmoid(logit - sinks_of(q))[:, None] * key
     assert rel_error(got[:1], want[None]) < TOL
+
+
+@pytest.mark.parametrize("splits", [2, 5, "auto-3"])
+def test_empty_splits_and_padding_rows(monkeypatch, splits):
+    """More splits than key blocks: a fresh request's first token (one key, one block) and a decode with a full
+    window and 5 HCA entries (two blocks) leave the splits past their blocks empty, padding rows leave all empty.
+    Empty splits write nothing (their workspace rows stay NaN) and the merge reads none of them: exact zeros for
+    padding rows, the single pass's output for the others. "auto-3": the automatic path (workspace allocated
+    inside) where `_config` chooses 3 splits."""
+    cache = CacheManager(TINY, max_requests=3, max_tokens=300, kv_format="fp8", indexer_format="bf16",
+                         page_tokens=PAGE, device=DEVICE, poison=True)
+    layout, lc = cache.spec.layers[2].main, cache.pools.layers[2]
+    old, fresh = cache.admit(), cache.admit()
+    g = gen(4)
+    history = cache.plan_step([(old, 90)])
+    writes = history.entries[16]
+    layout.write(lc.entries, PAGE // 16, writes.slots[:writes.count], randn(writes.count, TINY.head_dim, g=g))
+    append_window(lc.window, layout, TINY.window, history, randn(90, TINY.head_dim, g=g))
+    plan = cache.plan_step([(fresh, 1), (old, 1)], buffers=cache.step_buffers(max_tokens=6, max_requests=3))
+    kv = randn(2, TINY.head_dim, g=g)
+    q = randn(6, TINY.num_heads, TINY.head_dim, g=g, dtype=torch.bfloat16)
+    q[2:] = float("nan")
+    args = dict(sinks=sinks_of(q), scale=TINY.head_dim ** -0.5, layout=layout, window=TINY.window,
+                window_pool=lc.window, step_kv=encode_step_kv(layout, 6, kv), entry_pool=lc.entries, ratio=16,
+                page_tokens=PAGE)
+    single = sparse_attention_paged(q, plan, splits=1, **args)
+    out = torch.full((6, TINY.num_heads, TINY.head_dim), float("nan"), device=DEVICE)
+    if splits == "auto-3":
+        choose = attention._config
+        monkeypatch.setattr(attention, "_config", lambda *a: choose(*a)._replace(splits=3))
+        got = sparse_attention_paged(q, plan, out=out, **args)
+    else:
+        workspace = torch.full((6, splits, TINY.num_heads, TINY.head_dim + 2), float("nan"), device=DEVICE)
+        got = sparse_attention_paged(q, plan, out=out, workspace=workspace, **args)
+        used = [1, 2]  # blocks of rows 0 and 1, one per split
+        for row, n in enumerate(used):
+            assert not torch.isnan(workspace[row, :n]).any() and torch.isnan(workspace[row, n:]).all()
+        assert torch.isnan(workspace[2:]).all()
+    assert got is out
+    assert torch.equal(got[2:], torch.zeros_like(got[2:]))
+    assert rel_error(got[:2], single[:2]) < TOL
+    assert rel_error(got[:2], reference(q, plan, layout, TINY.window, lc.window, kv, entry_pool=lc.entries, ratio=16,
+                                        page_tokens=PAGE)) < TOL
+
+
+def test_config_splits_only_grids_that_leave_the_gpu_idle(monkeypatch):
+    """`_config` on a 132-SM device (V4-Flash decode shapes: 64 heads, window 128 + 512 picks, or + 8192 HCA entries
+    at 1M): batch 1 splits, a batch that fills half the SMs or more does not; the interpreter never splits."""
+    monkeypatch.setattr(attention, "_num_sms", lambda device: 132)
+    for name, value in dict(BLOCK_H=16, BLOCK_N=32, MIN_SPLIT_BLOCKS=2).items():  # whatever the defaults are now
+        monkeypatch.setattr(attention, name, value)
+    cuda = torch.device("cuda", 0)
+
+    def splits(rows, keys, device=cuda):
+        return attention._config(rows, 64, keys, device).splits
+
+    assert splits(1, 128 + 512) == 10  # 20 key blocks, >= 2 per split
+    assert splits(1, 128 + 8192) == 132 // 4
+    assert splits(8, 128 + 8192) == 4 and splits(16, 128 + 8192) == 2
+    assert splits(17, 128 + 8192) == 1 and splits(64, 128 + 512) == 1
+    assert splits(1, 16) == 1  # too few keys to split
+    assert splits(1, 128 + 8192, torch.device("cpu")) == 1
 
 
 def test_dequantizes_raw_fp8_bytes():
@@ -244,6 +353,7 @@ def test_rejects_bad_input():
                 step_kv=encode_step_kv(layout, 3, zeros(3, dim)), entry_pool=lc.entries, ratio=4,
                 page_tokens=PAGE, picks=zeros(3, 8, dtype=torch.int32))
     sparse_attention_paged(q, plan, **good)  # the good call runs
+    sparse_attention_paged(q, plan, **good, splits=2, max_entries=5, workspace=zeros(3, 2, heads, dim + 2))
 
     def bad(match, q=q, **change):
         with pytest.raises(ValueError, match=match):
@@ -275,6 +385,20 @@ def test_rejects_bad_input():
     bad(r"picks: expected .* got torch.int32 \[2, 8\]", picks=zeros(2, 8, dtype=torch.int32))
     bad(r"out: expected torch.float32 \[3, 8, 128\]", out=zeros(3, heads, dim, dtype=torch.bfloat16))
     bad(r"out: expected torch.float32 \[3, 8, 128\]", out=zeros(3, heads, dim + 1))
+    bad(r"splits: expected an int in 1..65535", splits=0)
+    bad(r"splits: expected an int in 1..65535", splits=65536)
+    bad(r"splits: expected an int in 1..65535", splits=True)
+    bad(r"splits: expected an int in 1..65535", splits=2.0)
+    bad(r"max_entries: expected a non-negative int", max_entries=-1)
+    bad(r"max_entries: expected a non-negative int", max_entries=True)
+    ws = zeros(3, 2, heads, dim + 2)
+    bad(r"workspace: expected torch.float32 \[3, \*, 8, 130\], got torch.bfloat16", workspace=ws.bfloat16())
+    bad(r"workspace: expected torch.float32 \[3, \*, 8, 130\], got torch.float32 \[3, 2, 8, 128\]",
+        workspace=zeros(3, 2, heads, dim))
+    bad(r"workspace: expected torch.float32 \[3, 3, 8, 130\], got torch.float32 \[3, 2, 8, 130\]", workspace=ws,
+        splits=3)
+    bad(r"workspace: must be contiguous", workspace=zeros(2, 3, heads, dim + 2).transpose(0, 1))
+    bad(r"workspace: on meta", workspace=ws.to("meta"))
     bad(r"layout: expected a main-entry layout", layout=indexer_layout("fp8", dim))
     bad(r"window_pool: expected torch.uint8 \[\*, 4096\]", layout=main_layout("bf16", dim, 64))
     bad(r"layout: head_dim must be a power of two", layout=main_layout("fp8", 192, 64),
@@ -382,9 +506,74 @@ def test_gpu_decode_at_one_million_tokens(preset, kv_format, kind):
     assert torch.equal(got[1:], torch.zeros_like(got[1:]))
 
 
+def _flash_decode(kind, contexts, seed=0):
+    """V4-Flash, fp8 cache: requests with `contexts` tokens of history (written directly: every entry, the ring's
+    last `window` positions), then one decode row each (a plan of exactly that many rows, as a decode graph of that
+    batch has). Returns (q, plan, kernel args, reference output)."""
+    geometry = ModelGeometry.preset("flash")
+    want_kind = LayerKind.CSA if kind == "csa" else LayerKind.HCA
+    layer = next(i for i, spec in enumerate(geometry.layers) if spec.kind is want_kind)
+    batch = len(contexts)
+    cache = CacheManager(geometry, max_requests=batch, max_tokens=sum(contexts) + batch, kv_format="fp8",
+                         indexer_format="fp8", page_tokens=256, device="cuda", poison=True)
+    lc, layout = cache.pools.layers[layer], cache.spec.layers[layer].main
+    window, ratio, heads, dim = geometry.window, geometry.layers[layer].ratio, geometry.num_heads, geometry.head_dim
+    g = torch.Generator("cuda").manual_seed(seed)
+
+    def write_entries(plan):
+        writes = plan.entries[ratio]
+        layout.write(lc.entries, 256 // ratio, writes.slots[:writes.count],
+                     torch.randn(writes.count, dim, generator=g, device="cuda"))
+
+    rids = [cache.admit() for _ in contexts]
+    write_entries(cache.plan_step(list(zip(rids, contexts))))
+    for rid, n in zip(rids, contexts):
+        last = torch.arange(max(n - window, 0), n, device="cuda")
+        layout.write(lc.window, window, cache.slot(rid) * window + last % window,
+                     torch.randn(last.numel(), dim, generator=g, device="cuda"))
+    plan = cache.plan_step([(r, 1) for r in rids], buffers=cache.step_buffers(max_tokens=batch, max_requests=batch))
+    write_entries(plan)
+    kv = torch.randn(batch, dim, generator=g, device="cuda")
+    kw = dict(entry_pool=lc.entries, ratio=ratio, page_tokens=256)
+    if kind == "csa":
+        kw["picks"] = random_picks(plan, ratio, geometry.index_topk, gen(seed + 1))
+    q = torch.randn(batch, heads, dim, generator=g, device="cuda").to(torch.bfloat16)
+    want = reference(q, plan, layout, window, lc.window, kv, **kw)
+    if kind == "hca":
+        kw["max_entries"] = cache.max_seq_len // ratio  # as the layer would pass plan.max_seq_len // ratio
+    args = dict(sinks=sinks_of(q), scale=dim ** -0.5, layout=layout, window=window, window_pool=lc.window,
+                step_kv=encode_step_kv(layout, batch, kv), **kw)
+    return q, plan, args, want
+
+
 @needs_cuda
-def test_gpu_cuda_graph_replays_over_new_plans():
-    """Captured once with out=, replayed over plans rebuilt into the same StepBuffers with new q / step_kv / picks."""
+@pytest.mark.parametrize("kind", ["csa", "hca"])
+@pytest.mark.parametrize("batch", [1, 64])
+def test_gpu_split_decode_flash(monkeypatch, kind, batch):
+    """V4-Flash decode: batch 1 (CSA: 512 picks at 2^17 tokens; HCA: 8191 entries at ~2^20) splits automatically,
+    batch 64 (20K..26K tokens each) fills the GPU and runs the single pass. Forced split counts (1, 4, 33; at batch
+    1 also 100, more than a CSA row's 20 key blocks) agree with the automatic choice and the reference."""
+    contexts = [(2**20 - 1) if kind == "hca" else 2**17] if batch == 1 else [20000 + 97 * i for i in range(64)]
+    q, plan, args, want = _flash_decode(kind, contexts)
+    choose, seen = attention._config, []
+    monkeypatch.setattr(attention, "_config", lambda *a: seen.append(choose(*a)) or seen[-1])
+    auto = sparse_attention_paged(q, plan, **args)
+    assert (seen[-1].splits > 1) == (batch == 1), seen[-1]
+    errors = {f"auto ({seen[-1].splits})": rel_error(auto, want)}
+    for splits in (1, 4, 33) + ((100,) if batch == 1 else ()):
+        got = sparse_attention_paged(q, plan, splits=splits, **args)
+        errors[splits] = rel_error(got, want)
+        assert rel_error(got, auto) < TOL
+    print(f"flash fp8 {kind} decode batch {batch}: " + ", ".join(f"{k} splits {e:.2e}" for k, e in errors.items()))
+    assert torch.isfinite(auto).all() and max(errors.values()) < TOL
+
+
+@needs_cuda
+@pytest.mark.parametrize("splits,preallocated", [(None, False), (3, False), (3, True)],
+                         ids=["auto", "split3", "split3-workspace"])
+def test_gpu_cuda_graph_replays_over_new_plans(splits, preallocated):
+    """Captured once with out=, replayed over plans rebuilt into the same StepBuffers with new q / step_kv / picks;
+    the split path with its workspace allocated under capture (torch's graph pool) or given."""
     cache = CacheManager(TINY, max_requests=4, max_tokens=2000, kv_format="fp8", indexer_format="bf16",
                          page_tokens=PAGE, device="cuda", poison=True)
     layout, lc, ratio = cache.spec.layers[1].main, cache.pools.layers[1], 4
@@ -397,7 +586,10 @@ def test_gpu_cuda_graph_replays_over_new_plans():
     step_kv = torch.zeros(1, layout.page_bytes(rows), dtype=torch.uint8, device="cuda")
     out = torch.zeros(rows, heads, dim, device="cuda")
     args = dict(sinks=sinks_of(q), scale=dim ** -0.5, layout=layout, window=TINY.window, window_pool=lc.window,
-                step_kv=step_kv, entry_pool=lc.entries, ratio=ratio, page_tokens=PAGE, picks=picks, out=out)
+                step_kv=step_kv, entry_pool=lc.entries, ratio=ratio, page_tokens=PAGE, picks=picks, out=out,
+                splits=splits)
+    if preallocated:
+        args["workspace"] = torch.zeros(rows, splits, heads, dim + 2, device="cuda")
     graph = None
     for step in ([(0, 30)], [(0, 2), (1, 20), (2, 3)], [(0, 1), (1, 1), (2, 1)], [(2, 25), (1, 1)]):
         plan = cache.plan_step([(rids[i], n) for i, n in step], buffers=buffers)

@@ -339,7 +339,8 @@ class DSV4Attention(nn.Module):
         out = sparse_attention_paged(q, plan, sinks=self.sinks, scale=g.head_dim ** -0.5, layout=main, window=g.window,
                                      window_pool=layer_cache.window, step_kv=step_kv,
                                      entry_pool=layer_cache.entries if spec.compressed else None,
-                                     ratio=spec.ratio if spec.compressed else 0, page_tokens=page_tokens, picks=picks)
+                                     ratio=spec.ratio if spec.compressed else 0, page_tokens=page_tokens, picks=picks,
+                                     max_entries=max(plan.max_seq_len // spec.ratio, 1) if spec.compressed else None)
 
         append_window(layer_cache.window, main, g.window, plan, step_kv)
         for state_kv, state_logits, kv_rows, logit_rows in state_rows:

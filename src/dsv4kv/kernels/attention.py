@@ -6,27 +6,43 @@ For token row t (position p >= 0 of request b) and head h:
     out[t, h] = sum_k w_k * key_k,   w = softmax_k(scale * q[t, h] . key_k) with exp(sink_h) added to the
                                      denominator only (V = K, all head_dim dims)
 
-over the keys, in one online-softmax pass (flash-attention style, log2 domain):
-- window: positions max(0, p - window + 1) .. p; those of this step (>= start_b) from `step_kv` entry
-  query_start[b] + pos - start_b, older ones from the request's window ring (entry pos % window);
-- compressed entries of ratio m (when `entry_pool` is given): every visible entry j < (p + 1) // m (HCA,
-  `picks` None) or the entries picks[t, i] >= 0 (CSA; any order, -1 = no pick, a repeated pick counts
-  once per occurrence, as in the reference). Entry j lives at block_table[slot, j*m // page_tokens], offset
-  j % (page_tokens // m).
-Padding rows (position -1) and rows without keys return zeros: the sink starts the softmax as a key of
-value 0 (running max = sink, sum = 1), so a row that never meets a key ends with acc = 0.
+over the keys, in an online softmax (flash-attention style, log2 domain), walked in blocks of BLOCK_N keys:
+- window blocks: positions max(0, p - window + 1) .. p in order; those of this step (>= start_b) from `step_kv`
+  entry query_start[b] + pos - start_b, older ones from the request's window ring (entry pos % window);
+- then entry blocks, compressed entries of ratio m (when `entry_pool` is given): every visible entry
+  j < (p + 1) // m (HCA, `picks` None) or the entries picks[t, i] >= 0 (CSA; any order, -1 = no pick, a repeated
+  pick counts once per occurrence, as in the reference). Entry j lives at block_table[slot, j*m // page_tokens],
+  offset j % (page_tokens // m).
+The sink starts the softmax as a key of value 0 (running max = sink, sum = 1), so a row that never meets a key
+(padding rows: position -1) ends with acc = 0: exact zeros.
+
+Split-KV (flash decoding), for grids too small to fill the GPU (decode batches). With S > 1 splits (chosen on the
+host from fixed shapes only, `_config`), program (t, head block, s) walks the s-th run of ceil(blocks_t / S)
+consecutive key blocks of row t (runs start on block boundaries, so the split of a row depends on its own key
+count). Each split starts from running max m = sink, sum l = 0, acc = 0 (the sink as a reference point only) and
+writes (m_s, l_s, acc_s) to the workspace; a second kernel merges the splits that hold keys, in order:
+
+    M = max(sink, max_s m_s),  l = 2^(sink - M) + sum_s l_s 2^(m_s - M),  out = sum_s acc_s 2^(m_s - M) / l
+
+so the sink counts once, a split without keys is never written nor read (no -inf - -inf), and a row without keys
+still gets acc = 0, l = 1. S = 1 is the single pass: no workspace, no merge.
 
 Numerics. Keys are dequantized in registers (no staging copy of any pool): e4m3 * 2^(ue8m0 - 127) and the
 bf16 rope dims are exactly bf16 values, so q . k is a bf16 tensor-core dot with fp32 accumulation, exact per
-product for a bf16 q (an fp32 q is split into three bf16 parts, which carry all its 24 bits). The softmax
-runs in fp32; for w . V each fp32 weight is split into two bf16 parts (hi + lo, two dots), ~2^-17 relative
-instead of bf16's 2^-9. Measured against the fp32 reference (error / the row's max |out|, tests/
-test_kernel_attention.py, Triton's interpreter, whose fp32 -> bf16 casts truncate): <= 2.5e-5 with the split,
-4e-3..7e-3 with bf16 weights alone. Keys are not flushed: ue8m0 code 0 scales by 2^-127, code 0xFF is NaN,
-as `quant.ue8m0_decode`.
+product for a bf16 q (an fp32 q is split into three bf16 parts, which carry all its 24 bits). The head dims are
+held as D / 64 chunks of 64 (one ue8m0 scale each), the batch dimension of the dots (`_attend`): q . k sums the
+chunks' fp32 partial dots. The softmax runs in fp32; for w . V each fp32 weight is split into two bf16 parts
+(hi + lo, two dots), ~2^-17 relative instead of bf16's 2^-9. The merge is fp32: the split path differs from the
+single pass only in summation order. Measured against the fp32 reference (error / the row's max |out|,
+tests/test_kernel_attention.py, Triton's interpreter, whose fp32 -> bf16 casts truncate): <= 2.5e-5 for the
+single pass and 2 to 7 key splits alike (hi + lo weights), 4e-3..7e-3 with bf16 weights alone. Keys are not
+flushed: ue8m0 code 0 scales by 2^-127, code 0xFF is NaN, as `quant.ue8m0_decode`.
 """
 
 from __future__ import annotations
+
+import functools
+from typing import NamedTuple
 
 import torch
 import triton
@@ -39,15 +55,64 @@ from .common import check_pool, check_tensor, interpreted, padded_rows
 
 __all__ = ["sparse_attention_paged"]
 
-# Tile sizes, checked by compiling for sm_90 ahead of time (triton 3.9, H=64, D=512): 8 warps with 32-key blocks and
-# 2 stages use ~230 registers, no spills and ~130 KiB of shared memory (4 warps spill; 64-key blocks at 3 stages
-# exceed shared memory). Not yet timed on the H200.
-BLOCK_H = 16  # heads per program: the smallest tensor-core M; the [16, D] fp32 accumulator stays in registers
-BLOCK_N = 32  # keys per online-softmax block
-NUM_WARPS = 8
+# Tile sizes, compiled for sm_90 ahead of time (H=64, D=512, 16-byte aligned pools as launched; ptxas -v): with
+# 32 heads x 32 keys, 8 warps and 2 stages, triton 3.6 uses 255 registers for bf16 or fp32 q over fp8 entries and
+# no spills (12 B over bf16 entries), triton 3.9 251-252, and 144 KiB (bf16 q) / 208 KiB (fp32 q) of shared
+# memory: one program per SM. 16 heads take 190-254 registers, none spilled, 128 / 160 KiB; 64 heads spill 1-2 KiB;
+# 64-key blocks need 240+ KiB of shared memory over fp8 entries (more than an SM has). 32 heads read and dequantize
+# each key block once per 32 heads instead of per 16 (half the programs per row for V4's 64 or 128 heads). Not yet
+# timed on the H200: the lead overrides these (or `_config`) to time variants.
+BLOCK_H = 32  # heads per program
+BLOCK_N = 32  # keys per online-softmax block; splits start on these boundaries
+NUM_WARPS = 8  # one per 64-dim chunk of head_dim 512 (the dots' batch dimension)
 NUM_STAGES = 2
+# Fewest key blocks per split: a split's fixed cost (q load, partial write, its share of the merge: ~3 fp8 key
+# blocks of bytes at D=512) should not dominate its work.
+MIN_SPLIT_BLOCKS = 2
+# Heads per merge program: one (D fp32 per split and program; decode batch 1 still gets H programs) on a GPU, 16 under
+# the interpreter, which pays per program.
+MERGE_H = {"cuda": 1, "cpu": 16}
+MERGE_WARPS = 4
 
 _WINDOW_ONLY, _ALL_VISIBLE, _PICKS = 0, 1, 2  # which compressed entries a row attends to
+_LOG2E = 1.4426950408889634
+
+
+class _Config(NamedTuple):
+    """Tiles and launch shape of one call."""
+
+    block_h: int  # heads per program
+    block_n: int  # keys per online-softmax block (split boundaries fall on these)
+    splits: int  # key splits per row; 1 = single pass
+    num_warps: int
+    num_stages: int
+    merge_h: int  # heads per merge program (split path)
+
+
+@functools.lru_cache(maxsize=8)
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _config(rows: int, heads: int, max_keys: int, device: torch.device) -> _Config:
+    """Tiles and split count from fixed shapes only (the plan's padded rows, heads, the most keys a row can have),
+    so the launch shape is the same at every replay of a captured graph.
+
+    A program holds one SM (registers, shared memory), so a grid of rows x head blocks programs fills the GPU once
+    it reaches the SM count. Split only where it leaves at least half the SMs idle (a grid of 0.5..1 waves gains
+    little from splitting and would pay the merge): then as many splits as one wave holds, each keeping at least
+    MIN_SPLIT_BLOCKS key blocks of the longest row. Off CUDA (the interpreter) always the single pass; tests force
+    splits. V4-Flash decode (64 heads = 2 head blocks, 132 SMs): batch 1 CSA (128 + 512 keys: 20 blocks) -> 10
+    splits, batch 1 HCA at 1M (128 + 8192 keys) -> 66, batch 8 -> 8, batch 16 -> 4, batch 33 -> 2, batch >= 34 -> 1.
+    """
+    programs = max(rows, 1) * triton.cdiv(heads, BLOCK_H)
+    splits = 1
+    if device.type == "cuda":
+        sms = _num_sms(device)
+        if 2 * programs <= sms:
+            splits = max(1, min(sms // programs, triton.cdiv(max_keys, BLOCK_N) // MIN_SPLIT_BLOCKS))
+    merge_h = MERGE_H["cuda" if device.type == "cuda" else "cpu"]
+    return _Config(BLOCK_H, BLOCK_N, splits, NUM_WARPS, NUM_STAGES, merge_h)
 
 
 @triton.jit
@@ -59,27 +124,26 @@ def _rows(p_page, entry, per_page, DATA_BYTES: tl.constexpr, SCALE_BYTES: tl.con
 
 
 @triton.jit
-def _load_keys(p_data, p_scale, mask, D: tl.constexpr, NOPE: tl.constexpr):
-    """Keys of the entries at data / scale row pointers [N] -> bf16 [N, D], exactly their decoded values; 0 where
-    ~mask."""
-    o_d = tl.arange(0, D)
-    m_row = mask[:, None]
+def _load_keys(p_data, p_scale, mask, C: tl.constexpr, CHUNK: tl.constexpr, NOPE: tl.constexpr):
+    """Keys of the entries at data / scale row pointers [N] -> bf16 [C, N, CHUNK] (dim c * CHUNK + e at [c, n, e]),
+    exactly their decoded values; 0 where ~mask."""
+    o_c = tl.arange(0, C)
+    o_d = (o_c * CHUNK)[:, None, None] + tl.arange(0, CHUNK)[None, None, :]  # [C, 1, CHUNK]
+    m_row = mask[None, :, None]
     if NOPE > 0:
-        # nope dims: e4m3 byte d times the ue8m0 scale of its 64-dim block (scales applied on an [N, D / 64, 64]
-        # view, one load per scale byte); rope dims: bf16 after the nope bytes (data rows start at even bytes)
-        o_s = tl.arange(0, D // 64)
-        b_code = tl.load(p_data[:, None] + o_d[None, :], mask=m_row & (o_d < NOPE)[None, :], other=0)
-        b_exp = tl.load(p_scale[:, None] + o_s[None, :], mask=m_row & (o_s < NOPE // 64)[None, :],
-                        other=127).to(tl.int32)
+        # nope chunks (CHUNK = 64 dims, one ue8m0 scale each): e4m3 bytes times the chunk's scale; rope chunks: bf16
+        # after the nope bytes (data rows start at even bytes)
+        m_nope = o_c < NOPE // CHUNK
+        b_code = tl.load(p_data[None, :, None] + o_d, mask=m_row & m_nope[:, None, None], other=0)
+        b_exp = tl.load(p_scale[None, :] + o_c[:, None], mask=mask[None, :] & m_nope[:, None], other=127).to(tl.int32)
         b_bits = tl.where(b_exp == 0, 0x400000, b_exp << 23)  # code 0: 2^-127, an fp32 subnormal (quant.ue8m0_decode)
         b_bits = tl.where(b_exp == 255, 0x7FC00000, b_bits)  # code 0xFF: NaN
-        b_nope = tl.reshape(b_code.to(tl.float8e4nv, bitcast=True).to(tl.float32), [mask.shape[0], D // 64, 64])
-        b_nope = tl.reshape(b_nope * b_bits.to(tl.float32, bitcast=True)[:, :, None], [mask.shape[0], D])
+        b_nope = b_code.to(tl.float8e4nv, bitcast=True).to(tl.float32) * b_bits.to(tl.float32, bitcast=True)[:, :, None]
         p_rope = (p_data + NOPE).to(tl.pointer_type(tl.bfloat16))
-        b_rope = tl.load(p_rope[:, None] + (o_d - NOPE)[None, :], mask=m_row & (o_d >= NOPE)[None, :], other=0.0)
-        b_k = tl.where((o_d < NOPE)[None, :], b_nope, b_rope.to(tl.float32)).to(tl.bfloat16)
+        b_rope = tl.load(p_rope[None, :, None] + (o_d - NOPE), mask=m_row & (o_d >= NOPE), other=0.0)
+        b_k = tl.where(m_nope[:, None, None], b_nope.to(tl.bfloat16), b_rope)
     else:
-        b_k = tl.load(p_data.to(tl.pointer_type(tl.bfloat16))[:, None] + o_d[None, :], mask=m_row, other=0.0)
+        b_k = tl.load(p_data.to(tl.pointer_type(tl.bfloat16))[None, :, None] + o_d, mask=m_row, other=0.0)
     return b_k
 
 
@@ -96,14 +160,20 @@ def _dot(a, b, acc, DOT_F32: tl.constexpr):
 
 @triton.jit
 def _attend(b_q0, b_q1, b_q2, b_k, valid, m_i, l_i, acc, qk_scale, Q_SPLIT: tl.constexpr, DOT_F32: tl.constexpr):
-    """One block of keys b_k bf16 [N, D] (valid [N]) into the running max m_i, sum l_i, acc [BLOCK_H, D] (log2
-    domain). q is b_q0 (bf16 q) or b_q0 + b_q1 + b_q2 (Q_SPLIT: the three bf16 parts of an fp32 q)."""
-    b_kt = tl.trans(b_k)
-    b_s = _dot(b_q0, b_kt, tl.zeros([b_q0.shape[0], b_k.shape[0]], tl.float32), DOT_F32)
+    """One block of keys b_k bf16 [C, N, CHUNK] (valid [N]) into the running max m_i, sum l_i [BLOCK_H] and acc
+    [C, BLOCK_H, CHUNK] (log2 domain). q is b_q0 (bf16 q) or b_q0 + b_q1 + b_q2 (Q_SPLIT: the three bf16 parts of
+    an fp32 q), each [C, BLOCK_H, CHUNK].
+
+    The head_dim chunks are the batch of the dots (Triton lays 8 warps on the batch for D = 512: a warp per chunk):
+    q . k sums C partial dots (a split-K over warps), w . V fills C column chunks of acc. A 2-D [BLOCK_H, D] x
+    [D, N] dot instead hands every warp all of q from shared memory at each block, and spills at 32 heads (1.3 KiB
+    per thread, triton 3.6)."""
+    b_kt = tl.trans(b_k, (0, 2, 1))
+    b_s = _dot(b_q0, b_kt, tl.zeros([b_q0.shape[0], b_q0.shape[1], b_k.shape[1]], tl.float32), DOT_F32)
     if Q_SPLIT:
         b_s = _dot(b_q1, b_kt, b_s, DOT_F32)
         b_s = _dot(b_q2, b_kt, b_s, DOT_F32)
-    b_s = tl.where(valid[None, :], b_s * qk_scale, float("-inf"))
+    b_s = tl.where(valid[None, :], tl.sum(b_s, 0) * qk_scale, float("-inf"))  # [BLOCK_H, N]
     m_new = tl.maximum(m_i, tl.max(b_s, 1))  # finite: m_i starts at the sink
     alpha = tl.exp2(m_i - m_new)
     b_p = tl.exp2(b_s - m_new[:, None])
@@ -111,32 +181,66 @@ def _attend(b_q0, b_q1, b_q2, b_k, valid, m_i, l_i, acc, qk_scale, Q_SPLIT: tl.c
     # two bf16 parts of the fp32 weights: ~2^-17 relative instead of bf16's 2^-9
     b_ph = b_p.to(tl.bfloat16)
     b_pl = (b_p - b_ph.to(tl.float32)).to(tl.bfloat16)
-    acc = _dot(b_ph, b_k, acc * alpha[:, None], DOT_F32)
+    b_ph = tl.broadcast_to(b_ph[None, :, :], (b_k.shape[0], b_p.shape[0], b_p.shape[1]))  # one copy per chunk
+    b_pl = tl.broadcast_to(b_pl[None, :, :], (b_k.shape[0], b_p.shape[0], b_p.shape[1]))
+    acc = _dot(b_ph, b_k, acc * alpha[None, :, None], DOT_F32)
     acc = _dot(b_pl, b_k, acc, DOT_F32)
     return m_new, l_i, acc
 
 
 @triton.jit
+def _row_blocks(pos, ratio, n_picks, splits, WINDOW: tl.constexpr, ENTRIES: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Keys and key blocks of a row at position `pos` (-1: padding, no keys): window keys, entry keys (HCA: the
+    visible entries; CSA: the pick columns), window blocks, all blocks (window blocks first), blocks per split."""
+    n_win = tl.minimum(pos + 1, WINDOW)  # positions max(0, pos - WINDOW + 1) .. pos
+    if ENTRIES == 1:
+        n_ent = (pos + 1) // ratio
+    elif ENTRIES == 2:
+        n_ent = (pos >= 0).to(tl.int32) * n_picks
+    else:
+        n_ent = n_win * 0
+    n_win_blocks = tl.cdiv(n_win, BLOCK_N)
+    n_blocks = n_win_blocks + tl.cdiv(n_ent, BLOCK_N)
+    return n_win, n_ent, n_win_blocks, n_blocks, tl.cdiv(n_blocks, splits)
+
+
+@triton.jit
 def _sparse_attention_kernel(
-        p_q, p_sinks, p_out,  # q [R, H, D], sinks fp32 [H], out fp32 [R, H, D]
+        p_q, p_sinks, p_out, p_ws,  # q [R, H, D], sinks fp32 [H], out fp32 [R, H, D], workspace fp32 [R, S, H, D+2]
         p_positions, p_token_request, p_request_slots, p_query_start, p_seq_lens, p_block_table, bt_stride,
         p_step, step_entries,  # this step's kv: one page of R entries
         p_win, win_page_bytes,  # the window ring: page = request slot, WINDOW entries
         p_ent, ent_page_bytes, ent_per_page, ratio, page_tokens,  # compressed entries
-        p_picks, n_picks, qk_scale, H,
+        p_picks, n_picks, qk_scale, H, splits,
         WINDOW: tl.constexpr, D: tl.constexpr, NOPE: tl.constexpr, DATA_BYTES: tl.constexpr,
         SCALE_BYTES: tl.constexpr, ENTRIES: tl.constexpr, Q_SPLIT: tl.constexpr, DOT_F32: tl.constexpr,
-        BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr):
-    """One program per (token row, head block); pools are uint8 pointers."""
+        BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, SPLIT: tl.constexpr):
+    """One program per (token row, head block, key split); pools are uint8 pointers. SPLIT: write split
+    program_id(2)'s partial softmax to the workspace; else (splits = 1) the row's normalized output. Head dims are
+    held as C = D / CHUNK chunks: [C, BLOCK_H, CHUNK] (see _attend)."""
+    C: tl.constexpr = D // CHUNK
     i_t = tl.program_id(0)
     i_h = tl.program_id(1)
+    i_s = tl.program_id(2)
     o_h = i_h * BLOCK_H + tl.arange(0, BLOCK_H)
     m_h = o_h < H
-    o_d = tl.arange(0, D)
+    o_d = (tl.arange(0, C) * CHUNK)[:, None, None] + tl.arange(0, CHUNK)[None, None, :]  # [C, 1, CHUNK]
     o_n = tl.arange(0, BLOCK_N)
 
-    o_q = (i_t.to(tl.int64) * H + o_h)[:, None] * D + o_d[None, :]
-    b_q = tl.load(p_q + o_q, mask=m_h[:, None], other=0.0)
+    pos = tl.load(p_positions + i_t)
+    n_win, n_ent, n_win_blocks, n_blocks, per_split = _row_blocks(pos, ratio, n_picks, splits, WINDOW, ENTRIES,
+                                                                  BLOCK_N)
+    b_lo = i_s * per_split  # this split's blocks [b_lo, b_hi): all of them for the single pass
+    b_hi = tl.minimum(b_lo + per_split, n_blocks)
+    if SPLIT:
+        if b_lo >= b_hi:  # a split without keys writes nothing: the merge skips it
+            return
+    # a row without keys (padding rows) reads no q; a [BLOCK_H] comparison, as the interpreter turns
+    # `bool tensor & bool scalar` into ints
+    m_busy = m_h & (b_lo + tl.zeros([BLOCK_H], tl.int32) < b_hi)
+
+    o_q = (i_t.to(tl.int64) * H + o_h)[None, :, None] * D + o_d  # [C, BLOCK_H, CHUNK]
+    b_q = tl.load(p_q + o_q, mask=m_busy[None, :, None], other=0.0)
     # fp32 q: three bf16 parts carry its 24 significant bits, so every q . k product stays exact
     b_q0 = b_q.to(tl.bfloat16)
     b_q1 = b_q0
@@ -146,58 +250,91 @@ def _sparse_attention_kernel(
         b_q1 = b_rest.to(tl.bfloat16)
         b_q2 = (b_rest - b_q1.to(tl.float32)).to(tl.bfloat16)
 
-    pos = tl.load(p_positions + i_t)
-    b = tl.maximum(tl.load(p_token_request + i_t), 0)  # padding rows (-1): every key below is masked off
+    # the sink as a key of value 0 and logit sink_h: running max = sink, sum = exp(0) = 1. A split starts from the
+    # same max (a finite reference point) with sum 0: the merge adds the sink once.
+    m_i = tl.load(p_sinks + o_h, mask=m_h, other=0.0) * 1.4426950408889634
+    if SPLIT:
+        l_i = tl.zeros([BLOCK_H], tl.float32)
+    else:
+        l_i = tl.full([BLOCK_H], 1.0, tl.float32)
+    acc = tl.zeros([C, BLOCK_H, CHUNK], tl.float32)
+
+    b = tl.maximum(tl.load(p_token_request + i_t), 0)  # padding rows (-1) have no keys: any request will do
     slot = tl.load(p_request_slots + b)
     q_lo = tl.load(p_query_start + b)
     start = tl.load(p_seq_lens + b) - (tl.load(p_query_start + b + 1) - q_lo)  # history before the step
 
-    # the sink is a key of value 0 and logit sink_h: running max = sink, running sum = exp(0) = 1
-    m_i = tl.load(p_sinks + o_h, mask=m_h, other=0.0) * 1.4426950408889634
-    l_i = tl.full([BLOCK_H], 1.0, tl.float32)
-    acc = tl.zeros([BLOCK_H, D], tl.float32)
-
-    # window positions lo .. pos: those before the step from the ring (not yet overwritten by this step's
-    # append), the step's own from step_kv. Padding rows (pos -1) have neither.
-    lo = tl.maximum(pos - WINDOW + 1, 0)
+    # window key i is position pos - n_win + 1 + i: before the step from the ring (not yet overwritten by this
+    # step's append), the step's own from step_kv
     p_ring = p_win + slot.to(tl.int64) * win_page_bytes
-    n_ring = tl.minimum(start, pos + 1) - lo
-    for i0 in range(0, n_ring, BLOCK_N):
-        valid = i0 + o_n < n_ring
-        p_data, p_scale = _rows(p_ring, (lo + i0 + o_n) % WINDOW, WINDOW, DATA_BYTES, SCALE_BYTES)
-        b_k = _load_keys(p_data, p_scale, valid, D, NOPE)
-        m_i, l_i, acc = _attend(b_q0, b_q1, b_q2, b_k, valid, m_i, l_i, acc, qk_scale, Q_SPLIT, DOT_F32)
-    step_lo = tl.maximum(lo, start)
-    n_step = pos + 1 - step_lo
-    for i0 in range(0, n_step, BLOCK_N):
-        valid = i0 + o_n < n_step
-        p_data, p_scale = _rows(p_step, q_lo + step_lo - start + i0 + o_n, step_entries, DATA_BYTES, SCALE_BYTES)
-        b_k = _load_keys(p_data, p_scale, valid, D, NOPE)
+    for blk in range(b_lo, tl.minimum(b_hi, n_win_blocks)):
+        o_i = blk * BLOCK_N + o_n
+        valid = o_i < n_win
+        at = pos - n_win + 1 + o_i
+        ring = at < start
+        p_data, p_scale = _rows(tl.where(ring, p_ring, p_step), tl.where(ring, at % WINDOW, q_lo + at - start),
+                                tl.where(ring, WINDOW, step_entries), DATA_BYTES, SCALE_BYTES)
+        b_k = _load_keys(p_data, p_scale, valid, C, CHUNK, NOPE)
         m_i, l_i, acc = _attend(b_q0, b_q1, b_q2, b_k, valid, m_i, l_i, acc, qk_scale, Q_SPLIT, DOT_F32)
 
     if ENTRIES != 0:
-        if ENTRIES == 1:
-            count = (pos + 1) // ratio  # every visible entry; 0 for padding rows
-        else:
-            count = (pos >= 0).to(tl.int32) * n_picks  # padding rows: no picks
-        for j0 in range(0, count, BLOCK_N):
+        for blk in range(tl.maximum(b_lo, n_win_blocks), b_hi):
+            j0 = (blk - n_win_blocks) * BLOCK_N
             if ENTRIES == 1:
                 o_j = (j0 + o_n).to(tl.int64)
-                valid = o_j < count
+                valid = o_j < n_ent
             else:
-                o_j = tl.load(p_picks + i_t.to(tl.int64) * n_picks + j0 + o_n, mask=j0 + o_n < n_picks,
+                o_j = tl.load(p_picks + i_t.to(tl.int64) * n_picks + j0 + o_n, mask=j0 + o_n < n_ent,
                               other=-1).to(tl.int64)
                 valid = o_j >= 0
             block = tl.load(p_block_table + slot.to(tl.int64) * bt_stride + (o_j * ratio) // page_tokens,
                             mask=valid, other=-1)
             p_data, p_scale = _rows(p_ent + block.to(tl.int64) * ent_page_bytes, o_j % ent_per_page, ent_per_page,
                                     DATA_BYTES, SCALE_BYTES)
-            b_k = _load_keys(p_data, p_scale, valid & (block >= 0), D, NOPE)
+            b_k = _load_keys(p_data, p_scale, valid & (block >= 0), C, CHUNK, NOPE)
             # a pick without a block reads NaN, as the reference's slot -1 does (never a stray address)
-            b_k = tl.where((valid & (block < 0))[:, None], float("nan"), b_k.to(tl.float32)).to(tl.bfloat16)
+            b_k = tl.where((valid & (block < 0))[None, :, None], float("nan"), b_k.to(tl.float32)).to(tl.bfloat16)
             m_i, l_i, acc = _attend(b_q0, b_q1, b_q2, b_k, valid, m_i, l_i, acc, qk_scale, Q_SPLIT, DOT_F32)
 
-    tl.store(p_out + o_q, acc / l_i[:, None], mask=m_h[:, None])
+    if SPLIT:
+        # workspace row (t, s, h): acc [D], then m, l
+        o_w = ((i_t.to(tl.int64) * splits + i_s) * H + o_h) * (D + 2)
+        tl.store(p_ws + o_w[None, :, None] + o_d, acc, mask=m_h[None, :, None])
+        tl.store(p_ws + o_w + D, m_i, mask=m_h)
+        tl.store(p_ws + o_w + D + 1, l_i, mask=m_h)
+    else:
+        tl.store(p_out + o_q, acc / l_i[None, :, None], mask=m_h[None, :, None])
+
+
+@triton.jit
+def _merge_kernel(p_ws, p_sinks, p_out, p_positions, ratio, n_picks, H, splits, WINDOW: tl.constexpr,
+                  D: tl.constexpr, ENTRIES: tl.constexpr, BLOCK_N: tl.constexpr, MERGE_H: tl.constexpr):
+    """One program per (token row, block of MERGE_H heads): merges the row's splits that hold keys (the first
+    ceil(blocks / per_split)) with the sink, in fp32, into out [R, H, D]."""
+    i_t = tl.program_id(0)
+    o_h = tl.program_id(1) * MERGE_H + tl.arange(0, MERGE_H)
+    m_h = o_h < H
+    o_d = tl.arange(0, D)
+    _, _, _, n_blocks, per_split = _row_blocks(tl.load(p_positions + i_t), ratio, n_picks, splits, WINDOW, ENTRIES,
+                                               BLOCK_N)
+    used = tl.cdiv(n_blocks, tl.maximum(per_split, 1))
+
+    # start from the sink: max = sink, sum = 1, acc = 0 (a row without keys ends there: zeros)
+    m_i = tl.load(p_sinks + o_h, mask=m_h, other=0.0) * 1.4426950408889634
+    l_i = tl.full([MERGE_H], 1.0, tl.float32)
+    acc = tl.zeros([MERGE_H, D], tl.float32)
+    o_w = (i_t.to(tl.int64) * splits * H + o_h) * (D + 2)
+    for s in range(0, used):
+        p_s = p_ws + o_w + s * H * (D + 2)
+        m_s = tl.load(p_s + D, mask=m_h, other=0.0)  # >= the sink: every split starts there
+        m_new = tl.maximum(m_i, m_s)
+        alpha = tl.exp2(m_i - m_new)
+        beta = tl.exp2(m_s - m_new)
+        l_i = l_i * alpha + tl.load(p_s + D + 1, mask=m_h, other=0.0) * beta
+        acc = acc * alpha[:, None] + tl.load(p_s[:, None] + o_d[None, :], mask=m_h[:, None], other=0.0) * beta[:, None]
+        m_i = m_new
+    tl.store(p_out + (i_t.to(tl.int64) * H + o_h)[:, None] * D + o_d[None, :], acc / l_i[:, None],
+             mask=m_h[:, None])
 
 
 def _layout_dims(layout: EntryLayout) -> tuple[int, int]:
@@ -212,7 +349,9 @@ def _layout_dims(layout: EntryLayout) -> tuple[int, int]:
 def sparse_attention_paged(q: torch.Tensor, plan: StepPlan, *, sinks: torch.Tensor, scale: float,
                            layout: EntryLayout, window: int, window_pool: torch.Tensor, step_kv: torch.Tensor,
                            entry_pool: torch.Tensor | None = None, ratio: int = 0, page_tokens: int = 0,
-                           picks: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                           picks: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                           max_entries: int | None = None, splits: int | None = None,
+                           workspace: torch.Tensor | None = None) -> torch.Tensor:
     """Sparse attention with sink over the window (ring + this step's kv) and compressed entries -> fp32 [R, H, D].
 
     Args:
@@ -227,7 +366,17 @@ def sparse_attention_paged(q: torch.Tensor, plan: StepPlan, *, sinks: torch.Tens
             (window-only layer). ratio / page_tokens: its compression ratio and tokens per page.
         picks: int32 / int64 [R, K] entry indices (-1 = none) for CSA; None with an entry pool = every
             visible entry (HCA).
-        out: optional fp32 [R, H, D] to write (nothing is allocated then: CUDA-graph capturable).
+        out: optional fp32 [R, H, D] to write (nothing is allocated then, unless the split path needs a workspace
+            and none is given: CUDA-graph capturable either way, torch's graph pool serves the allocation).
+        max_entries: HCA: a host bound on any row's visible entries (e.g. plan.max_seq_len // ratio), used only to
+            choose the split count (a row with more entries is still exact); default block_table.shape[1] *
+            page_tokens // ratio. Ignored for CSA (K picks) and window-only layers.
+        splits: key splits per row (1 = single pass); None = automatic (`_config`: from R, H, the most keys a row
+            can have and the SM count; fixed shapes only, so stable under graph capture), or workspace.shape[1]
+            when a workspace is given.
+        workspace: optional fp32 [R, S, H, D + 2] for S > 1 splits: per (row, split, head) the unnormalized
+            output [D], then the running max (log2 domain) and sum. Its S is the split count (unless `splits`
+            says otherwise, then they must agree); S = 1 runs the single pass and leaves it untouched.
     """
     require(isinstance(plan, StepPlan), f"plan: expected a StepPlan, got {type(plan).__name__}")
     require(isinstance(layout, EntryLayout), f"layout: expected an EntryLayout, got {type(layout).__name__}")
@@ -254,8 +403,11 @@ def sparse_attention_paged(q: torch.Tensor, plan: StepPlan, *, sinks: torch.Tens
     require(window_pool.shape[0] == plan.block_table.shape[0],
             f"window_pool: {window_pool.shape[0]} request slots, the block table has {plan.block_table.shape[0]}")
     check_tensor("step_kv", step_kv, dtype=torch.uint8, shape=(1, layout.page_bytes(rows)), device=device)
+    require(max_entries is None or (isinstance(max_entries, int) and not isinstance(max_entries, bool)
+                                    and max_entries >= 0),
+            f"max_entries: expected a non-negative int, got {max_entries!r}")
 
-    mode, per_page, n_picks = _WINDOW_ONLY, 1, 0
+    mode, per_page, n_picks, max_keys = _WINDOW_ONLY, 1, 0, window
     ent_pool = step_kv  # an unused stand-in pointer for window-only layers
     if entry_pool is None:
         require(picks is None, "picks: given without an entry_pool")
@@ -267,27 +419,47 @@ def sparse_attention_paged(q: torch.Tensor, plan: StepPlan, *, sinks: torch.Tens
         per_page = page_tokens // ratio
         check_pool("entry_pool", entry_pool, layout, per_page, device)
         ent_pool, mode = entry_pool, _ALL_VISIBLE
+        max_keys += max_entries if max_entries is not None else plan.block_table.shape[1] * per_page
         if picks is not None:
             check_tensor("picks", picks, dtype=(torch.int32, torch.int64), shape=(rows, None), device=device)
             require(picks.shape[1] >= 1, "picks: needs at least one column")
-            mode, n_picks = _PICKS, picks.shape[1]
+            mode, n_picks, max_keys = _PICKS, picks.shape[1], window + picks.shape[1]
     if out is None:
         out = torch.empty((rows, heads, dim), dtype=torch.float32, device=device)
     else:
         check_tensor("out", out, dtype=torch.float32, shape=(rows, heads, dim), device=device)
+    require(splits is None or (isinstance(splits, int) and not isinstance(splits, bool) and 1 <= splits <= 65535),
+            f"splits: expected an int in 1..65535 (a grid dimension) or None, got {splits!r}")
+    config = _config(rows, heads, max_keys, device)
+    if workspace is not None:
+        check_tensor("workspace", workspace, dtype=torch.float32,
+                     shape=(rows, splits if splits is not None else None, heads, dim + 2), device=device)
+        config = config._replace(splits=workspace.shape[1])
+    if splits is not None:
+        config = config._replace(splits=splits)
     if rows == 0:
         return out
 
-    grid = (rows, -(-heads // BLOCK_H))
+    split = config.splits > 1
+    if split and workspace is None:
+        workspace = torch.empty((rows, config.splits, heads, dim + 2), dtype=torch.float32, device=device)
+    grid = (rows, triton.cdiv(heads, config.block_h), config.splits)
     _sparse_attention_kernel[grid](
-        q, sinks, out, plan.positions, plan.token_request, plan.request_slots, plan.query_start, plan.seq_lens,
+        q, sinks, out, workspace if split else out,
+        plan.positions, plan.token_request, plan.request_slots, plan.query_start, plan.seq_lens,
         plan.block_table, plan.block_table.shape[1],
         step_kv, rows,
         window_pool, window_pool.shape[1],
         ent_pool, ent_pool.shape[1], per_page, max(ratio, 1), max(page_tokens, 1),
-        picks if picks is not None else plan.positions, n_picks, float(scale) * 1.4426950408889634, heads,
+        picks if picks is not None else plan.positions, n_picks, float(scale) * _LOG2E, heads, config.splits,
         WINDOW=window, D=dim, NOPE=nope, DATA_BYTES=layout.data_bytes, SCALE_BYTES=scale_bytes, ENTRIES=mode,
-        Q_SPLIT=q.dtype == torch.float32, DOT_F32=interpreted(), BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N,
-        num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+        Q_SPLIT=q.dtype == torch.float32, DOT_F32=interpreted(), BLOCK_H=config.block_h, BLOCK_N=config.block_n,
+        CHUNK=min(dim, 64), SPLIT=split, num_warps=config.num_warps, num_stages=config.num_stages,
     )
+    if split:
+        _merge_kernel[(rows, triton.cdiv(heads, config.merge_h))](
+            workspace, sinks, out, plan.positions, max(ratio, 1), n_picks, heads, config.splits,
+            WINDOW=window, D=dim, ENTRIES=mode, BLOCK_N=config.block_n, MERGE_H=config.merge_h,
+            num_warps=MERGE_WARPS,
+        )
     return out
