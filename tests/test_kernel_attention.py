@@ -305,6 +305,12 @@ def test_config_splits_only_grids_that_leave_the_gpu_idle(monkeypatch):
     assert splits(17, 128 + 8192) == 1 and splits(64, 128 + 512) == 1
     assert splits(1, 16) == 1  # too few keys to split
     assert splits(1, 128 + 8192, torch.device("cpu")) == 1
+    # 32-head blocks: a CSA decode row would run 2 x 10 programs, so it takes 16-head blocks (4 x 10); an HCA row
+    # at 1M fills the GPU with 2 x 66 and keeps 32
+    monkeypatch.setattr(attention, "BLOCK_H", 32)
+    assert attention._config(1, 64, 128 + 512, cuda)[:3] == (16, 32, 10)
+    assert attention._config(1, 64, 128 + 8192, cuda)[:3] == (32, 32, 66)
+    assert attention._config(64, 64, 128 + 512, cuda)[:3] == (32, 32, 1)
 
 
 def test_dequantizes_raw_fp8_bytes():

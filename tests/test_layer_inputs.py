@@ -347,3 +347,23 @@ def test_the_cache_never_joins_autograd(tiny_layers):
         out = layer(x, s.plan, s.cache)
     assert not out.requires_grad
     assert not any(t.requires_grad for t in cache_tensors(s.cache))
+
+
+def test_compressor_fp32_weights_follow_weight_changes():
+    """The compressor keeps fp32 copies of its projections between steps; replacing or editing a weight renews
+    them (load_state_dict and in-place edits alike)."""
+    import dsv4kv
+    from dsv4kv.layer import init_random_weights
+
+    g = dsv4kv.ModelGeometry.from_hf_config("tiny")
+    layer = init_random_weights(dsv4kv.DSV4Attention(g, 1, dtype=torch.float32), seed=0)
+    comp = layer.compressor
+    x, positions = torch.randn(5, g.hidden_size), torch.arange(5)
+    before = comp.rows(x, positions)[0]
+    assert torch.equal(before, torch.nn.functional.linear(x, comp.kv_proj.weight))
+    with torch.no_grad():
+        comp.kv_proj.weight.mul_(2)
+    assert torch.equal(comp.rows(x, positions)[0], 2 * before)
+    layer.load_state_dict({k: v * 3 if k == "compressor.kv_proj.weight" else v
+                           for k, v in layer.state_dict().items()})
+    torch.testing.assert_close(comp.rows(x, positions)[0], 6 * before, rtol=1e-5, atol=1e-4)

@@ -80,9 +80,20 @@ class _Compressor(nn.Module):
     def rows(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The step's state rows, in fp32 like the official compressor: kv [N, width], logits (gate + bias) [N, width]."""
         x32 = x.float()
-        kv = torch.nn.functional.linear(x32, self.kv_proj.weight.float())
-        gate = torch.nn.functional.linear(x32, self.gate_proj.weight.float())
+        kv_weight, gate_weight = self._fp32_weights()
+        kv = torch.nn.functional.linear(x32, kv_weight)
+        gate = torch.nn.functional.linear(x32, gate_weight)
         return kv, compressor_logits(gate, self.position_bias, positions)
+
+    def _fp32_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp32 copies of the two projections, kept between steps (a decode step would otherwise cast 2 x 16 MB of
+        weights per CSA layer before its GEMMs); made again when a weight is replaced or changed in place."""
+        weights = (self.kv_proj.weight, self.gate_proj.weight)
+        key = tuple((w.data_ptr(), w._version, w.dtype, w.device) for w in weights)
+        if getattr(self, "_fp32_key", None) != key:
+            self._fp32 = tuple(w.detach().float() for w in weights)
+            self._fp32_key = key
+        return self._fp32
 
 
 class _Indexer(_Compressor):

@@ -60,9 +60,10 @@ __all__ = ["sparse_attention_paged"]
 # no spills (12 B over bf16 entries), triton 3.9 251-252, and 144 KiB (bf16 q) / 208 KiB (fp32 q) of shared
 # memory: one program per SM. 16 heads take 190-254 registers, none spilled, 128 / 160 KiB; 64 heads spill 1-2 KiB;
 # 64-key blocks need 240+ KiB of shared memory over fp8 entries (more than an SM has). 32 heads read and dequantize
-# each key block once per 32 heads instead of per 16 (half the programs per row for V4's 64 or 128 heads). Not yet
-# timed on the H200: the lead overrides these (or `_config`) to time variants.
-BLOCK_H = 32  # heads per program
+# each key block once per 32 heads instead of per 16 (half the programs per row for V4's 64 or 128 heads). Timed on the
+# H200 by scripts/bench_variants.py (docs/bench/variants-2-attention.txt): 3 stages are slower than 2.
+BLOCK_H = 32  # heads per program (H200, decode batch 64 at 128K: 234 us at 32 heads, 328 at 16)
+SMALL_BLOCK_H = 16  # heads per program where even the split grid leaves most SMs idle (`_config`)
 BLOCK_N = 32  # keys per online-softmax block; splits start on these boundaries
 NUM_WARPS = 8  # one per 64-dim chunk of head_dim 512 (the dots' batch dimension)
 NUM_STAGES = 2
@@ -105,14 +106,27 @@ def _config(rows: int, heads: int, max_keys: int, device: torch.device) -> _Conf
     splits. V4-Flash decode (64 heads = 2 head blocks, 132 SMs): batch 1 CSA (128 + 512 keys: 20 blocks) -> 10
     splits, batch 1 HCA at 1M (128 + 8192 keys) -> 66, batch 8 -> 8, batch 16 -> 4, batch 33 -> 2, batch >= 34 -> 1.
     """
-    programs = max(rows, 1) * triton.cdiv(heads, BLOCK_H)
-    splits = 1
-    if device.type == "cuda":
-        sms = _num_sms(device)
-        if 2 * programs <= sms:
-            splits = max(1, min(sms // programs, triton.cdiv(max_keys, BLOCK_N) // MIN_SPLIT_BLOCKS))
     merge_h = MERGE_H["cuda" if device.type == "cuda" else "cpu"]
-    return _Config(BLOCK_H, BLOCK_N, splits, NUM_WARPS, NUM_STAGES, merge_h)
+    if device.type != "cuda":
+        return _Config(BLOCK_H, BLOCK_N, 1, NUM_WARPS, NUM_STAGES, merge_h)
+    sms = _num_sms(device)
+    block_h = BLOCK_H
+    programs, splits = _grid(rows, heads, max_keys, block_h, sms)
+    if programs * splits < sms // 2 and block_h > SMALL_BLOCK_H:
+        # even split, the grid leaves most SMs idle (a CSA decode row: 20 key blocks): more, smaller head
+        # blocks beat fewer re-reads of each key block there (H200, batch 1, 512 picks: 31 us at 16 heads, 39 at 32)
+        block_h = SMALL_BLOCK_H
+        programs, splits = _grid(rows, heads, max_keys, block_h, sms)
+    return _Config(block_h, BLOCK_N, splits, NUM_WARPS, NUM_STAGES, merge_h)
+
+
+def _grid(rows: int, heads: int, max_keys: int, block_h: int, sms: int) -> tuple[int, int]:
+    """(programs per split, splits) for heads in blocks of block_h on `sms` SMs."""
+    programs = max(rows, 1) * triton.cdiv(heads, block_h)
+    splits = 1
+    if 2 * programs <= sms:
+        splits = max(1, min(sms // programs, triton.cdiv(max_keys, BLOCK_N) // MIN_SPLIT_BLOCKS))
+    return programs, splits
 
 
 @triton.jit
