@@ -22,8 +22,9 @@ from schedules import admit, random_steps, written_bytes
 
 from dsv4kv import CacheManager, ModelGeometry, quant
 from dsv4kv.geometry import LayerKind
+from dsv4kv.kernels import compress, encode
 from dsv4kv.kernels.compress import append_state, compress_insert
-from dsv4kv.kernels.encode import store_index_entry
+from dsv4kv.kernels.encode import rotate_keys, store_index_entries
 from dsv4kv.layout import (
     IndexerFP8Layout,
     IndexerMXFP4Layout,
@@ -242,11 +243,23 @@ def untouched_slot(compressors, slot):
 
 
 # --- schedules on the interpreter ---------------------------------------------------------------------------
+# (entries per program, rows per chunk, warps) per compressor, every launch keeping its tile (no spreading of small
+# launches): "default" is COMPRESS_TILES (4 indexer keys per program; the tiny HCA's 16 rows in one chunk);
+# "chunked" puts 2-8 entries in a program and pools in chunks of 4 rows (the online softmax across chunks, CSA's
+# first chunk empty for entry 0, HCA in 4 chunks).
+TILES = {"default": None, "chunked": {"csa_main": (2, 4, 2), "csa_index": (8, 4, 2), "hca": (4, 4, 4)}}
+
+
+@pytest.mark.parametrize("tiles", list(TILES))
 @pytest.mark.parametrize("layer, lengths, seed", [(1, (141, 25, 12), 8), (2, (141, 37, 22), 22)],
                          ids=["csa-m4", "hca-m16"])
-def test_compress_and_state_over_random_schedule(layer, lengths, seed):
+def test_compress_and_state_over_random_schedule(layer, lengths, seed, tiles, monkeypatch):
     """Three requests (the first crosses into a second, non-adjacent block), chunks of 1..60 tokens, every third
-    step a padded plan (buffers for 5 tokens), every fifth fp32 entries; the layouts take turns."""
+    step a padded plan (buffers for 5 tokens: padding entries, programs of padding only), every fifth fp32 entries;
+    the layouts take turns."""
+    monkeypatch.setattr(encode, "SPREAD_PROGRAMS", 1)
+    if TILES[tiles] is not None:
+        monkeypatch.setattr(compress, "COMPRESS_TILES", TILES[tiles])
     cache = CacheManager(TINY, max_requests=4, max_tokens=600, page_tokens=128, device=DEVICE, poison=True)
     rids = admit(cache, 3)
     buffers = cache.step_buffers(max_tokens=5, max_requests=3)
@@ -264,15 +277,16 @@ def test_compress_and_state_over_random_schedule(layer, lengths, seed):
 
 # --- indexer-key encoders, bit for bit ------------------------------------------------------------------------
 # compress_insert's entries come out of a softmax, a norm and a rotation, so random schedules almost never put a
-# value on a rounding tie. The encoders it calls are checked here on constructed values instead, with the
-# Hadamard matrix replaced by the identity (the rotation itself is covered by the schedules above).
+# value on a rounding tie. The encoders it calls are checked here on constructed (already rotated) keys instead,
+# several keys per program (the rotation itself is covered by the schedules above).
 @triton.jit
-def _encode_keys_kernel(x_ptr, out_ptr, rotation_ptr, D: tl.constexpr, FORMAT: tl.constexpr,
-                        DATA_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr):
-    row = tl.program_id(0)
-    x = tl.reshape(tl.load(x_ptr + row * D + tl.arange(0, D)), (D // 64, 64))
-    data_ptr = out_ptr + row.to(tl.int64) * (DATA_BYTES + SCALE_BYTES)
-    store_index_entry(data_ptr, data_ptr + DATA_BYTES, x, row, rotation_ptr, D, FORMAT)
+def _encode_keys_kernel(x_ptr, out_ptr, n, D: tl.constexpr, FORMAT: tl.constexpr, DATA_BYTES: tl.constexpr,
+                        SCALE_BYTES: tl.constexpr, BLOCK_R: tl.constexpr):
+    o_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    m_r = o_r < n
+    x = tl.load(x_ptr + o_r[:, None] * D + tl.arange(0, D)[None, :], mask=m_r[:, None], other=0.0)
+    p_data = out_ptr + o_r.to(tl.int64) * (DATA_BYTES + SCALE_BYTES)
+    store_index_entries(p_data, p_data + DATA_BYTES, x, m_r, FORMAT)
 
 
 def key_corners(fmt, d, g):
@@ -300,13 +314,13 @@ def key_corners(fmt, d, g):
     return keys
 
 
-def encode_keys(keys, layout, fmt_code):
+def encode_keys(keys, layout, fmt_code, block_r=4):
+    """(kernel bytes, reference bytes) [N, entry_bytes] of bf16-valued keys fp32 [N, d] taken as already rotated."""
     n, d = keys.shape
     out = torch.full((n, layout.entry_bytes), POISON, dtype=torch.uint8, device=keys.device)
-    identity = torch.eye(d, device=keys.device)
-    _encode_keys_kernel[(n,)](keys, out, identity, D=d, FORMAT=fmt_code, DATA_BYTES=layout.data_bytes,
-                              SCALE_BYTES=layout.scale_bytes)
-    rotated = (keys @ identity).to(torch.bfloat16)  # layout._rotate with H = I (keeps its +0 for -0)
+    _encode_keys_kernel[(triton.cdiv(n, block_r),)](keys, out, n, D=d, FORMAT=fmt_code, DATA_BYTES=layout.data_bytes,
+                                                     SCALE_BYTES=layout.scale_bytes, BLOCK_R=block_r)
+    rotated = keys.to(torch.bfloat16)
     if fmt_code == 2:
         packed, scale = quant.quantize_mxfp4(rotated, 32)
         want = torch.cat((packed, quant.ue8m0_encode(scale)), dim=1)
@@ -327,20 +341,56 @@ def test_index_key_encoders_bit_for_bit(fmt, fmt_code, d):
 
 @pytest.mark.parametrize("fmt, fmt_code", [("mxfp4", 2), ("fp8", 1)])
 def test_index_key_encoders_nonfinite(fmt, fmt_code):
-    """A NaN or inf makes the rotated key NaN (NaN * 0 in the rotation, also with H = I): every scale of the key is
-    NaN, and other keys are unaffected."""
+    """A NaN or inf in a rotated key: the scale of its block (MXFP4: the 32 values; FP8: the whole key) is NaN and
+    the block decodes to NaN; other blocks and keys are unaffected. (Before encoding, the rotation spreads a NaN
+    or inf over the whole key: NaN * 0 in the reference's GEMM, a +- b in the kernel's butterfly.)"""
     layout = indexer_layout(fmt, 64)
     keys = torch.randn(3, 64, generator=gen(5)).to(torch.bfloat16).float()
     keys[0, 40], keys[1, 3] = float("nan"), float("-inf")
     keys = keys.to(DEVICE)
     out, want = encode_keys(keys, layout, fmt_code)
+    nan_blocks = [[1], [0], []] if fmt == "mxfp4" else [[0], [0], []]
+    block = 32 if fmt == "mxfp4" else 64
     if fmt == "mxfp4":  # ue8m0 0xFF scales, e2m1 codes +0 as the reference's
-        assert torch.equal(out, want) and (out[:2, 32:] == 0xFF).all() and (out[:2, :32] == 0).all()
+        assert torch.equal(out, want)
+        for key, blocks in enumerate(nan_blocks):
+            for k in range(2):
+                assert (out[key, 32 + k] == 0xFF) == (k in blocks)
+            for k in blocks:
+                assert (out[key, 16 * k:16 * (k + 1)] == 0).all()
     else:  # e4m3 data 0x7F where the reference's may carry a sign; the fp32 scale is NaN
         assert torch.equal(out[2], want[2]) and torch.equal(out[:2, 64:], want[:2, 64:])
         assert ((out[:2, :64] & 0x7F) == 0x7F).all() and ((want[:2, :64] & 0x7F) == 0x7F).all()
     decoded = layout.decode(out[:, :layout.data_bytes], out[:, layout.data_bytes:])
-    assert decoded[:2].isnan().all() and decoded[2].isfinite().all()
+    for key, blocks in enumerate(nan_blocks):
+        for k in range(64 // block):
+            values = decoded[key, k * block:(k + 1) * block]
+            assert values.isnan().all() if k in blocks else values.isfinite().all()
+
+
+@triton.jit
+def _rotate_keys_kernel(x_ptr, out_ptr, h_scale, D: tl.constexpr, LOG_D: tl.constexpr, BLOCK_R: tl.constexpr):
+    offs = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R))[:, None] * D + tl.arange(0, D)[None, :]
+    tl.store(out_ptr + offs, rotate_keys(tl.load(x_ptr + offs), h_scale, LOG_D))
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_rotate_keys_is_the_exact_rotation_rounded(d):
+    """The butterfly sums bf16 keys exactly (their values span less than 2^9 here), so the rotated key is the exact
+    Hadamard sum (float64), times fl(d^-0.5) once in fp32, rounded to bf16, +0 for -0 (the reference's fp32 GEMM
+    rounds each product and partial sum: the schedules above bound that difference)."""
+    g = gen(d + 3)
+    keys = (torch.randn(8, d, generator=g) * 2).to(torch.bfloat16).float()
+    keys[1] = 0.0
+    keys[2] = -0.0
+    keys[3, ::2] = -keys[3, 1::2]  # sums that cancel exactly
+    h = quant.hadamard_matrix(d)
+    h_scale = float(h[0, 0])
+    out = torch.full((8, d), float("nan"), device=DEVICE)
+    _rotate_keys_kernel[(2,)](keys.to(DEVICE), out, h_scale, D=d, LOG_D=d.bit_length() - 1, BLOCK_R=4)
+    exact = (keys.double() @ (h.double() / h_scale).round()).float()  # +-1 matrix: the exact sums, fp32-exact here
+    want = (exact * h_scale).to(torch.bfloat16).float() + 0.0
+    assert same_bits(out.cpu(), want)
 
 
 # --- bad input ------------------------------------------------------------------------------------------------
@@ -442,4 +492,27 @@ def test_cuda_compress_and_state_decode_and_prefill(preset, kind):
     steps += [([(1, 1024)] + decode[2:], True), (decode, True), ([(0, 1024), (2, 1), (3, 60)], False)]
     steps += [(decode[::2], True)] * 3 + [(decode, False)]
     compressors = run_compress_schedule(cache, layer, rids, steps, buffers, seed=51)
+    untouched_slot(compressors, 0)
+
+
+@needs_cuda
+@pytest.mark.parametrize("tiles", ["default", "wide", "narrow"])
+@pytest.mark.parametrize("kind", [LayerKind.CSA, LayerKind.HCA], ids=["csa", "hca"])
+def test_cuda_compress_prefill_tiles(kind, tiles, monkeypatch):
+    """V4-Flash shapes through the tiles the lead may time: an 8192-token prefill chunk (2048 CSA / 64 HCA entries,
+    4 indexer keys per program by default) beside a request continuing its 3000-token history by 1000 tokens (entries
+    straddling the ring and the step rows), then padded decode steps. Same checks and tolerance as on the
+    interpreter."""
+    variants = {"default": None,
+                "wide": {"csa_main": (1, 8, 8), "csa_index": (8, 8, 8), "hca": (1, 16, 8)},
+                "narrow": {"csa_main": (2, 4, 4), "csa_index": (1, 8, 4), "hca": (1, 8, 4)}}
+    if variants[tiles] is not None:
+        monkeypatch.setattr(compress, "COMPRESS_TILES", variants[tiles])
+    g = ModelGeometry.preset("flash")
+    layer = next(i for i, spec in enumerate(g.layers) if spec.kind is kind)
+    cache = CacheManager(g, max_requests=3, max_tokens=16000, page_tokens=256, device=DEVICE, poison=True)
+    rids = admit(cache, 2)
+    buffers = cache.step_buffers(max_tokens=1100, max_requests=2)
+    steps = [([(0, 3000)], False), ([(1, 8192), (0, 1000)], False)] + [([(0, 1), (1, 1)], True)] * 3
+    compressors = run_compress_schedule(cache, layer, rids, steps, buffers, seed=71)
     untouched_slot(compressors, 0)

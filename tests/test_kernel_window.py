@@ -2,7 +2,8 @@
 
 - kv_insert == layout.write(pool, entries, slots, apply_rope(kv, positions, rope)), FP8 MODEL1 and bf16, on
   rows built to hit the encoders' corners (zero blocks, 1e-9, e4m3 subnormals, e4m3 and bf16 rounding ties,
-  largest magnitudes, -0, NaN / inf blocks);
+  largest magnitudes, -0, NaN / inf blocks), with programs of 1, 4, 8 and 16 rows over row counts that are
+  not multiples of them;
 - append_window (a byte copy of the step page into the ring) == ops.append.append_window, over random
   multi-request chunked schedules (chunks longer than the window too), exact and padded persistent plans.
 
@@ -16,6 +17,8 @@ from schedules import admit, random_steps, written_bytes
 
 from dsv4kv import CacheManager, ModelGeometry
 from dsv4kv.geometry import RopeSpec
+from dsv4kv.kernels import encode, window
+from dsv4kv.kernels.encode import program_rows
 from dsv4kv.kernels.window import append_window, kv_insert
 from dsv4kv.layout import indexer_layout, main_layout
 from dsv4kv.ops import append as reference
@@ -153,11 +156,19 @@ def check_insert(dim, fmt, device, seed, position_dtype=torch.int32, rope=None):
     return pool
 
 
+@pytest.fixture
+def tile_rows(monkeypatch):
+    """Launches keep their tile's rows per program: without this, `program_rows` gives the small launches of these
+    tests one row per program (it spreads launches of fewer than 264 programs over the SMs)."""
+    monkeypatch.setattr(encode, "SPREAD_PROGRAMS", 1)
+
+
 # --- kv_insert ----------------------------------------------------------------------------------------
 @pytest.mark.parametrize("fmt", ["fp8", "bf16"])
 @pytest.mark.parametrize("dim", [128, 512], ids=["D128", "D512"])
-def test_kv_insert_matches_reference_bit_for_bit(dim, fmt):
-    """D512 is V4's head_dim (7 nope blocks); on a GPU these run there too."""
+def test_kv_insert_matches_reference_bit_for_bit(dim, fmt, tile_rows):
+    """D512 is V4's head_dim (7 nope blocks); the default tile (16 rows per program, 34 and 23 rows here); on a GPU
+    these run there too."""
     pool = check_insert(dim, fmt, DEVICE, seed=dim)
     if fmt == "fp8":  # the corner blocks really hit the corners: e4m3 subnormal codes and -0 were written
         codes = pool[:, :13 * (dim + 64)].reshape(-1, dim + 64)[:, :dim - 64]
@@ -168,8 +179,22 @@ def test_kv_insert_int64_positions():
     check_insert(128, "fp8", DEVICE, seed=7, position_dtype=torch.int64)
 
 
+@pytest.mark.parametrize("tile", [(1, 1), (4, 2), (8, 4)], ids=lambda t: f"R{t[0]}-W{t[1]}")
+@pytest.mark.parametrize("fmt", ["fp8", "bf16"])
+def test_kv_insert_rows_per_program(fmt, tile, tile_rows, monkeypatch):
+    """Other tiles of KV_INSERT_TILE (rows per program, warps): 23 rows of D512, not a multiple of 4 or 8, two of
+    them skipped (slot -1), on a poisoned pool: the same bytes."""
+    monkeypatch.setattr(window, "KV_INSERT_TILE", tile)
+    check_insert(512, fmt, DEVICE, seed=13)
+
+
+def test_program_rows_spreads_small_launches():
+    assert [program_rows(n, 16) for n in (65536, 8192, 4096, 2000, 264, 64, 1)] == [16, 16, 8, 4, 1, 1, 1]
+    assert program_rows(5000, 4) == 4 and program_rows(0, 4) == 1
+
+
 @pytest.mark.parametrize("dim", [128, 512], ids=["D128", "D512"])
-def test_kv_insert_nonfinite_block_fp8(dim):
+def test_kv_insert_nonfinite_block_fp8(dim, tile_rows):
     """A NaN or inf in a nope block: that block's scale byte is 0xFF (E8M0 NaN) and it decodes to NaN; the other
     blocks, the rope dims and the other entries are the reference's bytes. Data bytes of the NaN block may differ
     from the reference's in the sign bit only (see kernels/encode.py)."""
@@ -202,7 +227,7 @@ def test_kv_insert_nonfinite_block_fp8(dim):
             assert values.isnan().all() if block in nan_blocks else values.isfinite().all()
 
 
-def test_kv_insert_nan_bf16_passes_through():
+def test_kv_insert_nan_bf16_passes_through(tile_rows):
     rope, layout = ROPES[128], main_layout("bf16", 128, 64)
     kv = torch.randn(3, 128, generator=gen(12))
     kv[0, 3] = float("nan")
@@ -350,6 +375,24 @@ def test_cuda_kv_insert_corners(preset, fmt):
     g = ModelGeometry.preset(preset)
     for rope in sorted({spec.rope for spec in g.layers}, key=repr):
         check_insert(g.head_dim, fmt, DEVICE, seed=31, rope=rope)
+
+
+@needs_cuda
+@pytest.mark.parametrize("tile", [(1, 1), (4, 2), (8, 4), (16, 4), (16, 8), (32, 8)], ids=lambda t: f"R{t[0]}-W{t[1]}")
+@pytest.mark.parametrize("fmt", ["fp8", "bf16"])
+def test_cuda_kv_insert_prefill_tiles(fmt, tile, monkeypatch):
+    """A prefill-sized launch (20001 rows of V4's 512 dims, YaRN rope) for every tile the lead may time: random
+    positions, slots scattered over pages of 256 entries with every 7th row skipped, on a poisoned pool; bit for bit."""
+    monkeypatch.setattr(window, "KV_INSERT_TILE", tile)
+    rope, layout, entries, n = FLASH.layers[2].rope, main_layout(fmt, 512, 64), 256, 20001
+    g = gen(61)
+    kv = (torch.randn(n, 512, generator=g) * 3).to(torch.bfloat16).to(DEVICE)
+    positions = torch.randint(0, FLASH.max_position, (n,), generator=g, dtype=torch.int32).to(DEVICE)
+    pages = -(-n // entries) + 3
+    slots = torch.randperm(pages * entries, generator=g)[:n].to(torch.int32)
+    slots[::7] = -1
+    pool, want = insert_both(kv, positions, rope, layout, entries, slots.to(DEVICE), pages)
+    assert torch.equal(pool, want)
 
 
 @needs_cuda

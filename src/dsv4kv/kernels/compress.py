@@ -1,13 +1,20 @@
 """Compress-and-insert and the compressor-state append, as Triton kernels.
 
-`compress_insert` runs one program per completed entry of the plan (decode steps complete at most one per
-request, prefill chunks many): it reads the entry's rows (from this step's rows or the request's state
-ring), pools them per channel with a softmax (CSA overlap: the previous block's low half and the own
-block's high half; HCA: the own block), applies the weighted RMSNorm and RoPE at j*m, rounds to bf16 and
-writes the entry in its layout (main FP8 MODEL1 / bf16, or the indexer's MXFP4 / FP8 / bf16 with the
-Hadamard rotation) into its page, in one pass. Same function as `ops.compress.compress_and_insert`; the
-softmax, norm and rotation sums run in another order (and Triton's exp/rsqrt), so entries agree within
-the tolerance of tests/test_kernel_compress.py rather than bit for bit.
+`compress_insert` pools every entry that completes in the plan (decode steps complete at most one per request,
+prefill chunks many): it reads the entry's rows (from this step's rows or the request's state ring), pools them
+per channel with a softmax (CSA overlap: the previous block's low half and the own block's high half; HCA: the
+own block), applies the weighted RMSNorm and RoPE at j*m, rounds to bf16 and writes the entry in its layout (main
+FP8 MODEL1 / bf16, or the indexer's MXFP4 / FP8 / bf16 with the Hadamard rotation) into its page, in one pass.
+
+Work split (COMPRESS_TILES): a program takes BLOCK_E entries and pools their rows CHUNK at a time with an online
+softmax (running max, rescaled sums), reading every row once: all 8 rows of a CSA entry in one chunk, HCA's 128
+rows in chunks of 32. Programs whose entries are all padding (a captured step's spare capacity) return at once.
+
+Numerics. Same function as `ops.compress.compress_and_insert`; the softmax (Triton's exp, and across chunks the
+online rescaling), the norm (rsqrt) and the sums run in another order, and the indexer's Hadamard rotation is an
+exact +-1 butterfly scaled once by fl(d^-0.5) where the reference sums separately rounded fp32 products (see
+`encode.hadamard_rows`), so entries agree within the tolerance of tests/test_kernel_compress.py (one step of the
+format's grid, >= 99% of bytes equal) rather than bit for bit. The encoders themselves are exact (encode.py).
 
 `append_state` then copies the step's rows into the state rings (bit for bit `ops.append.append_state`);
 it must run after every read of the rings in the step.
@@ -25,77 +32,125 @@ from ..layout import EntryLayout, IndexerFP8Layout, IndexerMXFP4Layout, MainFP8L
 from ..ops.common import require
 from ..ops.rope import rope_cos_sin
 from .common import check_plan, check_pool, check_tensor
-from .encode import rope_last_block, round_bf16, store_index_entry, store_main_entry
+from .encode import (
+    last_block,
+    program_rows,
+    rope_block,
+    rotate_keys,
+    round_bf16,
+    store_index_entries,
+    store_main_entries,
+)
 
 __all__ = ["compress_insert", "append_state"]
 
 
-@triton.jit
-def _row_pointers(step_ptr, state_ptr, pos, start, query_start, slot, RING: tl.constexpr, WIDTH: tl.constexpr):
-    """Where token `pos`'s state row lives: this step's rows when pos >= start, else the ring."""
-    in_step = pos >= start
-    step_row = (query_start + pos - start).to(tl.int64)
-    ring_row = slot.to(tl.int64) * RING + (tl.maximum(pos, 0) % RING)
-    return tl.where(in_step, step_ptr + step_row * WIDTH, state_ptr + ring_row * WIDTH)
+# (entries per program, rows per chunk, num_warps) of compress_insert per compressor; assign to time variants.
+# The kernel reads each entry's rows (fp32 kv and logits) once and is bound by that read in prefill and by latency
+# in decode: a chunk's loads are all issued at once, and the loop over chunks carries no loads, so a chunk is what
+# one program has in flight. Tiles are [rows, entries, d] with 4-value (16-byte) vectors along d; warps fill d
+# first, then entries, then rows (a row reduction across warps goes through shared memory).
+# - "csa_main" (d 512, 8 rows of one entry): [8, 1, 512] over 4 warps (d spans exactly 4 warps): 2 x 32 values per
+#   thread, row reductions in registers, ~80 registers; 8192 prefill rows make 2048 programs of 32 KB each.
+# - "csa_index" (d 128: one warp spans d): 4 entries per program over 4 warps, [8, 4, 128], the same 2 x 32 values
+#   per thread; 1/4 of the per-program work per entry.
+# - "hca" (d 512, 128 rows): [32, 1, 512] chunks over 16 warps (8 rows per thread, 4 warps across the rows), 4
+#   round trips per entry instead of 8 with 16-row chunks; 128 registers x 512 threads, one program per SM.
+# Small launches (a decode step's few entries) get fewer entries per program (see `program_rows`); chunks shrink to
+# divide the entry's rows.
+COMPRESS_TILES = {"csa_main": (1, 8, 4), "csa_index": (4, 8, 4), "hca": (1, 32, 16)}
+
+
+def _compress_tile(overlap: bool, main: bool, span: int, count: int) -> tuple[int, int, int]:
+    block_e, chunk, warps = COMPRESS_TILES["hca" if not overlap else "csa_main" if main else "csa_index"]
+    chunk = min(chunk, triton.next_power_of_2(span))
+    while span % chunk:
+        chunk //= 2
+    return program_rows(count, block_e), chunk, warps
 
 
 @triton.jit
 def _compress_kernel(kv_rows_ptr, logit_rows_ptr, state_kv_ptr, state_logit_ptr, norm_ptr, cos_ptr, sin_ptr,
                      slots_ptr, request_ptr, index_ptr, request_slots_ptr, query_start_ptr, seq_lens_ptr,
-                     pool_ptr, page_bytes, entries, hadamard_ptr, eps,
-                     RATIO: tl.constexpr, OVERLAP: tl.constexpr, D: tl.constexpr, RING: tl.constexpr,
-                     MAIN: tl.constexpr, FORMAT: tl.constexpr, ROUND: tl.constexpr,
-                     DATA_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr):
-    e = tl.program_id(0)
-    j = tl.load(index_ptr + e)
-    given = tl.load(slots_ptr + e).to(tl.int64)
-    given = tl.where(j >= 0, given, -1)
-    b = tl.maximum(tl.load(request_ptr + e), 0)
-    slot = tl.maximum(tl.load(request_slots_ptr + b), 0)
+                     pool_ptr, count, page_bytes, entries, h_scale, eps,
+                     RATIO: tl.constexpr, OVERLAP: tl.constexpr, D: tl.constexpr, LOG_D: tl.constexpr,
+                     RING: tl.constexpr, MAIN: tl.constexpr, FORMAT: tl.constexpr, ROUND: tl.constexpr,
+                     DATA_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr, BLOCK_E: tl.constexpr,
+                     CHUNK: tl.constexpr):
+    """Entries i_e * BLOCK_E .. of the plan: pool their rows (CHUNK at a time), norm, rope, encode, store."""
+    o_e = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
+    m_e = o_e < count
+    j = tl.load(index_ptr + o_e, mask=m_e, other=-1)
+    if tl.max(j, axis=0) < 0:  # only padding entries (a captured step's spare programs): nothing to pool
+        return
+    given = tl.where(j >= 0, tl.load(slots_ptr + o_e, mask=m_e, other=-1), -1)
+    b = tl.maximum(tl.load(request_ptr + o_e, mask=m_e, other=0), 0)
+    slot = tl.maximum(tl.load(request_slots_ptr + b), 0).to(tl.int64)
     query_start = tl.load(query_start_ptr + b)
     start = tl.load(seq_lens_ptr + b) - (tl.load(query_start_ptr + b + 1) - query_start)
     WIDTH: tl.constexpr = 2 * D if OVERLAP else D
     SPAN: tl.constexpr = 2 * RATIO if OVERLAP else RATIO
-    first = (j - 1) * RATIO if OVERLAP else j * RATIO
-    cols = tl.arange(0, D)
+    NB: tl.constexpr = D // 64
+    first = (j - 1) * RATIO if OVERLAP else j * RATIO  # [E]: the window's first token (< 0 before the sequence)
+    o_d = tl.arange(0, D)
 
-    # pass 1: per-channel max of the logits; pass 2: exp-weighted sum of the kv rows (rows before 0 weigh 0)
-    top = tl.full((D,), float("-inf"), tl.float32)
-    for r in range(SPAN):
-        pos = first + r
-        col = cols + ((r // RATIO) * D if OVERLAP else 0)  # CSA: the own block reads the high half
-        ptr = _row_pointers(logit_rows_ptr, state_logit_ptr, pos, start, query_start, slot, RING, WIDTH)
-        top = tl.maximum(top, tl.load(ptr + col, mask=(cols * 0 + pos) >= 0, other=float("-inf")))
-    total = tl.zeros((D,), tl.float32)
-    acc = tl.zeros((D,), tl.float32)
-    for r in range(SPAN):
-        pos = first + r
-        col = cols + ((r // RATIO) * D if OVERLAP else 0)  # CSA: the own block reads the high half
-        real = (cols * 0 + pos) >= 0
-        logit = tl.load(_row_pointers(logit_rows_ptr, state_logit_ptr, pos, start, query_start, slot, RING, WIDTH)
-                        + col, mask=real, other=float("-inf"))
-        kv = tl.load(_row_pointers(kv_rows_ptr, state_kv_ptr, pos, start, query_start, slot, RING, WIDTH) + col,
-                     mask=real, other=0.0)
-        weight = tl.where(real, tl.exp(logit - top), 0.0)
-        total += weight
-        acc += kv * weight
-    pooled = acc / total
+    # one pass, per channel: running max, sum of exp(logit - max) and sum of kv * exp(logit - max). Tiles are
+    # [rows, entries, channels]: warps spread over channels, then entries, so the row reductions stay in-thread.
+    b_max = tl.full((BLOCK_E, D), float("-inf"), tl.float32)
+    b_sum = tl.zeros((BLOCK_E, D), tl.float32)
+    b_acc = tl.zeros((BLOCK_E, D), tl.float32)
+    for c in range(0, SPAN, CHUNK):
+        o_k = c + tl.arange(0, CHUNK)
+        pos = o_k[:, None] + first[None, :]  # [K, E]
+        real = (pos >= 0) & m_e[None, :]  # rows before token 0 weigh 0
+        in_step = pos >= start[None, :]  # this step's rows, else the state ring (not yet overwritten)
+        step_row = (query_start[None, :] + pos - start[None, :]).to(tl.int64)[:, :, None] * WIDTH
+        ring_row = (slot[None, :] * RING + tl.maximum(pos, 0) % RING)[:, :, None] * WIDTH
+        if OVERLAP:  # the previous block through the low half, the own block through the high half
+            col = o_d[None, None, :] + ((o_k // RATIO) * D)[:, None, None]  # [K, 1, D]
+        else:
+            col = o_d[None, None, :]
+        # two masked loads, the second filling in the first's rows (not a select of pointers: the compiler then
+        # sees contiguous rows and issues 16-byte loads)
+        m_step = (real & in_step)[:, :, None]
+        m_ring = (real & ~in_step)[:, :, None]
+        b_lg = tl.load(state_logit_ptr + ring_row + col, mask=m_ring,
+                       other=tl.load(logit_rows_ptr + step_row + col, mask=m_step, other=float("-inf")))
+        b_kv = tl.load(state_kv_ptr + ring_row + col, mask=m_ring,
+                       other=tl.load(kv_rows_ptr + step_row + col, mask=m_step, other=0.0))
+        top = tl.maximum(b_max, tl.max(b_lg, axis=0))
+        ref = tl.where(top == float("-inf"), 0.0, top)  # no row yet: exp(-inf - 0) = 0, never NaN
+        alpha = tl.exp(b_max - ref)
+        w = tl.exp(b_lg - ref[None, :, :])
+        b_sum = b_sum * alpha + tl.sum(w, axis=0)
+        b_acc = b_acc * alpha + tl.sum(b_kv * w, axis=0)
+        b_max = top
+    pooled = b_acc / b_sum
 
-    normed = pooled * tl.math.rsqrt(tl.sum(pooled * pooled, axis=0) / D + eps) * tl.load(norm_ptr + cols)
-    half = tl.arange(0, 32)
+    rms = tl.math.rsqrt(tl.sum(pooled * pooled, axis=1) / D + eps)
+    normed = pooled * rms[:, None] * tl.load(norm_ptr + o_d)[None, :]
+    b_x = tl.reshape(normed, (BLOCK_E, NB, 64))
+    o_p = o_e.to(tl.int64)[:, None] * 32 + tl.arange(0, 32)[None, :]
+    b_cos = tl.load(cos_ptr + o_p, mask=m_e[:, None], other=1.0)
+    b_sin = tl.load(sin_ptr + o_p, mask=m_e[:, None], other=0.0)
     # fp32 entries (not ROUND) keep fp32 rope dims: the indexer's Hadamard rotation reads them unrounded
-    x = rope_last_block(tl.reshape(normed, (D // 64, 64)), tl.load(cos_ptr + e * 32 + half),
-                        tl.load(sin_ptr + e * 32 + half), D // 64, ROUND=ROUND)
+    b_rope = rope_block(last_block(b_x, LOG_D - 6), b_cos, b_sin, ROUND=ROUND)
     if ROUND:
-        x = round_bf16(x)
+        b_x = round_bf16(b_x)
     slot_e = tl.maximum(given, 0)
-    page, offset = slot_e // entries, slot_e % entries
-    data_ptr = pool_ptr + page * page_bytes + offset * DATA_BYTES
-    scale_ptr = pool_ptr + page * page_bytes + entries * DATA_BYTES + offset * SCALE_BYTES
+    page, offset = slot_e // entries, slot_e % entries  # int32: the slots are
+    p_page = pool_ptr + page.to(tl.int64) * page_bytes
+    p_data = p_page + offset * DATA_BYTES
+    p_scale = p_page + entries * DATA_BYTES + offset * SCALE_BYTES
     if MAIN:
-        store_main_entry(data_ptr, scale_ptr, x, given, D // 64, FORMAT == 1, SCALE_BYTES)
+        store_main_entries(p_data, p_scale, b_x, b_rope, given >= 0, NB, FORMAT == 1, SCALE_BYTES,
+                           BF16_VALUED=ROUND)
     else:
-        store_index_entry(data_ptr, scale_ptr, x, given, hadamard_ptr, D, FORMAT)
+        last = (tl.arange(0, NB) == NB - 1)[None, :, None]
+        key = tl.reshape(tl.where(last, b_rope[:, None, :], b_x), (BLOCK_E, D))
+        if FORMAT != 0:
+            key = rotate_keys(key, h_scale, LOG_D)
+        store_index_entries(p_data, p_scale, key, given >= 0, FORMAT)
 
 
 def _format_code(layout: EntryLayout, main: bool) -> int:
@@ -116,7 +171,8 @@ def compress_insert(state_kv: torch.Tensor, state_logits: torch.Tensor, plan, kv
     state_kv / state_logits: fp32 [max_requests, ring, w] (w = 2d with overlap, d without); kv_rows /
     logit_rows: fp32 [R, w] (R = the plan's padded rows); norm_weight fp32 [d]; main: a main entry (FP8
     MODEL1 / bf16) or an indexer key (MXFP4 / FP8 / bf16). cos_sin: `ops.rope.rope_cos_sin(rope,
-    plan.entries[ratio].index * ratio)` when the caller already has it (computed here otherwise)."""
+    plan.entries[ratio].index * ratio)` when the caller already has it (computed here otherwise).
+    Tiles: COMPRESS_TILES."""
     device = pool.device
     check_plan(plan, device)
     rows = plan.positions.shape[0]
@@ -141,14 +197,17 @@ def compress_insert(state_kv: torch.Tensor, state_logits: torch.Tensor, plan, kv
     cos, sin = cos_sin if cos_sin is not None else rope_cos_sin(rope, writes.index * ratio)
     check_tensor("cos", cos, dtype=torch.float32, shape=(count, rope.dim // 2), device=device)
     check_tensor("sin", sin, dtype=torch.float32, shape=(count, rope.dim // 2), device=device)
-    hadamard = quant.hadamard_matrix(d, device) if layout.rotated else norm_weight
-    _compress_kernel[(count,)](
+    # the reference matrix's entries, fl(d^-0.5), scale the kernel's exact +-1 butterfly (a CPU tensor: no sync)
+    h_scale = float(quant.hadamard_matrix(d)[0, 0]) if layout.rotated else 1.0
+    span = 2 * ratio if overlap else ratio
+    block_e, chunk, warps = _compress_tile(overlap, main, span, count)
+    _compress_kernel[(triton.cdiv(count, block_e),)](
         kv_rows, logit_rows, state_kv, state_logits, norm_weight, cos, sin,
         writes.slots, writes.request, writes.index, plan.request_slots, plan.query_start, plan.seq_lens,
-        pool, pool.shape[1], page_tokens // ratio, hadamard, eps,
-        RATIO=ratio, OVERLAP=overlap, D=d, RING=state_kv.shape[1], MAIN=main, FORMAT=_format_code(layout, main),
-        ROUND=out_dtype == torch.bfloat16, DATA_BYTES=layout.data_bytes, SCALE_BYTES=max(layout.scale_bytes, 1),
-        num_warps=4)
+        pool, count, pool.shape[1], page_tokens // ratio, h_scale, eps,
+        RATIO=ratio, OVERLAP=overlap, D=d, LOG_D=d.bit_length() - 1, RING=state_kv.shape[1], MAIN=main,
+        FORMAT=_format_code(layout, main), ROUND=out_dtype == torch.bfloat16, DATA_BYTES=layout.data_bytes,
+        SCALE_BYTES=max(layout.scale_bytes, 1), BLOCK_E=block_e, CHUNK=chunk, num_warps=warps)
 
 
 @triton.jit

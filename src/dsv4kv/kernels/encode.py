@@ -1,14 +1,20 @@
 """Triton device functions that encode entries into the cache's byte formats (`dsv4kv.layout`), bit for bit.
 
-Every rounding is done on the integer bits, not by a float downcast: Triton's interpreter truncates
-fp32 -> bf16 / e4m3 conversions where the GPU rounds to nearest even, and the same code must give the
-same bytes in both. Scales follow `quant.pow2_scale`: s = 2^ceil(log2(max(amax, 1e-4) / qmax)), computed
-from the exponent and mantissa of max(amax, 1e-4) with no division (exact; see `pow2_exponent`).
+Every rounding is exact in both Triton's interpreter and on the GPU: the interpreter truncates fp32 -> bf16 / e4m3
+casts where the GPU rounds to nearest even, and the same code must give the same bytes in both. So values are
+first rounded in fp32 (bf16: on the integer bits; e4m3: by adding and subtracting a constant c >= 2^23 grid steps,
+which IEEE fp32 addition rounds to nearest even in both, see `e4m3_round`), and only values already on the target
+grid are cast (exact everywhere; on the GPU one `cvt.rn.satfinite.e4m3x2` per two values). About 8.5 instructions
+per e4m3 value (the integer-only encoder before was ~30). bf16 bytes are the top half of the fp32 bits, stored as
+int16, so NaN payloads pass unchanged. Scales follow `quant.pow2_scale`: s = 2^ceil(log2(max(amax, 1e-4) / qmax)),
+computed from the exponent and mantissa of max(amax, 1e-4) with no division (exact; see `pow2_exponent`).
 
-Entries are handled as fp32 tiles [D // 64, 64] (row i = dims 64i .. 64i + 63) whose values are already
-bf16-representable. Non-finite blocks (a NaN or an inf anywhere in the block) get the NaN scale code 0xFF, as
-the reference does; their e4m3 data bytes are 0x7F (e4m3 NaN) where the reference's may carry a sign, their
-e2m1 codes +0 as the reference's.
+Every function works on rows: a leading dimension R of entries (one program encodes R entries at once, so
+the loads and stores are wide and the bit operations of different rows interleave). Main entries come as fp32
+tiles [R, D // 64, 64] (block i = dims 64i .. 64i + 63) plus the rope dims [R, 64]; indexer keys as [R, D].
+Non-finite blocks (a NaN or an inf anywhere in the block) get the NaN scale code 0xFF, as the reference does;
+their e4m3 data bytes are 0x7F (e4m3 NaN) where the reference's may carry a sign, their e2m1 codes +0 as the
+reference's.
 """
 
 from __future__ import annotations
@@ -17,6 +23,16 @@ import triton
 import triton.language as tl
 
 SCALE_EPS = tl.constexpr(1e-4)  # quant.SCALE_EPS (a constexpr: jit code reads no other globals)
+SPREAD_PROGRAMS = 264  # 2 per SM of an H200 (132 SMs)
+
+
+def program_rows(n: int, rows: int) -> int:
+    """Rows (entries) per program for n rows: `rows`, halved while the launch would have fewer than SPREAD_PROGRAMS
+    programs, so a small launch (a decode step) spreads over the SMs in short programs instead of queueing its
+    rows in a few long ones. A function of the host-side n only: a captured graph keeps its choice."""
+    while rows > 1 and -(-n // rows) < SPREAD_PROGRAMS:
+        rows //= 2
+    return rows
 
 
 @triton.jit
@@ -28,11 +44,16 @@ def round_bf16(x):
 
 
 @triton.jit
-def store_bf16(ptr, x, mask):
-    """Store bf16-valued fp32 x as 2 little-endian bytes each at ptr + 2 * i (ptr: uint8 pointers)."""
-    bits = x.to(tl.int32, bitcast=True) >> 16
-    tl.store(ptr, (bits & 0xFF).to(tl.uint8), mask=mask)
-    tl.store(ptr + 1, ((bits >> 8) & 0xFF).to(tl.uint8), mask=mask)
+def bf16_bits(x):
+    """bf16-valued fp32 x -> its bf16 bits as int16: the top half of the fp32 bits (exact; NaN payloads kept)."""
+    return (x.to(tl.int32, bitcast=True) >> 16).to(tl.int16)
+
+
+@triton.jit
+def as_int16(ptr):
+    """A uint8 pointer (2-byte aligned) as an int16 pointer: add element offsets after the cast, so the compiler sees
+    contiguous int16 stores and vectorizes them."""
+    return ptr.to(tl.pointer_type(tl.int16))
 
 
 @triton.jit
@@ -51,10 +72,15 @@ def pow2_exponent(amax, QMAX_EXP: tl.constexpr, QMAX_MANT: tl.constexpr):
 
 
 @triton.jit
+def _max_nan(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
 def nan_amax(x, axis: tl.constexpr):
-    """max |x| along `axis` with NaN counted as inf: tl.max drops NaNs (maxnum), and a block holding one must
-    still get the NaN scale."""
-    return tl.max(tl.where(x == x, tl.abs(x), float("inf")), axis=axis)
+    """max |x| along `axis`, NaN where a NaN is among them (tl.max drops NaNs, and a block holding one must still get
+    the NaN scale); one NaN-propagating max per value (`max.NaN.f32`, the abs a free operand modifier)."""
+    return tl.reduce(tl.abs(x), axis, _max_nan)
 
 
 @triton.jit
@@ -64,25 +90,40 @@ def exp2_int(e):
 
 
 @triton.jit
+def e4m3_round(y, BF16_VALUED: tl.constexpr = False):
+    """fp32 y, |y| <= 448 -> fp32 on the float8_e4m3fn grid, round to nearest even; -0 where a negative y rounds to
+    zero (as torch's cast).
+
+    The grid step at |y| is ulp = 2^(max(e, -6) - 3) (e = floor(log2 |y|); below 2^-6 the subnormal step 2^-9).
+    For c in [2^23, 2^24) ulp with |y| + c below 2^24 ulp, fp32's own step at |y| + c is ulp: the addition rounds
+    |y| to the grid, to nearest even when c / ulp is even, and subtracting c is exact. The sign bit is or-ed back
+    (x - x is +0).
+    - In general c = 1.5 * 2^23 ulp: the exponent field of max(|y|, 2^-6) plus 20, mantissa 0x400000 (|y| < 16 ulp
+      keeps |y| + c below 2^24 ulp).
+    - BF16_VALUED (y = a bf16 value times a power of two: a mantissa m of 7 bits): c = max(|y|, 2^-6) * 2^20 =
+      m * 2^23 ulp, even, and |y| + c = c (1 + 2^-20) < 2^24 ulp as m <= 2 - 2^-7. One instruction fewer."""
+    bits = y.to(tl.int32, bitcast=True)
+    mag = tl.abs(y)
+    if BF16_VALUED:
+        c = tl.maximum(mag, 0.015625) * 1048576.0
+    else:
+        c = ((tl.maximum(mag, 0.015625).to(tl.int32, bitcast=True) & 0x7F800000) + 0x0A400000).to(tl.float32,
+                                                                                                   bitcast=True)
+    r = (mag + c) - c
+    return (r.to(tl.int32, bitcast=True) | (bits & -2147483648)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def e4m3_cast(r):
+    """fp32 r on the e4m3 grid (`e4m3_round`) -> float8_e4m3fn code (uint8): an exact cast (on the GPU one
+    `cvt.rn.satfinite.e4m3x2.f32` per two values)."""
+    return r.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+
+
+@triton.jit
 def e4m3_bits(y):
     """fp32 |y| <= 448 -> float8_e4m3fn code (int32 0..255), round to nearest even; NaN -> 0x7F."""
-    mag = tl.abs(y)
-    bits = mag.to(tl.int32, bitcast=True)
-    exp = (bits >> 23) - 127
-    # normal (|y| >= 2^-6): keep 3 mantissa bits, round the other 20 to nearest even; carries roll into the exponent
-    mant3 = (bits >> 20) & 7
-    rest = bits & 0xFFFFF
-    up = (rest > 0x80000) | ((rest == 0x80000) & ((mant3 & 1) == 1))
-    normal = (((exp + 7) << 3) | mant3) + up.to(tl.int32)
-    # subnormal: multiples of 2^-9 (scaling by 512 is exact), rounded to nearest even
-    t = mag * 512.0
-    f = tl.floor(t)
-    r = t - f
-    fi = f.to(tl.int32)
-    sub = fi + ((r > 0.5) | ((r == 0.5) & ((fi & 1) == 1))).to(tl.int32)
-    code = tl.where(mag < 0.015625, sub, normal)
-    code = code | ((y.to(tl.int32, bitcast=True) >> 24) & 0x80)
-    return tl.where(y != y, 0x7F, code)
+    return tl.where(y == y, e4m3_cast(e4m3_round(tl.where(y == y, y, 0.0))).to(tl.int32), 0x7F)
 
 
 @triton.jit
@@ -97,80 +138,119 @@ def e2m1_bits(y):
 
 
 @triton.jit
-def store_main_entry(data_ptr, scale_ptr, x, slot, NB: tl.constexpr, FP8: tl.constexpr, SCALE_BYTES: tl.constexpr):
-    """A main entry (D = 64 * NB dims, the last 64 = rope) from bf16-valued fp32 x [NB, 64]; nothing is
-    stored when the scalar `slot` is negative (masks are built from tensors: the interpreter rejects a
-    scalar bool in a mask).
-
-    FP8 (FlashMLA MODEL1): nope dims e4m3 with a ue8m0 scale per 64, then the rope dims as bf16; else bf16."""
-    rows = tl.arange(0, NB)[:, None]
-    cols = tl.arange(0, 64)[None, :]
-    valid = (cols * 0 + slot) >= 0
-    x = tl.where(rows == NB - 1, round_bf16(x), x)  # the rope dims (or the whole entry) are stored as bf16
-    if FP8:
-        is_nope = rows < NB - 1
-        nope = tl.where(is_nope, x, 0.0)
-        e, finite = pow2_exponent(nan_amax(nope, 1), 8, 0x600000)  # 448 = 1.75 * 2^8
-        y = tl.minimum(tl.maximum(nope * exp2_int(-e)[:, None], -448.0), 448.0)
-        code = tl.where(finite[:, None], e4m3_bits(y), 0x7F)
-        tl.store(data_ptr + rows * 64 + cols, code.to(tl.uint8), mask=is_nope & valid)
-        store_bf16(data_ptr + (NB - 1) * 64 + 2 * cols + 0 * rows, x, (rows == NB - 1) & valid)
-        scale = tl.where(finite, e + 127, 0xFF)
-        pad = tl.arange(0, SCALE_BYTES)
-        tl.store(scale_ptr + pad, tl.zeros((SCALE_BYTES,), tl.uint8), mask=(pad >= NB - 1) & ((pad * 0 + slot) >= 0))
-        block = tl.arange(0, NB)
-        tl.store(scale_ptr + block, scale.to(tl.uint8), mask=(block < NB - 1) & ((block * 0 + slot) >= 0))
-    else:
-        store_bf16(data_ptr + 2 * (rows * 64 + cols), round_bf16(x), (rows >= 0) & valid)
-
-
-@triton.jit
-def rope_last_block(x, cos, sin, NB: tl.constexpr, INVERSE: tl.constexpr = False, ROUND: tl.constexpr = True):
-    """Interleaved RoPE on row NB - 1 of x [NB, 64] (pairs 2i, 2i+1) with cos/sin fp32 [32]; with ROUND the
-    result is rounded to bf16 like the reference's `rotated.to(bf16)` (fp32 activations stay fp32). Other rows
-    are returned unchanged."""
-    pairs = tl.reshape(x, (NB, 32, 2))
-    even, odd = tl.split(pairs)
+def rope_block(x, cos, sin, INVERSE: tl.constexpr = False, ROUND: tl.constexpr = True):
+    """Interleaved RoPE (pairs 2i, 2i+1) of the rope dims x fp32 [R, 64] with cos / sin fp32 [R, 32], as
+    `ops.rope.apply_rope`: `even * cos - odd * sin`, `odd * cos + even * sin` (compile without fp fusion for
+    torch's separately rounded products); with ROUND rounded to bf16 like the reference's `.to(bf16)` (fp32
+    activations stay fp32)."""
+    R: tl.constexpr = x.shape[0]
+    even, odd = tl.split(tl.reshape(x, (R, 32, 2)))
     if INVERSE:
         sin = -sin
-    rot_even = even * cos[None, :] - odd * sin[None, :]
-    rot_odd = odd * cos[None, :] + even * sin[None, :]
+    rot_even = even * cos - odd * sin
+    rot_odd = odd * cos + even * sin
     if ROUND:
         rot_even = round_bf16(rot_even)
         rot_odd = round_bf16(rot_odd)
-    last = (tl.arange(0, NB) == NB - 1)[:, None]
-    out = tl.join(tl.where(last, rot_even, even), tl.where(last, rot_odd, odd))
-    return tl.reshape(out, (NB, 64))
+    return tl.reshape(tl.join(rot_even, rot_odd), (R, 64))
 
 
 @triton.jit
-def store_index_entry(data_ptr, scale_ptr, x, slot, hadamard_ptr, D: tl.constexpr, FORMAT: tl.constexpr):
-    """An indexer key from bf16-valued fp32 x [D // 64, 64]; nothing stored when `slot` < 0.
+def last_block(x, LOG_NB: tl.constexpr):
+    """Block NB - 1 of x [R, NB, 64] (NB = 2^LOG_NB) -> [R, 64], exactly (no arithmetic: -0 and NaN kept)."""
+    R: tl.constexpr = x.shape[0]
+    y = tl.permute(x, (0, 2, 1))  # [R, 64, NB]: halve the block axis, keeping the odd half, LOG_NB times
+    for _ in tl.static_range(LOG_NB):
+        _, y = tl.split(tl.reshape(y, (R, 64, y.shape[2] // 2, 2)))
+    return tl.reshape(y, (R, 64))
 
-    FORMAT 0 = bf16 (unrotated); 1 = FP8 (DeepGEMM: rotated, e4m3, one fp32 pow2 scale per key);
-    2 = MXFP4 (rotated, packed e2m1 low nibble first, ue8m0 scale per 32). The Hadamard rotation is
-    x @ H (fp32 [D, D] at hadamard_ptr) rounded to bf16, as the reference (`layout._rotate`)."""
-    v = tl.reshape(x, (D,))
-    i = tl.arange(0, D)
-    if FORMAT == 0:
-        store_bf16(data_ptr + 2 * i, round_bf16(v), (i * 0 + slot) >= 0)
+
+@triton.jit
+def store_main_entries(data_ptr, scale_ptr, x, rope, valid, NB: tl.constexpr, FP8: tl.constexpr,
+                       SCALE_BYTES: tl.constexpr, BF16_VALUED: tl.constexpr = False):
+    """R main entries (D = 64 * NB dims, the last 64 = rope): nope dims from x fp32 [R, NB, 64] (blocks 0 .. NB - 2;
+    block NB - 1 is ignored), rope dims from rope fp32 [R, 64] (rounded to bf16 here). data_ptr / scale_ptr:
+    [R] uint8 pointers to each entry's data and scale row (2- and 8-byte aligned); nothing is stored for rows where
+    valid [R] is False.
+    BF16_VALUED: x holds bf16 values (a cheaper e4m3 rounding, see `e4m3_round`).
+
+    FP8 (FlashMLA MODEL1): nope dims e4m3 with a ue8m0 scale per 64 (scale row zero-padded to SCALE_BYTES),
+    then the rope dims as bf16; else every dim bf16."""
+    o_b = tl.arange(0, NB)[None, :, None]
+    o_c = tl.arange(0, 64)[None, None, :]
+    m_nope = (o_b < NB - 1) & valid[:, None, None]
+    o_rope = tl.arange(0, 64)[None, :]
+    m_rope = valid[:, None] & (o_rope >= 0)
+    if FP8:
+        e, finite = pow2_exponent(nan_amax(x, 2), 8, 0x600000)  # [R, NB]; 448 = 1.75 * 2^8
+        # |x| / s <= 448 by the choice of s (e is never clamped for amax >= eps): no clamp needed; the product is
+        # exact (a power of two), so the reference's division gives the same value
+        code = e4m3_cast(e4m3_round(x * exp2_int(-e)[:, :, None], BF16_VALUED))
+        # a non-finite block's bytes are 0x7F (e4m3 NaN): a second, masked store instead of a select per byte
+        p_nope = data_ptr[:, None, None] + o_b * 64 + o_c
+        tl.store(p_nope, code, mask=m_nope & finite[:, :, None])
+        tl.store(p_nope, tl.full((1, 1, 64), 0x7F, tl.uint8), mask=m_nope & ~finite[:, :, None])
+        tl.store(as_int16(data_ptr + (NB - 1) * 64)[:, None] + o_rope, bf16_bits(round_bf16(rope)), mask=m_rope)
+        # the scale row: one ue8m0 byte per nope block, zero-padded to SCALE_BYTES (a multiple of 8 >= NB - 1)
+        o_k = tl.arange(0, NB)[None, :]
+        scale = tl.where(o_k < NB - 1, tl.where(finite, e + 127, 0xFF), 0).to(tl.uint8)  # [R, NB]
+        tl.store(scale_ptr[:, None] + o_k, scale, mask=valid[:, None] & (o_k >= 0))
+        if SCALE_BYTES > NB:
+            o_s = NB + tl.arange(0, SCALE_BYTES)[None, :]
+            tl.store(scale_ptr[:, None] + o_s, tl.zeros((1, SCALE_BYTES), tl.uint8),
+                     mask=(o_s < SCALE_BYTES) & valid[:, None])
     else:
-        h = tl.load(hadamard_ptr + i[:, None] * D + i[None, :])
-        rot = round_bf16(tl.sum(v[:, None] * h, axis=0) + 0.0)  # + 0.0: a GEMM gives +0 where a sum of -0 gives -0
-        if FORMAT == 1:
-            e, finite = pow2_exponent(nan_amax(rot, 0), 8, 0x600000)  # 448 = 1.75 * 2^8
-            y = tl.minimum(tl.maximum(rot * exp2_int(-e), -448.0), 448.0)
-            code = tl.where((i * 0 + finite.to(tl.int32)) != 0, e4m3_bits(y), 0x7F)
-            tl.store(data_ptr + i, code.to(tl.uint8), mask=(i * 0 + slot) >= 0)
-            k = tl.arange(0, 4)
-            bits = tl.where((k * 0 + finite.to(tl.int32)) != 0, (k * 0 + e + 127) << 23, 0x7FC00000)
-            tl.store(scale_ptr + k, ((bits >> (8 * k)) & 0xFF).to(tl.uint8), mask=(k * 0 + slot) >= 0)
-        else:
-            blocks = tl.reshape(rot, (D // 32, 32))
-            e, finite = pow2_exponent(nan_amax(blocks, 1), 2, 0x400000)  # 6 = 1.5 * 2^2
-            code = tl.where(finite[:, None], e2m1_bits(blocks * exp2_int(-e)[:, None]), 0)  # NaN block: +0 codes
-            lo, hi = tl.split(tl.reshape(code, (D // 2, 2)))
-            half = tl.arange(0, D // 2)
-            tl.store(data_ptr + half, (lo | (hi << 4)).to(tl.uint8), mask=(half * 0 + slot) >= 0)
-            b = tl.arange(0, D // 32)
-            tl.store(scale_ptr + b, tl.where(finite, e + 127, 0xFF).to(tl.uint8), mask=(b * 0 + slot) >= 0)
+        p_data = as_int16(data_ptr)[:, None, None]
+        tl.store(p_data + o_b * 64 + o_c, bf16_bits(round_bf16(x)), mask=m_nope)
+        tl.store(as_int16(data_ptr)[:, None] + (NB - 1) * 64 + o_rope, bf16_bits(round_bf16(rope)), mask=m_rope)
+
+
+@triton.jit
+def hadamard_rows(x, LOG_D: tl.constexpr):
+    """Unnormalized Sylvester Hadamard transform of each row of x fp32 [R, D] (D = 2^LOG_D): y[j] = sum_i
+    (-1)^popcount(i & j) x[i]. Each stage applies (a + b, a - b) to the pairs of the lowest index bit and moves that
+    bit to the top, so after log2 D stages every bit is done once and the order is back. Exact while a row's
+    values span less than 2^(24 - 8 - LOG_D) in magnitude (bf16 inputs); else only the smallest values' low bits
+    round away: closer to the exact rotation than a GEMM of separately rounded products."""
+    R: tl.constexpr = x.shape[0]
+    D: tl.constexpr = x.shape[1]
+    for _ in tl.static_range(LOG_D):
+        a, b = tl.split(tl.reshape(x, (R, D // 2, 2)))
+        x = tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 2, 1)), (R, D))
+    return x
+
+
+@triton.jit
+def rotate_keys(x, h_scale, LOG_D: tl.constexpr):
+    """The indexer keys' Hadamard rotation, rounded to bf16 (`layout._rotate`): x fp32 [R, D] -> fp32 [R, D].
+    h_scale = fl(D^-0.5), the reference matrix's entries; + 0.0: a GEMM gives +0 where a sum of -0 gives -0."""
+    return round_bf16(hadamard_rows(x, LOG_D) * h_scale + 0.0)
+
+
+@triton.jit
+def store_index_entries(data_ptr, scale_ptr, x, valid, FORMAT: tl.constexpr):
+    """R indexer keys from x fp32 [R, D]: FORMAT 0 = bf16 (x unrotated, rounded here); 1 = FP8 (DeepGEMM:
+    e4m3, one fp32 pow2 scale per key); 2 = MXFP4 (packed e2m1 low nibble first, ue8m0 scale per 32). For
+    formats 1 and 2, x is the rotated key, bf16-valued (`rotate_keys`). data_ptr / scale_ptr: [R] uint8 pointers;
+    nothing is stored for rows where valid [R] is False."""
+    R: tl.constexpr = x.shape[0]
+    D: tl.constexpr = x.shape[1]
+    o_d = tl.arange(0, D)[None, :]
+    if FORMAT == 0:
+        tl.store(as_int16(data_ptr)[:, None] + o_d, bf16_bits(round_bf16(x)), mask=valid[:, None] & (o_d >= 0))
+    elif FORMAT == 1:
+        e, finite = pow2_exponent(nan_amax(x, 1), 8, 0x600000)  # 448 = 1.75 * 2^8
+        code = tl.where(finite[:, None], e4m3_cast(e4m3_round(x * exp2_int(-e)[:, None], True)), 0x7F)
+        tl.store(data_ptr[:, None] + o_d, code, mask=valid[:, None] & (o_d >= 0))
+        bits = tl.where(finite, (e + 127) << 23, 0x7FC00000)  # the fp32 scale (NaN: torch's quiet NaN)
+        tl.store(scale_ptr.to(tl.pointer_type(tl.int32)), bits, mask=valid)
+    else:
+        blocks = tl.reshape(x, (R, D // 32, 32))
+        e, finite = pow2_exponent(nan_amax(blocks, 2), 2, 0x400000)  # 6 = 1.5 * 2^2
+        code = tl.where(finite[:, :, None], e2m1_bits(blocks * exp2_int(-e)[:, :, None]), 0)  # NaN block: +0 codes
+        lo, hi = tl.split(tl.reshape(code, (R, D // 2, 2)))
+        o_h = tl.arange(0, D // 2)[None, :]
+        tl.store(data_ptr[:, None] + o_h, (lo | (hi << 4)).to(tl.uint8), mask=valid[:, None] & (o_h >= 0))
+        o_s = tl.arange(0, D // 32)[None, :]
+        scale = tl.where(finite, e + 127, 0xFF).to(tl.uint8)
+        tl.store(scale_ptr[:, None] + o_s, scale, mask=valid[:, None] & (o_s >= 0))

@@ -6,6 +6,11 @@ reads the step's own window keys from there and older ones from the ring. The ri
 attention (`append_window`), because a prefill chunk's later tokens overwrite ring rows that its earlier
 tokens still attend to. The bytes are those of `layout.write(pool, ..., apply_rope(kv, positions, rope))`,
 bit for bit (tests/test_kernel_window.py).
+
+kv_insert runs KV_INSERT_TILE[0] rows per program (fewer for small launches): the rows' kv is one contiguous
+[rows, D] block, loaded as 16-byte vectors and encoded as [rows, D // 64, 64] tiles; e4m3 codes leave as 16-byte
+stores. The rope dims are loaded a second time as their own [rows, 64] tile (an L1 hit) and rotated alone.
+Its cost per value is ~8.5 instructions (encode.py), so it is bound by its bytes, not by the bit operations.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from ..layout import EntryLayout
 from ..ops.common import require
 from ..ops.rope import rope_cos_sin
 from .common import check_plan, check_pool, check_tensor
-from .encode import rope_last_block, store_main_entry
+from .encode import program_rows, rope_block, store_main_entries
 
 __all__ = ["kv_insert", "append_window", "check_main_layout"]
 
@@ -31,27 +36,48 @@ def check_main_layout(layout: EntryLayout, rope: RopeSpec) -> None:
             f"the kernels handle 64 rope dims and head_dim = 64 * a power of two, got {rope.dim} and {layout.dim}")
 
 
+# (rows per program, num_warps) of kv_insert; assign to time variants. With the encoding at ~8.5 fp32/int ops per
+# value (see encode.py) the kernel is bound by its bytes (1 KB of kv in, 584 B out per row): 16 rows x 512 dims over 4
+# warps is 64 values per thread (eight 16-byte kv loads, four 16-byte e4m3 stores), ~80 registers, 6 programs and
+# ~130 KB of loads in flight per SM, and ~265 warp-instructions per row (8 rows: ~300; more rows per thread amortize
+# the per-row work: slot, page division, the rope dims). 65536 rows make 4096 programs; a small launch (a decode
+# batch) takes fewer rows per program (`encode.program_rows`).
+KV_INSERT_TILE = (16, 4)
+
+
 @triton.jit
-def _kv_insert_kernel(kv_ptr, cos_ptr, sin_ptr, slots_ptr, pool_ptr, page_bytes, entries,
-                      NB: tl.constexpr, FP8: tl.constexpr, DATA_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr):
-    row = tl.program_id(0)
-    given = tl.load(slots_ptr + row).to(tl.int64)
+def _kv_insert_kernel(kv_ptr, cos_ptr, sin_ptr, slots_ptr, pool_ptr, n, page_bytes, entries,
+                      NB: tl.constexpr, FP8: tl.constexpr, DATA_BYTES: tl.constexpr,
+                      SCALE_BYTES: tl.constexpr, BLOCK_R: tl.constexpr):
+    """Rows pid * BLOCK_R ..: kv bf16 [n, 64 * NB] -> RoPE on the last 64 dims -> entry bytes at slot slots[row]."""
+    o_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    m_r = o_r < n
+    given = tl.load(slots_ptr + o_r, mask=m_r, other=-1)
     slot = tl.maximum(given, 0)
-    offs = tl.arange(0, NB)[:, None] * 64 + tl.arange(0, 64)[None, :]
-    x = tl.load(kv_ptr + row.to(tl.int64) * (NB * 64) + offs).to(tl.float32)
-    half = tl.arange(0, 32)
-    x = rope_last_block(x, tl.load(cos_ptr + row * 32 + half), tl.load(sin_ptr + row * 32 + half), NB)
-    page, offset = slot // entries, slot % entries
-    data_ptr = pool_ptr + page * page_bytes + offset * DATA_BYTES
-    scale_ptr = pool_ptr + page * page_bytes + entries * DATA_BYTES + offset * SCALE_BYTES
-    store_main_entry(data_ptr, scale_ptr, x, given, NB, FP8, SCALE_BYTES)
+    row = o_r.to(tl.int64) * (NB * 64)
+    o_b = tl.arange(0, NB)[None, :, None]
+    o_c = tl.arange(0, 64)[None, None, :]
+    b_x = tl.load(kv_ptr + row[:, None, None] + o_b * 64 + o_c, mask=m_r[:, None, None], other=0.0).to(tl.float32)
+    # the rope dims again (an L1 hit), alone: rotating only them is 1/NB of rotating the whole tile
+    o_d = tl.arange(0, 64)[None, :]
+    b_rope = tl.load(kv_ptr + row[:, None] + (NB - 1) * 64 + o_d, mask=m_r[:, None], other=0.0).to(tl.float32)
+    o_p = o_r[:, None].to(tl.int64) * 32 + tl.arange(0, 32)[None, :]
+    b_cos = tl.load(cos_ptr + o_p, mask=m_r[:, None], other=1.0)
+    b_sin = tl.load(sin_ptr + o_p, mask=m_r[:, None], other=0.0)
+    b_rope = rope_block(b_rope, b_cos, b_sin, ROUND=False)  # rounded to bf16 by the encoder
+    page, offset = slot // entries, slot % entries  # int32: the slots are
+    p_page = pool_ptr + page.to(tl.int64) * page_bytes
+    p_data = p_page + offset * DATA_BYTES
+    p_scale = p_page + entries * DATA_BYTES + offset * SCALE_BYTES
+    store_main_entries(p_data, p_scale, b_x, b_rope, given >= 0, NB, FP8, SCALE_BYTES, BF16_VALUED=True)
 
 
 def kv_insert(kv: torch.Tensor, positions: torch.Tensor, rope: RopeSpec, layout: EntryLayout, pool: torch.Tensor,
               entries: int, slots: torch.Tensor, *, cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """Rotate kv bf16 [N, D] (normed, not yet roped) at positions int [N], encode it in `layout` and write row i
     to pool slot slots[i] (int32 [N]; -1 = skip). pool: uint8 [pages, layout.page_bytes(entries)].
-    cos_sin: `ops.rope.rope_cos_sin(rope, positions)` when the caller already has it (computed here otherwise)."""
+    cos_sin: `ops.rope.rope_cos_sin(rope, positions)` when the caller already has it (computed here otherwise).
+    One program encodes KV_INSERT_TILE[0] rows."""
     n = kv.shape[0] if isinstance(kv, torch.Tensor) else -1
     check_main_layout(layout, rope)
     check_tensor("kv", kv, dtype=torch.bfloat16, shape=(None, layout.dim), device=pool.device)
@@ -63,9 +89,12 @@ def kv_insert(kv: torch.Tensor, positions: torch.Tensor, rope: RopeSpec, layout:
     cos, sin = cos_sin if cos_sin is not None else rope_cos_sin(rope, positions)
     check_tensor("cos", cos, dtype=torch.float32, shape=(n, rope.dim // 2), device=pool.device)
     check_tensor("sin", sin, dtype=torch.float32, shape=(n, rope.dim // 2), device=pool.device)
-    _kv_insert_kernel[(n,)](kv, cos, sin, slots, pool, pool.shape[1], entries,
-                            NB=layout.dim // 64, FP8=layout.name == "fp8", DATA_BYTES=layout.data_bytes,
-                            SCALE_BYTES=max(layout.scale_bytes, 1), enable_fp_fusion=False, num_warps=2)
+    block_r, warps = KV_INSERT_TILE
+    block_r = program_rows(n, block_r)
+    _kv_insert_kernel[(triton.cdiv(n, block_r),)](
+        kv, cos, sin, slots, pool, n, pool.shape[1], entries, NB=layout.dim // 64, FP8=layout.name == "fp8",
+        DATA_BYTES=layout.data_bytes, SCALE_BYTES=max(layout.scale_bytes, 1), BLOCK_R=block_r,
+        enable_fp_fusion=False, num_warps=warps)
 
 
 @triton.jit
