@@ -43,8 +43,12 @@ def variants(name: str, run, settings, apply, reference=None):
         got = out.clone() if isinstance(out, torch.Tensor) else None
         if base is None:
             base = got
-        agree = base is None or got is None or torch.equal(torch.nan_to_num(got), torch.nan_to_num(base)) or \
-            (got.is_floating_point() and torch.allclose(got, base, rtol=1e-5, atol=1e-5, equal_nan=True))
+        if got is None or base is None:
+            agree = True
+        elif got.is_floating_point():  # summation order differs between tilings
+            agree = torch.allclose(got, base, rtol=1e-4, atol=1e-4, equal_nan=True)
+        else:  # encoded bytes: a pooled value may land one e4m3 / e2m1 step apart (compress tolerance)
+            agree = float((got != base).float().mean()) <= 1e-3
         if not agree:
             print(f"{name} {setting}: DISAGREES with the first variant, not timed", flush=True)
             continue
@@ -160,6 +164,45 @@ def _attention_case(kind: str, batch: int, history: int):
                                            DEVICE), flush=True)
     variants(label, run, [{}, {"splits": 1}, {"block_h": 16}, {"block_h": 16, "splits": 1}, {"stages": 3},
                           {"splits": 32}], apply)
+
+
+def insert():
+    """kv_insert and compress_insert tiles over 65536 rows / an 8192-row CSA chunk (the bench's insert sizes)."""
+    import dsv4kv.kernels.compress as C
+    import dsv4kv.kernels.window as W
+    from dsv4kv.ops.rope import rope_cos_sin
+
+    spec = G.layers[CSA]
+    cache, plan = csa_plan(1, 0, 8192)
+    ls, lc = cache.spec.layers[CSA], cache.pools.layers[CSA]
+    n = 65536
+    pool = torch.zeros(n // ls.entries_per_page, ls.entry_page_bytes, dtype=torch.uint8, device=DEVICE)
+    kv = torch.randn(n, G.head_dim, device=DEVICE).bfloat16()
+    positions = torch.randint(0, 1 << 20, (n,), device=DEVICE, dtype=torch.int32)
+    slots = torch.randperm(n, device=DEVICE).int()
+    cos_sin = rope_cos_sin(spec.rope, positions)
+    variants("kv_insert 65536 rows (122 MB)", lambda: W.kv_insert(kv, positions, spec.rope, ls.main, pool,
+                                                                   ls.entries_per_page, slots, cos_sin=cos_sin) or pool,
+             [W.KV_INSERT_TILE, (8, 4), (32, 8), (8, 2)], lambda v: setattr(W, "KV_INSERT_TILE", v))
+    entry_cos_sin = rope_cos_sin(spec.rope, plan.entries[4].index * 4)
+    for key, main, layout, pool, d, state in (("csa_main", True, ls.main, lc.entries, G.head_dim,
+                                               (lc.state_kv, lc.state_score)),
+                                              ("csa_index", False, ls.index, lc.index_keys, G.index_head_dim,
+                                               (lc.index_state_kv, lc.index_state_score))):
+        rows = torch.randn(8192, 2 * d, device=DEVICE), torch.randn(8192, 2 * d, device=DEVICE)
+        norm = torch.ones(d, device=DEVICE)
+
+        def run():
+            C.compress_insert(*state, plan, *rows, ratio=4, overlap=True, norm_weight=norm, eps=1e-6, rope=spec.rope,
+                              out_dtype=torch.bfloat16, layout=layout, pool=pool, page_tokens=cache.spec.page_tokens,
+                              main=main, cos_sin=entry_cos_sin)
+            return pool
+        base = dict(C.COMPRESS_TILES)
+        settings = [base[key], (1, 8, 8), (2, 8, 4), (4, 8, 8)] if main else [base[key], (1, 8, 4), (8, 8, 8), (2, 8, 4)]
+
+        def apply(v, key=key, base=base):
+            C.COMPRESS_TILES = {**base, key: v}
+        variants(f"compress_insert 8192 rows {key}", run, settings, apply)
 
 
 if __name__ == "__main__":
