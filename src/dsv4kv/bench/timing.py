@@ -117,11 +117,25 @@ def machine_info(device: torch.device) -> dict:
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "commit": _commit()}
 
 
-def profile_kernels(fn: Callable[[], object], *, device: torch.device, runs: int = 10) -> list[tuple[str, float]]:
+def _kernels(prof) -> list[tuple[str, float]]:
+    kernels = sorted((e for e in prof.events() if e.device_type.name == "CUDA" and "Memset" not in e.name
+                      and "Memcpy" not in e.name), key=lambda e: e.time_range.start)
+    return [(e.name, e.time_range.elapsed_us()) for e in kernels]
+
+
+def profile_kernels(fn: Callable[[], object], *, device: torch.device, runs: int = 10,
+                    graph: bool = True) -> list[tuple[str, float]]:
     """Each GPU kernel fn() launches, in launch order, with its median duration (us) over `runs` replays of a
-    captured graph of fn (L2 flushed before each). Empty when the profiler records no kernels (no CUPTI)."""
+    captured graph of fn (L2 flushed before each); `graph=False`: one eager call of fn, profiled as it runs.
+    Empty when the profiler records no kernels (no CUPTI)."""
     from torch.profiler import ProfilerActivity, profile
 
+    if not graph:
+        torch.cuda.synchronize(device)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize(device)
+        return _kernels(prof)
     fn()
     captured = torch.cuda.CUDAGraph()
     with torch.cuda.graph(captured):
@@ -135,9 +149,7 @@ def profile_kernels(fn: Callable[[], object], *, device: torch.device, runs: int
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             captured.replay()
             torch.cuda.synchronize(device)
-        kernels = sorted((e for e in prof.events() if e.device_type.name == "CUDA" and "Memset" not in e.name
-                          and "Memcpy" not in e.name), key=lambda e: e.time_range.start)
-        per_run.append([(e.name, e.time_range.elapsed_us()) for e in kernels])
+        per_run.append(_kernels(prof))
     per_run = [r for r in per_run if r]
     if not per_run or any(len(r) != len(per_run[0]) for r in per_run):
         return [(name, t) for name, t in (per_run[0] if per_run else [])]
