@@ -30,7 +30,7 @@ from .ops.attention import sparse_attention
 from .ops.common import StepRows, require, step_rows
 from .ops.compress import compress_and_insert
 from .ops.gather import gather_entries, gather_window, visible_entries
-from .ops.indexer import indexer_query, indexer_topk
+from .ops.indexer import indexer_topk
 from .backend import kernels_can_run
 from .ops.rope import apply_rope, rope_cos_sin
 from .plan import StepPlan
@@ -305,8 +305,8 @@ class DSV4Attention(nn.Module):
 
         The step's kv is encoded once into a step page; attention reads its own window keys from there and
         older ones from the ring, which is updated (a byte copy) only after attention."""
-        from .kernels import (append_state, append_window, compress_insert, indexer_scores_paged, kv_insert, rope_rows,
-                              sparse_attention_paged, topk_indices)
+        from .kernels import (append_state, append_window, compress_insert, indexer_query_and_weights,
+                              indexer_scores_paged, kv_insert, rope_rows, sparse_attention_paged, topk_indices)
         from .kernels.topk import topk_workspace
         g, spec = self.geometry, self.spec
         layer_cache, cache_spec = cache.pools.layers[self.layer_index], cache.spec.layers[self.layer_index]
@@ -336,11 +336,12 @@ class DSV4Attention(nn.Module):
                                 norm_weight=idx.kv_norm.weight, layout=index_layout, pool=layer_cache.index_keys,
                                 main=False, **insert)
                 state_rows.append((layer_cache.index_state_kv, layer_cache.index_state_score, *p.index_state))
-                # the query's rotation and MXFP4 / FP8 round trip stay in torch: the fused kernel
-                # (kernels.indexer_query_and_weights) agrees with it on only ~95% of values on the H200
-                # (docs/performance.md), and a different query flips near-tie picks
-                q_index = indexer_query(rope_rows(p.index_q, *cos_sin), index_layout).contiguous()
-                weights = (p.index_weights.float() * g.index_n_heads ** -0.5).contiguous()
+                # RoPE, Hadamard rotation, MXFP4 / FP8 round trip and head weights in one kernel. On the H200 its
+                # query equals the torch path's on ~95% of MXFP4 values (>= 99.99% on the interpreter; open, see
+                # docs/performance.md); the torch path costs ~120 us more per CSA layer at decode and did not change
+                # the prefill check's outcome (the same 20 of 8192 rows beyond tolerance either way)
+                q_index, weights = indexer_query_and_weights(p.index_q, p.index_weights, *cos_sin, index_layout,
+                                                             scale=g.index_n_heads ** -0.5)
                 entries = max(plan.max_seq_len // spec.ratio, 1)
                 scores = indexer_scores_paged(q_index, weights, plan, layer_cache.index_keys, index_layout,
                                               ratio=spec.ratio, page_tokens=page_tokens, max_entries=entries)

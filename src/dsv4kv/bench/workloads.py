@@ -463,8 +463,7 @@ def layer_vs_transformers(ctx: Context) -> None:
 # --- prefill -------------------------------------------------------------------------------------------------
 def prefill(ctx: Context) -> None:
     from ..kernels import indexer_scores_paged
-    from ..kernels import rope_rows
-    from ..ops.indexer import indexer_query
+    from ..kernels.query import indexer_query_and_weights
     from ..ops.rope import rope_cos_sin
 
     g = ctx.geometry
@@ -528,9 +527,9 @@ def prefill(ctx: Context) -> None:
     # the indexer kernel alone on the last chunk (the plan is reused read-only)
     projected = layer.project(x[-chunk:], plan.positions)
     ls = cache.spec.layers[i]
-    q_index = indexer_query(rope_rows(projected.index_q, *rope_cos_sin(spec.rope, plan.positions)),
-                            ls.index).contiguous()
-    weights = (projected.index_weights.float() * g.index_n_heads ** -0.5).contiguous()
+    q_index, weights = indexer_query_and_weights(projected.index_q, projected.index_weights,
+                                                 *rope_cos_sin(spec.rope, plan.positions), ls.index,
+                                                 scale=g.index_n_heads ** -0.5)
     last_visible = sum((t + 1) // spec.ratio for t in range(prompt_len - chunk, prompt_len))
     run = lambda: indexer_scores_paged(q_index, weights, plan, cache.pools.layers[i].index_keys,  # noqa
                                        ls.index, ratio=spec.ratio, page_tokens=cache.spec.page_tokens,
