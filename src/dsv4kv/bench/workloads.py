@@ -557,7 +557,7 @@ def scale(ctx: Context) -> None:
     def run(label: str, batch: int, context: int) -> None:
         cache = CacheManager(g, max_requests=batch, max_tokens=batch * context, device=ctx.device,
                              max_seq_len=context)
-        allocated_before = torch.cuda.memory_allocated(ctx.device)
+        allocated_before = torch.cuda.memory_allocated(ctx.device)  # right after the pools were allocated
         rids = [cache.admit() for _ in range(batch)]
         for rid in rids:
             cache.plan_step([(rid, context - steps)])
@@ -582,8 +582,11 @@ def scale(ctx: Context) -> None:
                               extra={**replay.as_dict(), "step_wall_us": sorted(walls[2:])[len(walls[2:]) // 2],
                                      "tokens_per_s": batch / (replay.median_us * 1e-6),
                                      "held_bytes": held, "planned_bytes": planned, "held_over_planned": held / planned,
+                                     # the device tensors of the cache (pools with the allocator's slack blocks,
+                                     # windows, states), against the plan: the measured side of the 2% target
                                      "reserved_bytes": cache.bytes_reserved,
-                                     "cuda_allocated_by_cache": allocated_before,
+                                     "reserved_over_planned": cache.bytes_reserved / planned,
+                                     "cuda_allocated_with_cache": allocated_before,  # weights + the cache's tensors
                                      "weights_bytes": weights,
                                      "peak_allocated": torch.cuda.max_memory_allocated(ctx.device)}))
         ctx.log(f"  {label}: step {replay.median_us / 1e3:.2f} ms (graph), held {held / 2**30:.2f} GiB vs planned "
