@@ -23,6 +23,8 @@ def test_a_failed_check_refuses_the_figure():
     bad = report.add(Result("topk", "bad", {"rows": 1, "cols": 4096}, 3.0, bytes=4096 * 4, check="sets DIFFER",
                             passed=False))
     assert bad.time_us is None and bad.refused == "correctness check failed: sets DIFFER"
+    kept = Result("layer", "x", {}, 5.0, extra={"median_us": 5.0, "speedup": 9.0, "module": "m"}, passed=False)
+    assert kept.extra == {"module": "m"}  # no timing survives a failed check
     assert good.time_us == 12.0 and good.refused is None
     rates = report.rates(good)
     assert rates["GBps"] == pytest.approx(262144 * 4 / 12e-6 / 1e9)
@@ -65,7 +67,8 @@ def test_json_round_trip_and_plots(tmp_path):
     assert data["results"][0]["floor_us"] == pytest.approx(68 * 16384 // 4 / 4e12 * 1e6)
     pytest.importorskip("matplotlib")
     written = plot_report(data, str(tmp_path))
-    assert [p.split("/")[-1] for p in written] == ["decode-vs-context.png", "decode-vs-batch.png"]
+    # batch-1 rows only: the context plot; no batch series, so no (empty) batch plot
+    assert [p.split("/")[-1] for p in written] == ["decode-vs-context.png"]
     assert (tmp_path / "decode-vs-context.png").read_bytes()[:4] == b"\x89PNG"
 
 
@@ -80,6 +83,9 @@ def test_core_bytes_model():
     assert parts["window keys"] == 2 * 128 * 584
     assert "compressor state" in parts  # 2^20 is a multiple of 4: the step completes an entry
     assert "compressor state" not in core_bytes(g, cache, csa, (1 << 20) - 1, 1)
+    hca = next(i for i, layer in enumerate(g.layers) if layer.kind.short == "HCA")
+    state = core_bytes(g, cache, hca, 1 << 20, 1)["compressor state"]  # all 128 rows of kv and logits, fp32
+    assert state == 2 * 128 * 512 * 4 + 584
 
 
 def test_cli_rejects_unknown_workloads_and_needs_a_gpu(capsys):
@@ -92,7 +98,9 @@ def test_cli_rejects_unknown_workloads_and_needs_a_gpu(capsys):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_gpu_topk_workload_runs_and_checks(tmp_path):
-    report = run_bench(["topk"], out_dir=str(tmp_path), quick=True, runs=5, log=lambda line: None)
+    report = run_bench(["topk"], out_dir=str(tmp_path), name="run", quick=True, runs=5, log=lambda line: None)
     rows = [r for r in report.results if r.workload == "topk"]
     assert rows and all(r.time_us and r.time_us > 0 and not r.refused for r in rows)
-    assert report.meta["copy_bandwidth_Bps"] > 1e12 and (tmp_path / next(iter(tmp_path.glob("*.json"))).name).exists()
+    assert report.meta["copy_bandwidth_Bps"] > 1e12
+    assert json.loads((tmp_path / "run.json").read_text())["results"] and (tmp_path / "run.md").exists()
+    assert not (tmp_path / "decode-vs-context.png").exists()  # no decode rows: no plot

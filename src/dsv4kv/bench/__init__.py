@@ -33,6 +33,7 @@ def run_bench(workloads: Sequence[str] = QUICK, *, out_dir: str | None = "docs/b
     device = torch.device(device)
     if device.type != "cuda" or not torch.cuda.is_available():
         raise ValueError("dsv4kv bench needs a CUDA GPU (the figures are GPU times)")
+    torch.cuda.set_device(device)  # events, the spin kernel and graph capture use the current device
     log = log or (lambda line: print(line, file=sys.stderr, flush=True))
     report = Report(meta={**machine_info(device), "workloads": list(workloads), "quick": quick})
     ctx = Context(device=device, report=report, quick=quick, log=log, runs=runs)

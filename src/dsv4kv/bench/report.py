@@ -15,6 +15,11 @@ from dataclasses import asdict, dataclass, field
 __all__ = ["Result", "Report", "plot_report", "markdown"]
 
 
+# timings a workload may keep in `extra`: dropped with the time when the check fails
+_TIMING_KEYS = ("median_us", "p10_us", "p90_us", "runs", "speedup", "step_wall_us", "tokens_per_s", "chunk_us",
+                "with_step_tensors_us", "kernels_us")
+
+
 @dataclass
 class Result:
     workload: str
@@ -29,9 +34,10 @@ class Result:
     refused: str | None = None
 
     def __post_init__(self):
-        if not self.passed:
+        if not self.passed:  # no figure survives a failed check, the extras' timings included
             self.refused = f"correctness check failed: {self.check}"
             self.time_us = None
+            self.extra = {k: v for k, v in self.extra.items() if k not in _TIMING_KEYS}
 
 
 @dataclass
@@ -169,6 +175,9 @@ def plot_report(data: dict, out_dir: str) -> list[str]:
         ax_r.axhline(1.0, color="gray", lw=0.8)
         ax_t.legend(fontsize=7)
         ax_r.legend(fontsize=7)
+        if not ax_t.lines:  # this run has no such series: leave any earlier plot in place
+            plt.close(fig)
+            continue
         fixed = f"batch {fixed_value}" if fixed_key == "batch" else f"context {fixed_value}"
         fig.suptitle(f"V4-Flash decode attention core, {fixed} -- {stamp}", fontsize=8)
         fig.tight_layout()

@@ -235,7 +235,9 @@ def core_bytes(g: ModelGeometry, cache: CacheManager, layer_index: int, context:
         else:
             parts["entries"] = visible * entry
         if context % spec.ratio == 0:  # this token completes an entry: the state ring is pooled
-            parts["compressor state"] = ls.state_bytes // 2 + entry + (ls.index.entry_bytes if ls.index else 0)
+            # CSA pools half its ring (the previous block's low half, this block's high half); HCA all of it
+            state = ls.state_bytes // 2 if spec.kind is LayerKind.CSA else ls.state_bytes
+            parts["compressor state"] = state + entry + (ls.index.entry_bytes if ls.index else 0)
     return {k: v * batch for k, v in parts.items()}
 
 
@@ -537,7 +539,8 @@ def prefill(ctx: Context) -> None:
     timing = time_cuda(run, device=ctx.device, runs=max(5, ctx.runs // 5), graph=False)
     ctx.report.add(Result("prefill", f"indexer scores, last chunk ({chunk} rows x <= {prompt_len // 4} keys)", params,
                           timing.median_us, flops=2 * g.index_n_heads * g.index_head_dim * last_visible,
-                          bytes=chunk * (prompt_len // spec.ratio) * 4, check=check, passed=passed,
+                          bytes=chunk * (prompt_len // spec.ratio) * 4, passed=passed,
+                          check=f"the kernel of the layer checked above, not on its own: {check}",
                           extra=timing.as_dict()))
     ctx.log(f"  prefill {prompt_len}: {total / 1e3:.1f} ms ({prompt_len / (total * 1e-6):.0f} tokens/s), "
             f"indexer floor {flops / ctx.report.gemm * 1e3:.2f} ms" if ctx.report.gemm else "")
