@@ -8,7 +8,6 @@ null, `refused` says why) and the table prints the failure instead of a number.
 from __future__ import annotations
 
 import json
-import math
 import os
 from dataclasses import asdict, dataclass, field
 
@@ -186,7 +185,3 @@ def plot_report(data: dict, out_dir: str) -> list[str]:
         plt.close(fig)
         written.append(path)
     return written
-
-
-def finite(x: float | None) -> bool:
-    return x is not None and math.isfinite(x)

@@ -18,6 +18,7 @@ compares outputs with transformers, which needs a real history.
 from __future__ import annotations
 
 import copy
+import functools
 import gc
 import statistics
 import json
@@ -61,7 +62,12 @@ class Context:
 
     @property
     def geometry(self) -> ModelGeometry:
-        return ModelGeometry.from_hf_config("flash")
+        return _flash()
+
+
+@functools.lru_cache(maxsize=1)
+def _flash() -> ModelGeometry:
+    return ModelGeometry.from_hf_config("flash")
 
 
 def _layer_index(g: ModelGeometry, kind: str) -> int:
