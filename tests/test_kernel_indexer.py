@@ -441,6 +441,21 @@ def v4_case(geometry_name, indexer_format, history, step, *, max_tokens, buffer_
     return cache, layout, pool, plan, buffers, rids, geometry.index_n_heads
 
 
+def replay_over_new_inputs(graph, plan, cache, rids, layout, pool, q, w, out, entries, *, seed, padding_from):
+    """Rewrite every key in place and load a new query into the captured q / w, then replay: the scores must be the
+    reference's for the pool and inputs as they are now (keys from `gen(seed)`, the query from seed + 1)."""
+    g = gen(seed, DEVICE)
+    for rid in rids:
+        write_all_keys(cache, rid, layout, pool, torch.randn(cache.length(rid) // 4 + 8, layout.dim, generator=g,
+                                                             device=DEVICE), 4, V4_PAGE)
+    q2, w2 = make_query(layout, q.shape[0], q.shape[1], seed=seed + 1, padding_from=padding_from)
+    q.copy_(q2)
+    w.copy_(w2)
+    out.fill_(float("nan"))
+    graph.replay()
+    assert_close_scores(out, reference(plan, pool, layout, q, w, entries, ratio=4, page_tokens=V4_PAGE))
+
+
 @needs_cuda
 @pytest.mark.parametrize("indexer_format", FORMATS)
 def test_v4_decode_one_request_65536_entries(indexer_format):
@@ -473,16 +488,7 @@ def test_v4_decode_mixed_lengths_and_graph_replay(geometry_name, indexer_format)
     with torch.cuda.graph(graph):
         indexer_scores_paged(q, w, plan, pool, layout, ratio=4, page_tokens=V4_PAGE, out=out)
     plan = cache.plan_step([(rids[i], n) for i, n in step], buffers=buffers)
-    g = gen(3, DEVICE)
-    for rid in rids:  # every key rewritten in place: the replay must read the pool as it is now
-        write_all_keys(cache, rid, layout, pool, torch.randn(cache.length(rid) // 4 + 8, layout.dim, generator=g,
-                                                             device=DEVICE), 4, V4_PAGE)
-    q2, w2 = make_query(layout, 11, heads, seed=4, padding_from=8)
-    q.copy_(q2)
-    w.copy_(w2)
-    out.fill_(float("nan"))
-    graph.replay()
-    assert_close_scores(out, reference(plan, pool, layout, q, w, entries, ratio=4, page_tokens=V4_PAGE))
+    replay_over_new_inputs(graph, plan, cache, rids, layout, pool, q, w, out, entries, seed=3, padding_from=8)
 
 
 @needs_cuda
@@ -541,13 +547,4 @@ def test_v4_prefill_graph_replay_stacked(indexer_format, monkeypatch):
         indexer_scores_paged(q, w, plan, pool, layout, ratio=4, page_tokens=V4_PAGE, out=out)
     assert (row.launches, stacked.launches) == (0, 2)
     plan = cache.plan_step([(rids[0], 1), (rids[1], 777), (rids[2], 250), (rids[3], 64)], buffers=buffers)
-    g = gen(9, DEVICE)
-    for rid in rids:
-        write_all_keys(cache, rid, layout, pool, torch.randn(cache.length(rid) // 4 + 8, layout.dim, generator=g,
-                                                             device=DEVICE), 4, V4_PAGE)
-    q2, w2 = make_query(layout, 1100, heads, seed=10, padding_from=1092)
-    q.copy_(q2)
-    w.copy_(w2)
-    out.fill_(float("nan"))
-    graph.replay()
-    assert_close_scores(out, reference(plan, pool, layout, q, w, entries, ratio=4, page_tokens=V4_PAGE))
+    replay_over_new_inputs(graph, plan, cache, rids, layout, pool, q, w, out, entries, seed=9, padding_from=1092)

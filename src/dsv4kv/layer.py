@@ -320,6 +320,7 @@ class DSV4Attention(nn.Module):
         kv_insert(p.kv, positions, spec.rope, main, step_kv, rows, row_slots, cos_sin=cos_sin)
 
         state_rows, picks = [], None
+        entries = max(plan.max_seq_len // spec.ratio, 1) if spec.compressed else None  # per-row bound, host-known
         if spec.compressed:
             csa = spec.kind is LayerKind.CSA
             entry_cos_sin = plan.derived(("entry rope", spec.rope, spec.ratio),
@@ -342,7 +343,6 @@ class DSV4Attention(nn.Module):
                 # the prefill check's outcome (the same 20 of 8192 rows beyond tolerance either way)
                 q_index, weights = indexer_query_and_weights(p.index_q, p.index_weights, *cos_sin, index_layout,
                                                              scale=g.index_n_heads ** -0.5)
-                entries = max(plan.max_seq_len // spec.ratio, 1)
                 scores = indexer_scores_paged(q_index, weights, plan, layer_cache.index_keys, index_layout,
                                               ratio=spec.ratio, page_tokens=page_tokens, max_entries=entries)
                 visible = plan.derived(("visible", spec.ratio),
@@ -355,7 +355,7 @@ class DSV4Attention(nn.Module):
                                      window_pool=layer_cache.window, step_kv=step_kv,
                                      entry_pool=layer_cache.entries if spec.compressed else None,
                                      ratio=spec.ratio if spec.compressed else 0, page_tokens=page_tokens, picks=picks,
-                                     max_entries=max(plan.max_seq_len // spec.ratio, 1) if spec.compressed else None)
+                                     max_entries=entries)
 
         append_window(layer_cache.window, main, g.window, plan, step_kv)
         for state_kv, state_logits, kv_rows, logit_rows in state_rows:

@@ -62,6 +62,7 @@ from ..layout import EntryLayout, IndexerFP8Layout, IndexerMXFP4Layout
 from ..ops.common import require
 from ..plan import StepPlan
 from .common import check_pool, check_tensor, interpreted, padded_rows
+from .encode import round_bf16
 
 __all__ = ["indexer_scores_paged"]
 
@@ -96,15 +97,6 @@ def _e2m1_pair(byte):
     lo = ((byte << 28) & _SIGN) | ((byte << 22) & _E2M1_MAG)
     hi = ((byte << 24) & _SIGN) | ((byte << 18) & _E2M1_MAG)
     return lo.to(tl.float32, bitcast=True) * _TWO_126, hi.to(tl.float32, bitcast=True) * _TWO_126
-
-
-@triton.jit
-def _round_bf16(x):
-    """fp32 -> the nearest bf16 value (ties to even), kept in fp32; NaN stays NaN. Done on the bits so the
-    GPU and the interpreter (whose fp32 -> bf16 cast truncates) round alike."""
-    bits = x.to(tl.int32, bitcast=True)
-    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
-    return tl.where(x != x, x, bits.to(tl.float32, bitcast=True))  # noqa: PLR0124 (x != x: NaN)
 
 
 @triton.jit
@@ -197,8 +189,8 @@ def _indexer_scores_kernel(
         b_w = tl.load(w_ptr + t * num_heads + o_h, mask=m_h, other=0.0) * score_scale
         p_q = q_ptr + t * num_heads * D + o_h[None, :] * D
         o_d0, o_d1 = _q_dims(FORMAT, D)
-        b_q0 = _round_bf16(tl.load(p_q + o_d0[:, None], mask=m_h[None, :], other=0.0)).to(DOT)  # [D/2, BLOCK_H]
-        b_q1 = _round_bf16(tl.load(p_q + o_d1[:, None], mask=m_h[None, :], other=0.0)).to(DOT)
+        b_q0 = round_bf16(tl.load(p_q + o_d0[:, None], mask=m_h[None, :], other=0.0)).to(DOT)  # [D/2, BLOCK_H]
+        b_q1 = round_bf16(tl.load(p_q + o_d1[:, None], mask=m_h[None, :], other=0.0)).to(DOT)
         p_table = block_table_ptr + slot.to(tl.int64) * table_stride
 
         for j0 in range(chunk_lo, tl.minimum(chunk_hi, visible), BLOCK_J):
@@ -264,9 +256,9 @@ def _indexer_scores_stacked_kernel(
         # q^T of the segment's rows stacked in N: column t * BLOCK_H + h; other rows and padded heads are zero
         m_q = seg[None, :, None] & m_h[None, None, :]
         o_d0, o_d1 = _q_dims(FORMAT, D)
-        b_q0 = _round_bf16(tl.load(p_q + o_d0[:, None, None], mask=m_q, other=0.0))  # [D/2, BLOCK_T, BLOCK_H]
+        b_q0 = round_bf16(tl.load(p_q + o_d0[:, None, None], mask=m_q, other=0.0))  # [D/2, BLOCK_T, BLOCK_H]
         b_q0 = tl.reshape(b_q0, (D // 2, BLOCK_T * BLOCK_H)).to(DOT)
-        b_q1 = _round_bf16(tl.load(p_q + o_d1[:, None, None], mask=m_q, other=0.0))
+        b_q1 = round_bf16(tl.load(p_q + o_d1[:, None, None], mask=m_q, other=0.0))
         b_q1 = tl.reshape(b_q1, (D // 2, BLOCK_T * BLOCK_H)).to(DOT)
         m_w = seg[:, None] & m_h[None, :]
         p_table = block_table_ptr + seg_slot.to(tl.int64) * table_stride

@@ -37,7 +37,7 @@ import triton.language as tl
 from ..layout import EntryLayout
 from ..ops.common import require
 from .common import check_tensor
-from .encode import e2m1_bits, e4m3_bits, exp2_int, nan_amax, pow2_exponent, round_bf16
+from .encode import e2m1_bits, e4m3_bits, exp2_int, nan_amax, pow2_exponent, rotate_keys, round_bf16
 from .indexer import _BF16
 from .indexer import _format as _layout_format
 
@@ -96,17 +96,6 @@ def _rope_rows_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr,
 
 
 @triton.jit
-def _hadamard(x, BLOCK_H: tl.constexpr, D: tl.constexpr, LOG_D: tl.constexpr):
-    """Unnormalized Sylvester Hadamard transform of each row of x fp32 [BLOCK_H, D]: y[j] = sum_i (-1)^popcount(i & j)
-    x[i]. Each stage applies (a + b, a - b) to the pairs of the lowest index bit and moves that bit to the top,
-    so after log2 D stages every bit is done once and the order is back."""
-    for _ in tl.static_range(LOG_D):
-        a, b = tl.split(tl.reshape(x, (BLOCK_H, D // 2, 2)))
-        x = tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 2, 1)), (BLOCK_H, D))
-    return x
-
-
-@triton.jit
 def _e4m3_value(code):
     """float8_e4m3fn code (int32, never a NaN code here) -> fp32 value, exactly."""
     mag = code & 0x7F
@@ -141,8 +130,7 @@ def _indexer_query_kernel(q_ptr, cos_ptr, sin_ptr, out_ptr, w_ptr, w_out_ptr, w_
     if FORMAT == 0:
         b_y = b_x
     else:
-        # the reference's GEMM never yields -0; + 0.0 turns an exact zero's -0 into +0 the same way
-        b_r = round_bf16(_hadamard(b_x, BLOCK_H, D, LOG_D) * h_scale + 0.0)
+        b_r = rotate_keys(b_x, h_scale, LOG_D)  # the keys' own rotation (compress_insert), rounded to bf16
         if FORMAT == 1:  # FP8 (indexer._FP8): one pow2 scale per head row (block = D)
             e, finite = pow2_exponent(nan_amax(b_r, 1), 8, 0x600000)  # 448 = 1.75 * 2^8
             b_q = tl.minimum(tl.maximum(b_r * exp2_int(-e)[:, None], -448.0), 448.0)
