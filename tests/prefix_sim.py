@@ -176,7 +176,7 @@ def check_invariants(cache: CacheManager, contents: dict[int, Content] | None = 
     """No block lost, leaked or shared by mistake, and every reference count adds up."""
     alloc, page = cache.allocator, cache.spec.page_tokens
     holders: dict[int, list[int]] = {}
-    table = cache.block_table.numpy()
+    table = cache.block_table.cpu().numpy()
     live_slots = set()
     for rid in cache.request_ids():
         blocks = cache.blocks(rid)
