@@ -313,6 +313,7 @@ def test_swap_round_trip_bit_for_bit(prefix_caching):
     before = request_bytes(d.cache, a)
     moved = d.cache.swap_out(a)
     assert moved == 3 * d.cache.spec.block_bytes + d.cache.spec.request_fixed_bytes == d.cache.bytes_swapped
+    assert moved == sum(t.numel() * t.element_size() for t in d.cache._swapped[a].saved)
     assert d.cache.is_swapped(a) and not d.cache.is_live(a) and d.cache.length(a) == 290
     assert d.cache.num_used_blocks == 0
     other = d.admit(tokens(23, 700))  # overwrites every block and the slot
