@@ -40,7 +40,7 @@ TINY = ModelGeometry.preset("tiny")  # layers: 0 window, 1 CSA m=4, 2 HCA m=16
 # the small tests run under the interpreter on the CPU, or compiled where a GPU exists
 DEVICE = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 PAGE = 128
-TOL = 1e-4  # max |out - ref| / max |ref| per (row, head)
+TOL = 4e-3  # max |out - ref| / max |ref| per (row, head): bf16 q and weights (docs/numerics.md)
 LAYER = {"window": 0, "csa": 1, "hca": 2}
 AUTO = (None,) if torch.cuda.is_available() else ()  # the automatic split count (always 1 off CUDA)
 CSA_PICKS = 40  # picks per CSA row in the scenario: 2 key blocks of 32 after the window's one

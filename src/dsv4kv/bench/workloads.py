@@ -13,6 +13,7 @@ compares outputs with transformers, which needs a real history.
     layer     our layer against transformers' DeepseekV4Attention, decode, batch 1, 4K and 16K, each kind
     prefill   a CSA layer over a 64K-token prompt in 8K chunks, against the indexer's FLOP floor
     scale     one request at 2^20 tokens through all 43 layers; the most concurrent 128K requests that fit
+    flashmla  our sparse attention beside FlashMLA's on the same pages (skipped without `import flash_mla`)
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from ..memory.planner import MemoryPlan
 from ..ops.common import require
 from .report import Report, Result
 from .synthetic import fill_layer
+from .flashmla import flashmla
 from .timing import copy_bandwidth, gemm_rate, profile_kernels, time_cuda
 
 __all__ = ["Context", "WORKLOADS", "QUICK"]
@@ -630,6 +632,6 @@ def _pool_bytes(g: ModelGeometry, batch: int, context: int) -> int:
 
 WORKLOADS: dict[str, Callable[[Context], None]] = {
     "machine": machine, "topk": topk, "insert": insert, "decode": decode, "layer": layer_vs_transformers,
-    "prefill": prefill, "scale": scale,
+    "prefill": prefill, "scale": scale, "flashmla": flashmla,
 }
 QUICK = ("machine", "topk", "insert", "decode", "layer")
