@@ -290,27 +290,26 @@ def test_empty_splits_and_padding_rows(monkeypatch, splits):
 
 def test_config_splits_only_grids_that_leave_the_gpu_idle(monkeypatch):
     """`_config` on a 132-SM device (V4-Flash decode shapes: 64 heads, window 128 + 512 picks, or + 8192 HCA entries
-    at 1M): batch 1 splits, a batch that fills half the SMs or more does not; the interpreter never splits."""
+    at 1M): small batches split (with 16-head blocks where even the split grid leaves half the SMs idle), a batch
+    that fills half the SMs does not, a batch filling a third takes 64-key blocks; the interpreter never splits."""
     monkeypatch.setattr(attention, "_num_sms", lambda device: 132)
-    for name, value in dict(BLOCK_H=16, BLOCK_N=32, MIN_SPLIT_BLOCKS=2).items():  # whatever the defaults are now
-        monkeypatch.setattr(attention, name, value)
+    for name, value in dict(BLOCK_H=64, SMALL_BLOCK_H=16, BLOCK_N=32, LARGE_BLOCK_N=64, MIN_SPLIT_BLOCKS=2).items():
+        monkeypatch.setattr(attention, name, value)  # whatever the defaults are now
     cuda = torch.device("cuda", 0)
 
-    def splits(rows, keys, device=cuda):
-        return attention._config(rows, 64, keys, device).splits
+    def tiles(rows, keys, heads=64, device=cuda):
+        config = attention._config(rows, heads, keys, device)
+        return config.block_h, config.block_n, config.splits, config.num_warps
 
-    assert splits(1, 128 + 512) == 10  # 20 key blocks, >= 2 per split
-    assert splits(1, 128 + 8192) == 132 // 4
-    assert splits(8, 128 + 8192) == 4 and splits(16, 128 + 8192) == 2
-    assert splits(17, 128 + 8192) == 1 and splits(64, 128 + 512) == 1
-    assert splits(1, 16) == 1  # too few keys to split
-    assert splits(1, 128 + 8192, torch.device("cpu")) == 1
-    # 32-head blocks: a CSA decode row would run 2 x 10 programs, so it takes 16-head blocks (4 x 10); an HCA row
-    # at 1M fills the GPU with 2 x 66 and keeps 32
-    monkeypatch.setattr(attention, "BLOCK_H", 32)
-    assert attention._config(1, 64, 128 + 512, cuda)[:3] == (16, 32, 10)
-    assert attention._config(1, 64, 128 + 8192, cuda)[:3] == (32, 32, 66)
-    assert attention._config(64, 64, 128 + 512, cuda)[:3] == (32, 32, 1)
+    assert tiles(1, 128 + 512) == (16, 32, 10, 4)  # 1 x 10 programs at 64 heads: 4 x 10 at 16 heads
+    assert tiles(1, 128 + 8192) == (64, 32, 130, 8)  # 260 key blocks, 2 per split
+    assert tiles(8, 128 + 512) == (64, 32, 10, 8) and tiles(8, 128 + 8192) == (64, 32, 16, 8)
+    assert tiles(64, 128 + 512) == (64, 64, 2, 8)  # 64 rows fill a third of the SMs: 64-key blocks
+    assert tiles(67, 128 + 512) == (64, 64, 1, 8) and tiles(128, 128 + 8192) == (64, 64, 1, 8)
+    assert tiles(1, 16) == (16, 32, 1, 4)  # too few keys to split
+    assert tiles(4, 128 + 512, heads=128) == (64, 32, 10, 8)  # V4-Pro: 2 head blocks per row
+    assert tiles(1, 128 + 8192, heads=8) == (16, 32, 130, 4)  # fewer heads than a tensor-core M: 16
+    assert tiles(1, 128 + 8192, device=torch.device("cpu")) == (64, 32, 1, 8)
 
 
 def test_dequantizes_raw_fp8_bytes():

@@ -46,24 +46,21 @@ def _paged_view(pool: torch.Tensor, entries: int, entry_bytes: int) -> torch.Ten
 
 
 class Case:
-    """One decode step of one layer at (kind, batch, context), on a synthetic cache, with everything both kernels
-    read: q, sinks, picks (CSA), the step page and the pools."""
+    """One decode step of one layer over `cache`, whose requests `rids` hold a history of context - 1 tokens each,
+    with everything both kernels read: q, sinks, picks (CSA: random distinct visible entries), the step page and
+    the pools. The step's kv is encoded by dsv4kv's kv insert and appended to the ring by its append kernel."""
 
-    def __init__(self, geometry, kind: str, batch: int, context: int, device: torch.device, seed: int = 0):
+    def __init__(self, cache: CacheManager, layer_index: int, rids: list[int], device: torch.device, seed: int = 0):
         from ..kernels import append_window, kv_insert
 
-        g = geometry
-        self.kind, self.batch, self.context = kind, batch, context
-        self.index = next(i for i, layer in enumerate(g.layers) if layer.kind.short == kind)
-        spec = g.layers[self.index]
-        history = context - 1
-        self.cache = cache = CacheManager(g, max_requests=batch, max_tokens=batch * context, device=device)
-        rids = [cache.admit() for _ in range(batch)]
-        for rid in rids:
-            cache.plan_step([(rid, history)])
-        self.lc, self.ls = cache.pools.layers[self.index], cache.spec.layers[self.index]
-        fill_layer(self.lc, window=g.window, seed=seed)
+        g = cache.geometry
+        self.cache, self.index, self.batch = cache, layer_index, len(rids)
+        spec = g.layers[layer_index]
+        self.kind = spec.kind.short
+        self.lc, self.ls = cache.pools.layers[layer_index], cache.spec.layers[layer_index]
         self.plan = plan = cache.plan_step([(rid, 1) for rid in rids])
+        self.context = int(plan.positions[0]) + 1
+        batch = self.batch
         gen = torch.Generator(device=device).manual_seed(seed + 1)
         # q as the layer makes it: RMS-normalized per head (|q| <= sqrt(D)), bf16
         q = torch.randn(batch, g.num_heads, g.head_dim, generator=gen, device=device)
@@ -73,14 +70,26 @@ class Case:
         kv_insert(torch.randn(batch, g.head_dim, generator=gen, device=device).bfloat16(), plan.positions, spec.rope,
                   self.ls.main, self.step_kv, batch, torch.arange(batch, dtype=torch.int32, device=device))
         append_window(self.lc.window, self.ls.main, g.window, plan, self.step_kv)
-        self.visible = context // spec.ratio
+        self.visible = int(plan.positions[:batch].min() + 1) // spec.ratio
         self.picks = None
-        if kind == "CSA":
-            self.picks = torch.rand(batch, self.visible, generator=gen, device=device).topk(g.index_topk).indices
+        if self.kind == "CSA":
+            k = min(g.index_topk, self.visible)
+            self.picks = torch.rand(batch, self.visible, generator=gen, device=device).topk(k).indices
             self.picks = self.picks.int().contiguous()
         self.window, self.ratio, self.page_tokens = g.window, spec.ratio, cache.spec.page_tokens
         self.scale = g.head_dim ** -0.5
         self.out = torch.empty(batch, g.num_heads, g.head_dim, device=device)
+
+    @classmethod
+    def synthetic(cls, geometry, kind: str, batch: int, context: int, device: torch.device, seed: int = 0) -> "Case":
+        """A cache of `batch` requests with context - 1 tokens of random valid bytes (`synthetic.fill_layer`)."""
+        index = next(i for i, layer in enumerate(geometry.layers) if layer.kind.short == kind)
+        cache = CacheManager(geometry, max_requests=batch, max_tokens=batch * context, device=device)
+        rids = [cache.admit() for _ in range(batch)]
+        for rid in rids:
+            cache.plan_step([(rid, context - 1)])
+        fill_layer(cache.pools.layers[index], window=geometry.window, seed=seed)
+        return cls(cache, index, rids, device, seed)
 
     @property
     def keys_per_row(self) -> int:
@@ -159,7 +168,7 @@ def flashmla(ctx) -> None:
     ctx.report.meta["flash_mla_version"] = getattr(module, "__version__", "unknown")
     g = ctx.geometry
     for kind, batch, context in (QUICK_SHAPES if ctx.quick else SHAPES):
-        case = Case(g, kind, batch, context, ctx.device)
+        case = Case.synthetic(g, kind, batch, context, ctx.device)
         theirs = case.flash_mla_runner(module)
         ref = case.reference()
         ours_err = row_error(case.ours(), ref)

@@ -56,15 +56,16 @@ from .encode import round_bf16
 
 __all__ = ["sparse_attention_paged"]
 
-# Tiles (H200 timings: scripts/attention_variants.py, docs/performance.md). A program holds up to 64 heads of one
-# row, the M dimension of both tensor-core products, so each key tile is read and decoded once per 64 heads; its
-# fp32 accumulator [64, D] is split over 2 warpgroups (128 registers per thread at D = 512).
+# Tiles from H200 timings (scripts/attention_variants.py, docs/bench/attention-variants-*.txt). A program holds up
+# to 64 heads of one row, the M dimension of both tensor-core products, so each key tile is read and decoded once
+# per 64 heads; its fp32 accumulator [64, D] is split over 2 warpgroups (128 registers per thread at D = 512).
 BLOCK_H = 64  # most heads per program
-BLOCK_N = 32  # keys per online-softmax block; splits start on these boundaries
-NUM_WARPS = 8
-NUM_STAGES = 2
-# Fewest key blocks per split: a split's fixed cost (q load, partial write, its share of the merge: ~3 fp8 key
-# blocks of bytes at D=512) should not dominate its work.
+SMALL_BLOCK_H = 16  # where even the split grid leaves most SMs idle (CSA batch 1: 17.7 us at 16 heads, 20-26 at 64)
+BLOCK_N = 32  # keys per online-softmax block in small grids (split rows); splits start on these boundaries
+LARGE_BLOCK_N = 64  # ... once the rows alone fill a third of the SMs (CSA batch 128: 121 us at 64 keys, 145 at 32)
+NUM_STAGES = 1  # 2 stages were slower at every decode shape (more registers, spills)
+# Fewest key blocks per split: a split's fixed cost (q load, partial write, its share of the merge) should not
+# dominate its work.
 MIN_SPLIT_BLOCKS = 2
 MERGE_S = 16  # splits a merge program reads at once
 MERGE_WARPS = 4
@@ -95,19 +96,29 @@ def _config(rows: int, heads: int, max_keys: int, device: torch.device) -> _Conf
     A program holds one SM (registers, shared memory), so a grid of rows x head blocks programs fills the GPU once
     it reaches the SM count. Split only where it leaves at least half the SMs idle (a grid of 0.5..1 waves gains
     little from splitting and would pay the merge): then as many splits as one wave holds, each keeping at least
-    MIN_SPLIT_BLOCKS key blocks of the longest row. Off CUDA (the interpreter) always the single pass; tests force
-    splits. V4-Flash decode (64 heads = 1 head block, 132 SMs, 32-key blocks): batch 1 CSA (128 + 512 keys: 20
-    blocks) -> 10 splits, batch 1 HCA at 1M (128 + 8192 keys) -> 132, batch 8 -> 10 (CSA) / 16 (HCA),
-    batch 64 -> 2, batch >= 67 -> 1.
+    MIN_SPLIT_BLOCKS key blocks of the longest row; if even that leaves half the SMs idle, 16-head blocks. Off
+    CUDA (the interpreter) always the single pass with 32-key blocks; tests force splits. V4-Flash decode on 132
+    SMs: CSA batch 1 (640 keys) -> 16 heads x 10 splits; HCA batch 1 at 1M -> 64 heads x 132 splits; batch 8 -> 10
+    (CSA) / 16 (HCA) splits; batch 64 -> 64-key blocks, 2 splits; batch >= 67 -> 64-key blocks, no split.
     """
     block_h = max(16, min(BLOCK_H, triton.next_power_of_2(heads)))  # a tensor-core M of at least 16
-    splits = 1
-    if device.type == "cuda":
+    if device.type != "cuda":
+        return _Config(block_h, BLOCK_N, 1, 4 if block_h <= 32 else 8, NUM_STAGES)
+    sms = _num_sms(device)
+    programs = max(rows, 1) * triton.cdiv(heads, block_h)
+    block_n = LARGE_BLOCK_N if 3 * programs >= sms else BLOCK_N
+    splits = _splits(programs, max_keys, block_n, sms)
+    if programs * splits < sms // 2 and block_h > SMALL_BLOCK_H:
+        block_h = SMALL_BLOCK_H
         programs = max(rows, 1) * triton.cdiv(heads, block_h)
-        sms = _num_sms(device)
-        if 2 * programs <= sms:
-            splits = max(1, min(sms // programs, triton.cdiv(max_keys, BLOCK_N) // MIN_SPLIT_BLOCKS))
-    return _Config(block_h, BLOCK_N, splits, NUM_WARPS, NUM_STAGES)
+        splits = _splits(programs, max_keys, block_n, sms)
+    return _Config(block_h, block_n, splits, 4 if block_h <= 32 else 8, NUM_STAGES)
+
+
+def _splits(programs: int, max_keys: int, block_n: int, sms: int) -> int:
+    if 2 * programs > sms:
+        return 1
+    return max(1, min(sms // programs, triton.cdiv(max_keys, block_n) // MIN_SPLIT_BLOCKS))
 
 
 @triton.jit
