@@ -1,13 +1,14 @@
 """Byte compatibility with FlashMLA (GPU, `flash_mla` from the `sgl-flash-mla` wheel): on pages that dsv4kv wrote
 through its own kernels (a V4-Flash CSA / HCA layer's prefill: kv insert, compress-and-insert, window appends), FlashMLA's
-legacy SM90 sparse FP8 decode (`kv_format="V4"`) and dsv4kv's attention kernel agree, and each is within the
-attention tolerance of the fp32 reference on the dequantized keys. Skipped without a GPU or without flash_mla."""
+legacy SM90 sparse FP8 decode (`kv_format="V4"`) and dsv4kv's attention kernel agree within the attention tolerance,
+ours is within it of the fp32 reference on the dequantized keys, and FlashMLA within its own looser bound
+(bench.flashmla.FLASHMLA_TOL: its rounding is its own; a misread page would be off by far more). Skipped without a GPU or without flash_mla."""
 
 import pytest
 import torch
 
 from dsv4kv import CacheManager, DSV4Attention, ModelGeometry
-from dsv4kv.bench.flashmla import ATTENTION_TOL, Case, _flash_mla, row_error
+from dsv4kv.bench.flashmla import ATTENTION_TOL, FLASHMLA_TOL, Case, _flash_mla, row_error
 from dsv4kv.layer import init_random_weights
 
 flash_mla, REASON = _flash_mla() if torch.cuda.is_available() else (None, "no CUDA device")
@@ -35,4 +36,4 @@ def test_flashmla_decodes_pages_written_by_our_kernels(kind):
     ours_err, theirs_err, between = row_error(ours, ref), row_error(theirs, ref), row_error(theirs, ours)
     print(f"{kind}: dsv4kv {ours_err:.2e}, FlashMLA {theirs_err:.2e} against fp32; FlashMLA vs dsv4kv {between:.2e}")
     assert torch.isfinite(ours).all() and torch.isfinite(theirs).all()
-    assert ours_err <= ATTENTION_TOL and theirs_err <= ATTENTION_TOL and between <= ATTENTION_TOL
+    assert ours_err <= ATTENTION_TOL and between <= ATTENTION_TOL and theirs_err <= FLASHMLA_TOL

@@ -8,7 +8,7 @@ the window of every row in the pool (ours reads the step's own key from the step
 
 Each kernel is timed as a CUDA-graph replay with the L2 flushed, and checked against the fp32 reference on the
 dequantized keys (`ops.gather` + `ops.attention.sparse_attention`): error = max |out - ref| / max |ref| per
-(row, head). A figure whose error exceeds ATTENTION_TOL (either kernel) is refused.
+(row, head). A figure is refused when ours exceeds ATTENTION_TOL or FlashMLA's exceeds FLASHMLA_TOL.
 """
 
 from __future__ import annotations
@@ -20,10 +20,13 @@ from .report import Result
 from .synthetic import fill_layer
 from .timing import time_cuda
 
-__all__ = ["flashmla", "ATTENTION_TOL", "SHAPES"]
+__all__ = ["flashmla", "ATTENTION_TOL", "FLASHMLA_TOL", "SHAPES"]
 
-# bf16 q and bf16 weights in the P.V product, as FlashMLA does (docs/numerics.md); FlashMLA measured 2.2e-3
+# bf16 q and bf16 weights in the P.V product, as FlashMLA does (docs/numerics.md)
 ATTENTION_TOL = 4e-3
+# FlashMLA's own error against the fp32 reference is its own (2.2e-3 to 4.1e-3 measured on the H200): this bound only
+# tells a page FlashMLA read as we do from one it misread (errors of order 1)
+FLASHMLA_TOL = 2 * ATTENTION_TOL
 # (layer kind, batch, context): the decode shapes of issue 11 (CSA: 128 window + 512 picks per row)
 SHAPES = [("CSA", 1, 1 << 20), ("CSA", 8, 1 << 17), ("CSA", 64, 1 << 17), ("CSA", 128, 1 << 16),
           ("HCA", 1, 1 << 20), ("HCA", 8, 1 << 17), ("HCA", 64, 1 << 17)]
@@ -139,6 +142,8 @@ class Case:
         cols = self.entry_columns()
         blocks = self.plan.block_table[slots[:, None], (cols * self.ratio) // self.page_tokens].long()
         ent = torch.where(blocks >= 0, blocks * per_page + cols % per_page, -1)
+        # FlashMLA walks its indices in blocks of 64 (a shorter list made it fault: misaligned address): pad with -1
+        ent = torch.nn.functional.pad(ent, (0, -ent.shape[1] % 64), value=-1)
         win_idx = win.int()[:, None, :].contiguous()
         ent_idx = ent.int()[:, None, :].contiguous()
         q4 = self.q[:, None].contiguous()
@@ -178,9 +183,9 @@ def flashmla(ctx) -> None:
         t_theirs = time_cuda(theirs, device=ctx.device, runs=ctx.runs)
         keys = batch * case.keys_per_row
         flops = 4 * keys * g.num_heads * g.head_dim
-        passed = ours_err <= ATTENTION_TOL and theirs_err <= ATTENTION_TOL
-        check = (f"vs fp32 reference: dsv4kv {ours_err:.2e}, FlashMLA {theirs_err:.2e} of the row max "
-                 f"(tolerance {ATTENTION_TOL:g})")
+        passed = ours_err <= ATTENTION_TOL and theirs_err <= FLASHMLA_TOL
+        check = (f"vs fp32 reference: dsv4kv {ours_err:.2e} (tolerance {ATTENTION_TOL:g}), FlashMLA {theirs_err:.2e} "
+                 f"({FLASHMLA_TOL:g}) of the row max")
         params = {"kind": kind, "batch": batch, "context": context, "keys_per_row": case.keys_per_row}
         extra = {"flashmla_us": t_theirs.median_us, "ratio": t_ours.median_us / t_theirs.median_us,
                  "dsv4kv_error": ours_err, "flashmla_error": theirs_err, "flashmla": t_theirs.as_dict(),
