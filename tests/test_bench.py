@@ -4,11 +4,15 @@ one real GPU run of a small workload where a GPU exists. Speed itself is measure
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import subprocess
 
 import pytest
 import torch
 
-from dsv4kv.bench import Report, Result, evaluate_targets, plot_report, run_bench
+from dsv4kv.bench import Report, Result, bench_device, evaluate_targets, plot_report, run_bench
+from dsv4kv.bench.timing import source_commit
 from dsv4kv.bench.workloads import core_bytes
 from dsv4kv.cli import main
 from dsv4kv import CacheManager, ModelGeometry
@@ -96,8 +100,57 @@ def test_cli_rejects_unknown_workloads_and_needs_a_gpu(capsys):
         assert "needs a CUDA GPU" in capsys.readouterr().err
 
 
+def test_bench_device_gets_an_index(monkeypatch):
+    """`--device cuda` (the default) means the current device: torch.cuda.set_device rejects a device without an
+    index ("Expected a torch.device with a specified index"), so the bench resolves it first."""
+    if not torch.cuda.is_available():  # a pretend machine with 2 GPUs, the second current
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    current, count = torch.cuda.current_device(), torch.cuda.device_count()
+    assert bench_device("cuda") == torch.device("cuda", current)
+    assert bench_device(torch.device("cuda")) == torch.device("cuda", current)
+    assert bench_device("cuda:0") == torch.device("cuda", 0)
+    assert bench_device(torch.device("cuda", count - 1)).index == count - 1
+    for bad, message in (("cpu", "needs a CUDA GPU"), (f"cuda:{count}", f"cuda:{count} does not exist"),
+                         ("gpu", "expected a CUDA device such as 'cuda'")):
+        with pytest.raises(ValueError, match=message):
+            bench_device(bad)
+
+
+def _git(cwd, *args):
+    env = {**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
+           "GIT_COMMITTER_EMAIL": "t@t"}
+    return subprocess.run(["git", "-C", str(cwd), *args], capture_output=True, text=True, check=True,
+                          env=env).stdout.strip()
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="git is not installed")
+def test_commit_stamp_trusts_only_the_projects_own_checkout(tmp_path, monkeypatch):
+    """A copy of the project without .git inside another repository is stamped "unknown", not with that
+    repository's commit; the project's own checkout is stamped with its commit; DSV4KV_COMMIT overrides both."""
+    monkeypatch.delenv("DSV4KV_COMMIT", raising=False)
+    outer = tmp_path / "outer"
+    copy = outer / "vendor" / "dsv4kv"
+    (copy / "src" / "dsv4kv" / "bench").mkdir(parents=True)
+    (copy / "pyproject.toml").write_text("[project]\nname = 'dsv4kv'\n")
+    _git(outer, "init", "-q")
+    _git(outer, "add", "-A")
+    _git(outer, "commit", "-q", "-m", "outer")
+    assert source_commit(str(copy)) == "unknown"
+    _git(copy, "init", "-q")  # the copy becomes a checkout of its own
+    _git(copy, "add", "-A")
+    _git(copy, "commit", "-q", "-m", "own")
+    assert source_commit(str(copy)) == _git(copy, "rev-parse", "--short", "HEAD") != _git(outer, "rev-parse", "--short",
+                                                                                          "HEAD")
+    assert source_commit(str(tmp_path / "nowhere")) == "unknown"
+    monkeypatch.setenv("DSV4KV_COMMIT", "abc1234")
+    assert source_commit(str(copy)) == "abc1234"
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_gpu_topk_workload_runs_and_checks(tmp_path):
+    """The default device "cuda" (no index) through the whole bench path."""
     report = run_bench(["topk"], out_dir=str(tmp_path), name="run", quick=True, runs=5, log=lambda line: None)
     rows = [r for r in report.results if r.workload == "topk"]
     assert rows and all(r.time_us and r.time_us > 0 and not r.refused for r in rows)
