@@ -276,7 +276,7 @@ def core_bytes(g: ModelGeometry, cache: CacheManager, layer_index: int, context:
 
 
 _STAGES = (("_kv_insert", "kv insert"), ("_compress", "compress-and-insert"), ("_indexer_scores", "indexer scores"),
-           ("_hist1", "top-k"), ("_hist2", "top-k"), ("_compact", "top-k"), ("_select", "top-k"),
+           ("_topk_kernel", "top-k"),
            ("_sparse_attention", "attention"), ("_merge_kernel", "attention"), ("_copy_entries", "window append"),
            ("_append_state", "state append"), ("_rope_rows", "RoPE of q and the output"),
            ("_indexer_query", "indexer query"))
