@@ -224,7 +224,7 @@ TOPK_SHAPES = ((1, 262144, 512), (1, 1 << 20, 512), (64, 32768, 512), (8, 262144
 
 def topk():
     """top-k: the kernel before issue 12 (four launches, a looped select), the current phases in four launches, and
-    in one launch (the default), on randn scores and on scores that rise with the column (the top-k clustered in
+    in one launch (the default; also with 1 and 4 programs per SM and phase instead of 2), on randn scores and on scores that rise with the column (the top-k clustered in
     the row's last chunks, which then buffer nearly every pick). Each variant's index sets must equal a stable sort's before it
     is timed. Prints one line per variant, then `TOPK` summary lines."""
     import dsv4kv.kernels.topk as T
@@ -243,15 +243,23 @@ def topk():
             lengths = torch.full((rows,), cols, dtype=torch.int32, device=DEVICE)
             want = topk_picks(scores, k).sort(dim=1).values.int()
             out = torch.empty(rows, k, dtype=torch.int32, device=DEVICE)
-            new_ws = T.topk_workspace(rows, cols, k, DEVICE)
             old_ws = old.topk_workspace(rows, cols, k, DEVICE)
+            new_ws = {}
+
+            def new(fused: bool, per_sm: int):
+                def run():
+                    T.FUSED, T.PROGRAMS_PER_SM = fused, per_sm
+                    if per_sm not in new_ws:  # S, so the workspace's width, depends on the programs per SM
+                        new_ws[per_sm] = T.topk_workspace(rows, cols, k, DEVICE)
+                    return T.topk_indices(scores, lengths, k, out=out, workspace=new_ws[per_sm])
+                return run
+
             runs = {"before (4 launches)": lambda: old.topk_indices(scores, lengths, k, out=out, workspace=old_ws),
-                    "phases (4 launches)": lambda: T.topk_indices(scores, lengths, k, out=out, workspace=new_ws),
-                    "fused (1 launch)": lambda: T.topk_indices(scores, lengths, k, out=out, workspace=new_ws)}
+                    "phases (4 launches)": new(False, 2), "fused (1 launch)": new(True, 2),
+                    "fused-1/SM": new(True, 1), "fused-4/SM": new(True, 4)}
             label = f"topk {rows} x {cols} k={k} {kind}"
             times = {}
             for name, run in runs.items():
-                T.FUSED = name.startswith("fused")
                 out.fill_(-7)
                 run()
                 torch.cuda.synchronize()
@@ -262,7 +270,7 @@ def topk():
                 t = time_cuda(run, device=DEVICE, runs=30)
                 times[name] = f"{t.median_us:.1f}"
                 print(f"{label} {name}: {t.median_us:.1f} us (p10 {t.p10_us:.1f}, p90 {t.p90_us:.1f})", flush=True)
-            T.FUSED = True
+            T.FUSED, T.PROGRAMS_PER_SM = True, 2
             summary.append(f"TOPK {rows:>5} x {cols:>7} k={k:<4} {kind:<6} " + "  ".join(
                 f"{name.split(' ')[0]} {value}" for name, value in times.items()))
             del scores, out, new_ws, old_ws

@@ -68,6 +68,7 @@ __all__ = ["topk_indices", "topk_workspace", "MAX_K"]
 
 MAX_K = 2048
 FUSED = True  # one launch (phases ordered by tickets); False: four launches. A switch for timing both.
+PROGRAMS_PER_SM = 2  # programs per SM and phase on a GPU (S = this x SMs / R); a workspace's size depends on it
 _BINS = 256  # 8-bit digits: four levels cover the 32-bit key
 _LINE = 32  # int32s per 128-byte line: each counter on its own line, so spinning readers do not share a line
 _TICKET, _DONE_A, _DONE_B, _DONE_C = 0, _LINE, 2 * _LINE, 3 * _LINE
@@ -87,7 +88,7 @@ def _split(rows: int, cols: int, device: torch.device) -> tuple[int, int, int]:
     """(splits S, chunk columns, tile columns) for a [rows, cols] problem: about two programs per SM per phase."""
     block = _BLOCK["cuda" if device.type == "cuda" else "cpu"]
     if device.type == "cuda":
-        programs = 2 * _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+        programs = PROGRAMS_PER_SM * _sm_count(device.index if device.index is not None else torch.cuda.current_device())
     else:
         programs = _CPU_PROGRAMS
     splits = max(1, min(-(-programs // max(rows, 1)), -(-cols // block)))
