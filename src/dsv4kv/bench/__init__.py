@@ -19,7 +19,7 @@ from .report import Report, Result, markdown, plot_report
 from .timing import machine_info
 from .workloads import QUICK, WORKLOADS, Context
 
-__all__ = ["run_bench", "evaluate_targets", "WORKLOADS", "QUICK", "Report", "Result", "plot_report", "markdown"]
+__all__ = ["run_bench", "bench_device", "evaluate_targets", "WORKLOADS", "QUICK", "Report", "Result", "plot_report", "markdown"]
 
 
 def run_bench(workloads: Sequence[str] = QUICK, *, out_dir: str | None = "docs/bench", name: str | None = None,
@@ -30,9 +30,7 @@ def run_bench(workloads: Sequence[str] = QUICK, *, out_dir: str | None = "docs/b
     unknown = [w for w in workloads if w not in WORKLOADS]
     if unknown:
         raise ValueError(f"unknown workloads {unknown}; known: {', '.join(WORKLOADS)}")
-    device = torch.device(device)
-    if device.type != "cuda" or not torch.cuda.is_available():
-        raise ValueError("dsv4kv bench needs a CUDA GPU (the figures are GPU times)")
+    device = bench_device(device)
     torch.cuda.set_device(device)  # events, the spin kernel and graph capture use the current device
     log = log or (lambda line: print(line, file=sys.stderr, flush=True))
     report = Report(meta={**machine_info(device), "workloads": list(workloads), "quick": quick})
@@ -49,6 +47,23 @@ def run_bench(workloads: Sequence[str] = QUICK, *, out_dir: str | None = "docs/b
             f.write(markdown(report.to_json()))
         report.meta["written"] = [path, os.path.join(out_dir, f"{name}.md")] + plot_report(report.to_json(), out_dir)
     return report
+
+
+def bench_device(device: str | torch.device) -> torch.device:
+    """The CUDA device the bench runs on, with its index: "cuda" means the current device. torch.cuda.set_device
+    and the per-device caches need an index ("cuda" alone is rejected by set_device)."""
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as err:
+        raise ValueError(f"device: expected a CUDA device such as 'cuda' or 'cuda:1', got {device!r}") from err
+    if device.type != "cuda" or not torch.cuda.is_available():
+        raise ValueError(f"dsv4kv bench needs a CUDA GPU (the figures are GPU times), got device {str(device)!r}"
+                         + ("" if torch.cuda.is_available() else " and no CUDA device is available"))
+    index = torch.cuda.current_device() if device.index is None else device.index
+    count = torch.cuda.device_count()
+    if not 0 <= index < count:
+        raise ValueError(f"device: cuda:{index} does not exist ({count} CUDA device{'s' * (count != 1)} visible)")
+    return torch.device("cuda", index)
 
 
 def _find(report: Report, workload: str, **params) -> Result | None:
