@@ -238,6 +238,8 @@ class DSV4Attention(nn.Module):
         append_window(layer_cache.window, cache_spec.main, g.window, plan, kv)
         for state_kv, state_logits, kv_rows, logit_rows in state_rows:
             append_state(state_kv, state_logits, plan, kv_rows, logit_rows, rows)
+        if plan.snapshots is not None:  # prefix caching: rows of boundaries inside the step
+            cache.capture_boundaries(self.layer_index, plan, kv=kv, state_rows=state_rows)
 
         out = apply_rope(out, positions, spec.rope, inverse=True).to(x.dtype)
         return self.o_b_proj(self._grouped_o_a(out))
@@ -360,6 +362,8 @@ class DSV4Attention(nn.Module):
         append_window(layer_cache.window, main, g.window, plan, step_kv)
         for state_kv, state_logits, kv_rows, logit_rows in state_rows:
             append_state(state_kv, state_logits, plan, kv_rows, logit_rows)
+        if plan.snapshots is not None:  # prefix caching: rows of boundaries inside the step
+            cache.capture_boundaries(self.layer_index, plan, step_kv=step_kv, state_rows=state_rows)
         return rope_rows(out, *cos_sin, inverse=True)
 
     def _grouped_o_a(self, out: torch.Tensor) -> torch.Tensor:

@@ -6,6 +6,7 @@ captured CUDA graph replays with new contents. Rows past the real counts are pad
 
     positions, token_request, window_slots, entry slots / request / index  -> -1  (skip)
     request_slots -> -1, seq_lens -> 0, query_start -> num_tokens            (empty request)
+    snapshot window / state slots (prefix caching)                           -> -1  (skip)
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch
 
 from .checks import positive_int
 
-__all__ = ["EntryWrites", "StepPlan", "StepBuffers", "OutOfBlocks"]
+__all__ = ["EntryWrites", "SnapshotWrites", "StepPlan", "StepBuffers", "OutOfBlocks"]
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,18 @@ class EntryWrites:
     request: torch.Tensor  # int32 [E]: batch row of the owning request
     index: torch.Tensor  # int32 [E]: entry index j; the entry pools tokens [j * ratio, (j + 1) * ratio)
     count: int  # real entries; rows [count:] are padding
+
+
+@dataclass(frozen=True)
+class SnapshotWrites:
+    """Prefix caching: the step's rows that belong to the boundary state of a block the step fills (the window
+    and CSA compressor rows just before a block boundary), and where in the snapshots they go. Each layer
+    hands them to `CacheManager.capture_boundaries` after its appends; rows before the step were copied from
+    the rings when the plan was made."""
+
+    window_slots: torch.Tensor  # int32 [T]: snapshot * window + position % window, or -1
+    state_slots: torch.Tensor  # int32 [T]: snapshot * m + position % m (CSA ratio m), or -1
+    count: int  # host: rows with a window or state slot (0: a layer may skip the capture, outside a graph)
 
 
 @dataclass(frozen=True)
@@ -77,6 +90,7 @@ class StepPlan:
     # per-step tensors derived from the plan alone (RoPE tables, visible counts, ...), computed by the first
     # layer that needs them and shared by the rest: one computation per step instead of one per layer
     memo: dict = field(default_factory=dict, compare=False, repr=False)
+    snapshots: SnapshotWrites | None = None  # prefix caching only
 
     def derived(self, key, make):
         """memo[key], made by make() the first time it is asked for (within a CUDA-graph capture, the making is
@@ -94,10 +108,12 @@ class StepPlan:
 class _Fields:
     """Offsets of each field in the flat int32 buffer, for given capacities."""
 
-    def __init__(self, tokens: int, requests: int, entries: dict[int, int]):
+    def __init__(self, tokens: int, requests: int, entries: dict[int, int], snapshots: bool = False):
         self.tokens, self.requests, self.entries = tokens, requests, dict(entries)
         sizes = [("positions", tokens), ("token_request", tokens), ("window_slots", tokens),
                  ("request_slots", requests), ("query_start", requests + 1), ("seq_lens", requests)]
+        if snapshots:
+            sizes += [("snapshot_window", tokens), ("snapshot_state", tokens)]
         for ratio, count in sorted(entries.items()):
             sizes += [(f"slots{ratio}", count), (f"request{ratio}", count), (f"index{ratio}", count)]
         self.offsets: dict[str, tuple[int, int]] = {}
@@ -122,15 +138,16 @@ class StepBuffers:
 
     def __init__(self, cache_id: int, ratios: tuple[int, ...], *, max_tokens: int, max_requests: int,
                  device: torch.device, entries: dict[int, int] | None = None, persistent: bool = True,
-                 max_seq_len: int | None = None):
+                 max_seq_len: int | None = None, snapshots: bool = False):
         self.cache_id = cache_id
+        self.snapshots = snapshots  # holds prefix caching's capture fields
         self.max_seq_len = max_seq_len  # None: each plan's own longest request
         self.max_tokens = positive_int("max_tokens", max_tokens) if persistent else max_tokens
         self.max_requests = positive_int("max_requests", max_requests) if persistent else max_requests
         # Entries of ratio m completing in a step: sum_b floor((s_b % m + n_b) / m) <= max_tokens // m + max_requests
         self.entry_capacity = dict(entries) if entries is not None else {
             m: max_tokens // m + max_requests for m in ratios}
-        self.fields = _Fields(max_tokens, max_requests, self.entry_capacity)
+        self.fields = _Fields(max_tokens, max_requests, self.entry_capacity, snapshots)
         self.device = torch.device(device)
         self.buffer = torch.empty(self.fields.total, dtype=torch.int32, device=self.device)
         self.views = {name: self.fields.view(self.buffer, name) for name in self.fields.offsets}

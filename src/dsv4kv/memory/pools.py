@@ -1,12 +1,15 @@
-"""The cache's tensors: per-layer paged pools (indexed by block id) and per-request state (indexed
-by request slot). Shapes and bytes come from `CacheSpec`; nothing here decides a size."""
+"""The cache's tensors: per-layer paged pools (indexed by block id), per-request state (indexed by request
+slot) and, with prefix caching, boundary snapshots (indexed by snapshot id). Shapes and bytes come from
+`CacheSpec`; nothing here decides a size, and nothing here decides *which* bytes move: the manager does."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
+from ..geometry import LayerKind
 from .spec import CacheSpec, LayerCacheSpec
 
 __all__ = ["LayerCache", "CachePools", "POISON_BYTE"]
@@ -19,7 +22,8 @@ POISON_BYTE = 0xFF
 @dataclass
 class LayerCache:
     """One layer's storage. Block-indexed pools hold `entries_per_page` entries per block; request-slot
-    indexed tensors hold one row per live request."""
+    indexed tensors hold one row per live request; snapshot-indexed tensors (prefix caching) hold one
+    boundary state per row, the last row a scratch target for padding."""
 
     spec: LayerCacheSpec
     window: torch.Tensor  # uint8 [max_requests, window_bytes]: ring of `window` main entries, slot = r * window + pos % window
@@ -29,41 +33,72 @@ class LayerCache:
     state_score: torch.Tensor | None  # fp32, same shape: gate logits + positional bias; -inf = no row yet
     index_state_kv: torch.Tensor | None  # fp32 [max_requests, state_rows, 2 * index_head_dim] (CSA)
     index_state_score: torch.Tensor | None
+    # prefix caching, snapshot s at a boundary B: the window ring as the request held it at B (same slot
+    # layout, pos % window), and for CSA the compressor rows of tokens B-m .. B-1 at row pos % m
+    boundary_window: torch.Tensor | None = None  # uint8 [snapshots + 1, window_bytes]
+    boundary_kv: torch.Tensor | None = None  # fp32 [snapshots + 1, m, state_width] (CSA)
+    boundary_score: torch.Tensor | None = None
+    boundary_index_kv: torch.Tensor | None = None  # fp32 [snapshots + 1, m, 2 * index_head_dim] (CSA)
+    boundary_index_score: torch.Tensor | None = None
 
     def tensors(self) -> list[torch.Tensor]:
         return [t for t in (self.window, self.entries, self.index_keys, self.state_kv, self.state_score,
-                            self.index_state_kv, self.index_state_score) if t is not None]
+                            self.index_state_kv, self.index_state_score, self.boundary_window, self.boundary_kv,
+                            self.boundary_score, self.boundary_index_kv, self.boundary_index_score) if t is not None]
+
+    def request_tensors(self) -> list[tuple[torch.Tensor, bool]]:
+        """What one request owns in this layer, as (tensor, paged): paged pools are indexed by block id, the
+        rest by request slot."""
+        return [(t, paged) for t, paged in ((self.entries, True), (self.index_keys, True), (self.window, False),
+                                            (self.state_kv, False), (self.state_score, False),
+                                            (self.index_state_kv, False), (self.index_state_score, False))
+                if t is not None]
+
+    def state_pairs(self) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """CSA: (ring kv, ring logits, snapshot kv, snapshot logits) of the main and the indexer compressor."""
+        if self.boundary_kv is None:
+            return []
+        return [(self.state_kv, self.state_score, self.boundary_kv, self.boundary_score),
+                (self.index_state_kv, self.index_state_score, self.boundary_index_kv, self.boundary_index_score)]
 
 
 class CachePools:
     def __init__(self, spec: CacheSpec, *, num_blocks: int, max_requests: int, device: torch.device,
-                 fill_byte: int = 0):
+                 fill_byte: int = 0, snapshots: int = 0):
         self.spec = spec
         self.num_blocks = num_blocks
         self.max_requests = max_requests
         self.fill_byte = fill_byte
+        self.snapshots = snapshots  # the scratch snapshot is id `snapshots`
 
         def pool(rows: int, row_bytes: int) -> torch.Tensor | None:
-            if row_bytes == 0:
+            if row_bytes == 0 or rows == 0:
                 return None
             return torch.full((rows, row_bytes), fill_byte, dtype=torch.uint8, device=device)
 
-        def state(rows: int, width: int, fill: float) -> torch.Tensor | None:
-            if width == 0:
+        def state(slots: int, rows: int, width: int, fill: float) -> torch.Tensor | None:
+            if width == 0 or rows == 0 or slots == 0:
                 return None
-            return torch.full((max_requests, rows, width), fill, dtype=torch.float32, device=device)
+            return torch.full((slots, rows, width), fill, dtype=torch.float32, device=device)
 
+        snapshot_rows = snapshots + 1 if snapshots else 0
         self.layers: list[LayerCache] = []
         for layer in spec.layers:
+            m = layer.boundary_rows
             self.layers.append(LayerCache(
                 spec=layer,
                 window=pool(max_requests, layer.window_bytes),
                 entries=pool(num_blocks, layer.entry_page_bytes),
                 index_keys=pool(num_blocks, layer.index_page_bytes),
-                state_kv=state(layer.state_rows, layer.state_width, 0.0),
-                state_score=state(layer.state_rows, layer.state_width, float("-inf")),
-                index_state_kv=state(layer.state_rows, layer.index_state_width, 0.0),
-                index_state_score=state(layer.state_rows, layer.index_state_width, float("-inf")),
+                state_kv=state(max_requests, layer.state_rows, layer.state_width, 0.0),
+                state_score=state(max_requests, layer.state_rows, layer.state_width, float("-inf")),
+                index_state_kv=state(max_requests, layer.state_rows, layer.index_state_width, 0.0),
+                index_state_score=state(max_requests, layer.state_rows, layer.index_state_width, float("-inf")),
+                boundary_window=pool(snapshot_rows, layer.window_bytes),
+                boundary_kv=state(snapshot_rows, m, layer.state_width, 0.0),
+                boundary_score=state(snapshot_rows, m, layer.state_width, float("-inf")),
+                boundary_index_kv=state(snapshot_rows, m, layer.index_state_width, 0.0),
+                boundary_index_score=state(snapshot_rows, m, layer.index_state_width, float("-inf")),
             ))
 
     @property
@@ -79,3 +114,103 @@ class CachePools:
                 if kv is not None:
                     kv[slot].zero_()
                     score[slot].fill_(float("-inf"))
+
+    # --- prefix caching: boundary snapshots ----------------------------------------------------------
+    def capture_window(self, layer_index: int, slots: torch.Tensor, data: torch.Tensor, scales: torch.Tensor) -> None:
+        """Copy encoded window entries of a step into snapshots: slots int32/int64 [N] = snapshot * window +
+        pos % window, or -1; data uint8 [N, data_bytes], scales uint8 [N, scale_bytes] (the entry format's
+        encoding, byte for byte what the ring receives). Rows -1 go to the scratch snapshot: no branch, no
+        host sync, so a captured graph replays it."""
+        layer = self.layers[layer_index]
+        if layer.boundary_window is None:
+            return
+        spec, window = layer.spec, layer.spec.window
+        dst = torch.where(slots >= 0, slots, torch.full_like(slots, self.snapshots * window)).long()
+        data_dst, scale_dst = spec.main.page_views(layer.boundary_window, window)
+        page, offset = dst // window, dst % window
+        data_dst[page, offset] = data
+        if spec.main.scale_bytes:
+            scale_dst[page, offset] = scales
+
+    def capture_state(self, layer_index: int, slots: torch.Tensor,
+                      rows: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Copy CSA compressor rows of a step into snapshots: slots [N] = snapshot * m + pos % m, or -1 (scratch);
+        rows: (kv, logits) fp32 [N, w] of the main then the indexer compressor. Other layers: nothing."""
+        pairs = self.layers[layer_index].state_pairs()
+        if not pairs:
+            return
+        m = self.layers[layer_index].spec.boundary_rows
+        dst = torch.where(slots >= 0, slots, torch.full_like(slots, self.snapshots * m)).long()
+        page, offset = dst // m, dst % m
+        for (_, _, snap_kv, snap_score), (kv_rows, logit_rows) in zip(pairs, rows):
+            snap_kv[page, offset] = kv_rows.float()
+            snap_score[page, offset] = logit_rows.float()
+
+    def copy_to_snapshot(self, slot: int, snapshot: int, window_positions: Sequence[int],
+                         state_positions: Sequence[int]) -> None:
+        """Copy ring rows of the request in `slot` (positions it holds now) into `snapshot`, every layer."""
+        device = self.layers[0].window.device
+        w_pos = torch.tensor(list(window_positions), dtype=torch.long, device=device)
+        s_pos = torch.tensor(list(state_positions), dtype=torch.long, device=device)
+        for layer in self.layers:
+            if layer.boundary_window is None:
+                continue
+            spec = layer.spec
+            if w_pos.numel():
+                offset = w_pos % spec.window
+                src_data, src_scales = spec.main.page_views(layer.window, spec.window)
+                dst_data, dst_scales = spec.main.page_views(layer.boundary_window, spec.window)
+                dst_data[snapshot, offset] = src_data[slot, offset]
+                dst_scales[snapshot, offset] = src_scales[slot, offset]
+            if s_pos.numel():
+                for ring_kv, ring_score, snap_kv, snap_score in layer.state_pairs():
+                    snap_kv[snapshot, s_pos % spec.boundary_rows] = ring_kv[slot, s_pos % spec.state_rows]
+                    snap_score[snapshot, s_pos % spec.boundary_rows] = ring_score[slot, s_pos % spec.state_rows]
+
+    def restore(self, snapshot: int, slot: int, boundary: int) -> None:
+        """Give the (freshly reset) request in `slot` the state of `snapshot`, taken at token `boundary`."""
+        for layer in self.layers:
+            if layer.boundary_window is None:
+                continue
+            layer.window[slot].copy_(layer.boundary_window[snapshot])
+            m = layer.spec.boundary_rows
+            if not m:
+                continue
+            positions = torch.arange(boundary - m, boundary, device=layer.window.device)
+            for ring_kv, ring_score, snap_kv, snap_score in layer.state_pairs():
+                ring_kv[slot, positions % layer.spec.state_rows] = snap_kv[snapshot, positions % m]
+                ring_score[slot, positions % layer.spec.state_rows] = snap_score[snapshot, positions % m]
+
+    # --- preemption: a request's bytes to host memory and back ----------------------------------------
+    def save(self, slot: int, blocks: Sequence[int]) -> list[torch.Tensor]:
+        """Host copies (pinned on CUDA) of everything the request in `slot` with `blocks` owns: per layer, in
+        `LayerCache.request_tensors` order, the paged pools' rows of its blocks and its slot's rows."""
+        device = self.layers[0].window.device
+        pin = device.type == "cuda"
+        index = torch.tensor(list(blocks), dtype=torch.long, device=device)
+        saved = []
+        for layer in self.layers:
+            for tensor, paged in layer.request_tensors():
+                rows = tensor[index] if paged else tensor[slot]
+                host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=pin)
+                host.copy_(rows, non_blocking=pin)  # ordered before any later kernel on the stream
+                saved.append(host)
+        return saved
+
+    def load(self, saved: Sequence[torch.Tensor], slot: int, blocks: Sequence[int], copy: Sequence[int]) -> None:
+        """Inverse of `save` into `slot` and `blocks` (the request's new block ids, in order), writing only the
+        block rows at indices `copy` (others are shared cached blocks that still hold these bytes)."""
+        device = self.layers[0].window.device
+        pin = device.type == "cuda"
+        copy = list(copy)
+        dst = torch.tensor([blocks[i] for i in copy], dtype=torch.long, device=device)
+        src = torch.tensor(copy, dtype=torch.long, device=device)
+        it = iter(saved)
+        for layer in self.layers:
+            for tensor, paged in layer.request_tensors():
+                host = next(it)
+                if not paged:
+                    tensor[slot].copy_(host, non_blocking=pin)
+                elif copy:
+                    # select on the device: on the host the (asynchronous) swap-out copy may not have landed yet
+                    tensor[dst] = host.to(device, non_blocking=pin)[src]

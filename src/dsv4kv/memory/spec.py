@@ -84,6 +84,19 @@ class LayerCacheSpec:
         """Fixed bytes per request slot: window ring + compressor state."""
         return self.window_bytes + self.state_bytes
 
+    # Prefix caching: the state a request needs at a block boundary B (a multiple of page_tokens, so of m):
+    # the window ring (the last `window` tokens), and for CSA the compressor rows of tokens B-m .. B-1 (entry
+    # B/m pools them through the low half). HCA state is empty at a multiple of m; so are CSA rows B-2m..B-m-1,
+    # which nothing after B reads.
+    @property
+    def boundary_rows(self) -> int:
+        return self.layer.ratio if self.layer.kind is LayerKind.CSA else 0
+
+    @property
+    def boundary_bytes(self) -> int:
+        """Bytes of one boundary snapshot of this layer: window ring + CSA rows (fp32 kv and logits, main and indexer)."""
+        return self.window_bytes + 2 * self.boundary_rows * (self.state_width + self.index_state_width) * FP32_BYTES
+
 
 @dataclass(frozen=True)
 class CacheSpec:
@@ -126,6 +139,11 @@ class CacheSpec:
         return sum(layer.request_bytes for layer in self.layers)
 
     @property
+    def boundary_bytes(self) -> int:
+        """Bytes one prefix-cache boundary snapshot takes across every layer."""
+        return sum(layer.boundary_bytes for layer in self.layers)
+
+    @property
     def bytes_per_token(self) -> float:
         """Amortized paged bytes per original token, all layers (long context: window and state excluded)."""
         return self.block_bytes / self.page_tokens
@@ -137,6 +155,9 @@ class CacheSpec:
         """Everything one request of `tokens` tokens holds: its blocks plus its slot's window and state."""
         return self.blocks_for(tokens) * self.block_bytes + self.request_fixed_bytes
 
-    def pool_bytes(self, num_blocks: int, max_requests: int) -> int:
-        """Bytes a cache with these many blocks and request slots allocates."""
-        return num_blocks * self.block_bytes + max_requests * self.request_fixed_bytes
+    def pool_bytes(self, num_blocks: int, max_requests: int, snapshots: int = 0) -> int:
+        """Bytes a cache with these many blocks, request slots and prefix-cache snapshots allocates (snapshot pools
+        hold one scratch snapshot more: the target of a step's padding rows, so captures need no branch)."""
+        snapshot_rows = snapshots + 1 if snapshots else 0
+        return (num_blocks * self.block_bytes + max_requests * self.request_fixed_bytes
+                + snapshot_rows * self.boundary_bytes)
