@@ -44,22 +44,6 @@ def round_bf16(x):
 
 
 @triton.jit
-def negate(x):
-    """-x for fp32 x, the sign bit flipped (-(+0) = -0). Triton 3.6 (the H200's) compiles unary minus on floats to
-    0 - x, which gives +0 for +0 on the GPU where the interpreter and torch give -0 (fixed upstream later:
-    triton-lang/triton#10270), so kernels negate through the bits."""
-    return (x.to(tl.int32, bitcast=True) ^ -2147483648).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def with_sign(magnitude, negative):
-    """fp32 magnitude >= 0 (or +0) with the sign bit or-ed in where `negative`: -0 for a zero magnitude, by
-    construction rather than by whatever a negation or a conversion does with a zero."""
-    sign = tl.where(negative, -2147483648, 0)
-    return (magnitude.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
-
-
-@triton.jit
 def bf16_bits(x):
     """bf16-valued fp32 x -> its bf16 bits as int16: the top half of the fp32 bits (exact; NaN payloads kept)."""
     return (x.to(tl.int32, bitcast=True) >> 16).to(tl.int16)
@@ -162,7 +146,7 @@ def rope_block(x, cos, sin, INVERSE: tl.constexpr = False, ROUND: tl.constexpr =
     R: tl.constexpr = x.shape[0]
     even, odd = tl.split(tl.reshape(x, (R, 32, 2)))
     if INVERSE:
-        sin = negate(sin)  # torch's -sin: -0 where sin is +0
+        sin = -sin
     rot_even = even * cos - odd * sin
     rot_odd = odd * cos + even * sin
     if ROUND:
