@@ -246,10 +246,12 @@ def test_input_check_gates_keys_and_query():
 def _tiny_csa_step(seed=0):
     """A tiny CSA layer with two requests of history (reference path) and a mixed next step."""
     g = torch.Generator().manual_seed(seed)
-    layer = init_random_weights(DSV4Attention(TINY, 1), seed)
-    cache = CacheManager(TINY, max_requests=2, max_tokens=400, page_tokens=128)
+    # the kernels run compiled where a GPU exists, under the interpreter otherwise
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    layer = init_random_weights(DSV4Attention(TINY, 1, device=device), seed)
+    cache = CacheManager(TINY, max_requests=2, max_tokens=400, page_tokens=128, device=device)
     a, b = cache.admit(), cache.admit()
-    x = torch.randn(159, TINY.hidden_size, generator=g).bfloat16()
+    x = torch.randn(159, TINY.hidden_size, generator=g).bfloat16().to(device)
     layer.backend = "torch"
     with torch.no_grad():
         layer(x[:100], cache.plan_step([(a, 100)]), cache)

@@ -73,12 +73,12 @@ class Case:
         kv_insert(torch.randn(batch, g.head_dim, generator=gen, device=device).bfloat16(), plan.positions, spec.rope,
                   self.ls.main, self.step_kv, batch, torch.arange(batch, dtype=torch.int32, device=device))
         append_window(self.lc.window, self.ls.main, g.window, plan, self.step_kv)
-        self.visible = int(plan.positions[:batch].min() + 1) // spec.ratio
+        self.visible = int(plan.positions[:batch].max() + 1) // spec.ratio  # the most entries a row sees
         self.picks = None
         if self.kind == "CSA":
-            k = min(g.index_topk, self.visible)
-            self.picks = torch.rand(batch, self.visible, generator=gen, device=device).topk(k).indices
-            self.picks = self.picks.int().contiguous()
+            shared = int(plan.positions[:batch].min() + 1) // spec.ratio  # entries every row can see
+            k = min(g.index_topk, shared)
+            self.picks = torch.rand(batch, shared, generator=gen, device=device).topk(k).indices.int().contiguous()
         self.window, self.ratio, self.page_tokens = g.window, spec.ratio, cache.spec.page_tokens
         self.scale = g.head_dim ** -0.5
         self.out = torch.empty(batch, g.num_heads, g.head_dim, device=device)
@@ -107,10 +107,13 @@ class Case:
             page_tokens=self.page_tokens, picks=self.picks, out=self.out, max_entries=self.visible)
 
     def entry_columns(self) -> torch.Tensor:
-        """long [batch, K]: the compressed entries each row attends to (picks, or every visible entry)."""
+        """long [batch, K]: the compressed entries each row attends to (picks, or every entry the row can see; -1
+        past a row's own visible count)."""
         if self.picks is not None:
             return self.picks.long()
-        return torch.arange(self.visible, device=self.q.device).expand(self.batch, -1)
+        visible = (self.plan.positions[:self.batch].long() + 1) // self.ratio
+        j = torch.arange(int(visible.max()), device=self.q.device)
+        return torch.where(j < visible[:, None], j, -1)
 
     def reference(self) -> torch.Tensor:
         """fp32 [batch, H, D] on the dequantized keys."""
