@@ -27,16 +27,16 @@ writes (m_s, l_s, acc_s) to the workspace; a second kernel merges the splits tha
 so the sink counts once, a split without keys is never written nor read (no -inf - -inf), and a row without keys
 still gets acc = 0, l = 1. S = 1 is the single pass: no workspace, no merge.
 
-Numerics. Keys are dequantized in registers (no staging copy of any pool): e4m3 * 2^(ue8m0 - 127) and the
-bf16 rope dims are exactly bf16 values, so q . k is a bf16 tensor-core dot with fp32 accumulation, exact per
-product for a bf16 q (an fp32 q is split into three bf16 parts, which carry all its 24 bits). The head dims are
-held as D / 64 chunks of 64 (one ue8m0 scale each), the batch dimension of the dots (`_attend`): q . k sums the
-chunks' fp32 partial dots. The softmax runs in fp32; for w . V each fp32 weight is split into two bf16 parts
-(hi + lo, two dots), ~2^-17 relative instead of bf16's 2^-9. The merge is fp32: the split path differs from the
-single pass only in summation order. Measured against the fp32 reference (error / the row's max |out|,
-tests/test_kernel_attention.py, Triton's interpreter, whose fp32 -> bf16 casts truncate): <= 2.5e-5 for the
-single pass and 2 to 7 key splits alike (hi + lo weights), 4e-3..7e-3 with bf16 weights alone. Keys are not
-flushed: ue8m0 code 0 scales by 2^-127, code 0xFF is NaN, as `quant.ue8m0_decode`.
+Work split. A program holds up to 64 heads of one row (BLOCK_H): they are the M dimension of both tensor-core
+products, so each key block is read and decoded once per 64 heads into one bf16 tile [BLOCK_N, D] that both
+products read (q . k through a transposed view of it, w . V = w . K), with the fp32 accumulator [64, D] split over
+two warpgroups. The window blocks and the entry blocks run in one loop (both address forms computed, one selected).
+
+Numerics (docs/numerics.md). Keys are exact: e4m3 * 2^(ue8m0 - 127) and the rope dims are bf16 values; codes are
+not flushed (ue8m0 code 0 scales by 2^-127, code 0xFF is NaN, as `quant.ue8m0_decode`). q enters the product in
+bf16 (an fp32 q as two bf16 parts, ~2^-17 relative), the softmax runs in fp32 and its weights enter w . V in bf16,
+as FlashMLA does; the running sum adds the weights as rounded. Against the fp32 reference: within 4e-3 of each
+(row, head)'s largest output (tests/test_kernel_attention.py). The merge is fp32.
 """
 
 from __future__ import annotations
