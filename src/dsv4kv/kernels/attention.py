@@ -154,10 +154,8 @@ def _key_tile(p_data, p_scale, mask, D: tl.constexpr, NOPE: tl.constexpr, BLOCK_
         m_row = mask[:, None, None]
         b_code = tl.load(p_data[:, None, None] + o_d, mask=m_row & m_nope[None, :, None], other=0)
         b_exp = tl.load(p_scale[:, None] + o_c[None, :], mask=mask[:, None] & m_nope[None, :], other=127)
-        # the rope dims (D - NOPE = 64: one chunk) as [N, 1, 64], broadcast over the chunks: registers and loads for
-        # one chunk, not a masked load of all of them
         p_rope = (p_data + NOPE).to(tl.pointer_type(tl.bfloat16))  # data rows start at even bytes
-        b_rope = tl.load(p_rope[:, None, None] + tl.arange(0, 64)[None, None, :], mask=m_row, other=0.0)
+        b_rope = tl.load(p_rope[:, None, None] + (o_d - NOPE), mask=m_row & (o_d >= NOPE), other=0.0)
         b_k = tl.where(m_nope[None, :, None], _dequant_fp8(b_code, b_exp), b_rope)
         b_k = tl.reshape(b_k, (BLOCK_N, D))
     else:
@@ -368,7 +366,6 @@ def _merge_kernel(p_ws, p_sinks, p_out, p_positions, ratio, n_picks, H, splits, 
 def _layout_dims(layout: EntryLayout) -> tuple[int, int]:
     """(nope dims, scale bytes) of a main-entry layout: (0, 0) for bf16 entries."""
     if isinstance(layout, MainFP8Layout) and layout.name == "fp8":
-        require(layout.rope_dim == 64, f"layout: the kernel reads 64 rope dims (V4's), got {layout.rope_dim}")
         return layout.nope_dim, layout.scale_bytes
     require(type(layout) is EntryLayout and layout.name == "bf16" and layout.data_bytes == 2 * layout.dim,
             f"layout: expected a main-entry layout (dsv4kv.layout.main_layout('fp8' | 'bf16', ...)), got {layout!r}")
