@@ -19,7 +19,8 @@ from .report import Report, Result, markdown, plot_report
 from .timing import machine_info
 from .workloads import QUICK, WORKLOADS, Context
 
-__all__ = ["run_bench", "bench_device", "evaluate_targets", "WORKLOADS", "QUICK", "Report", "Result", "plot_report", "markdown"]
+__all__ = ["run_bench", "bench_device", "evaluate_targets", "WORKLOADS", "QUICK", "Report", "Result", "plot_report",
+           "markdown"]
 
 
 def run_bench(workloads: Sequence[str] = QUICK, *, out_dir: str | None = "docs/bench", name: str | None = None,
