@@ -192,7 +192,8 @@ def test_topk_gpu_batches(rows, cols, k, kind):
 
 
 @cuda
-@pytest.mark.parametrize("rows,cols,k", [(1, CONTEXT, 512), (1, 4 * CONTEXT, 512), (64, 32768, 512), (3, CONTEXT, 1024)],
+@pytest.mark.parametrize("rows,cols,k", [(1, CONTEXT, 512), (1, 4 * CONTEXT, 512), (64, 32768, 512),
+                                         (3, CONTEXT, 1024)],
                          ids=lambda v: str(v))
 def test_topk_gpu_repeated_calls(rows, cols, k):
     """100 calls on one workspace, new scores each time: a phase that read another's data before it was complete

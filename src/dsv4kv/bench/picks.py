@@ -75,7 +75,8 @@ class RowVerdict:
         return self.finite and self.same_picks == 0 and self.far_picks == 0
 
     def text(self, what: str) -> str:
-        out = f"{what}: {self.rows - self.beyond}/{self.rows} rows within {self.row_tol:g} (worst {self.worst_within:.2e})"
+        out = (f"{what}: {self.rows - self.beyond}/{self.rows} rows within {self.row_tol:g} "
+               f"(worst {self.worst_within:.2e})")
         if self.beyond:
             out += (f"; {self.beyond} beyond: {self.near_ties} near-tie pick flips"
                     + (f", {self.input_flips} flips from this step's inputs" if self.input_flips else "")
@@ -138,7 +139,8 @@ class InputCheck:
 
     @property
     def passed(self) -> bool:
-        return self.key_bytes_differ <= self.KEY_FRACTION * self.new_key_bytes and self.query_equal >= self.QUERY_FRACTION
+        return (self.key_bytes_differ <= self.KEY_FRACTION * self.new_key_bytes
+                and self.query_equal >= self.QUERY_FRACTION)
 
     def text(self) -> str:
         return (f"indexer inputs: {self.key_bytes_differ} of {self.new_key_bytes} new key bytes differ (<= "

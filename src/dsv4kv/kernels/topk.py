@@ -88,7 +88,8 @@ def _split(rows: int, cols: int, device: torch.device) -> tuple[int, int, int]:
     """(splits S, chunk columns, tile columns) for a [rows, cols] problem: about two programs per SM per phase."""
     block = _BLOCK["cuda" if device.type == "cuda" else "cpu"]
     if device.type == "cuda":
-        programs = PROGRAMS_PER_SM * _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        programs = PROGRAMS_PER_SM * _sm_count(index)
     else:
         programs = _CPU_PROGRAMS
     splits = max(1, min(-(-programs // max(rows, 1)), -(-cols // block)))
