@@ -27,7 +27,7 @@ D  [1 per row]  digits 3 and 4 from two histograms over the buffer, then the pic
                 everything after is register work; else three passes over the buffer. It zeroes the row's
                 histograms and counters for the next call.
 
-One launch (`FUSED`, the default): every program of row r takes a ticket from the row's counter when it starts
+One launch (`FUSED = True`; four launches are the default, faster on the H200): every program of row r takes a ticket from the row's counter when it starts
 and the ticket gives its role: tickets 0..S-1 run phase A on chunk t, S..2S-1 phase B, 2S..3S-1 phase C, 3S
 phase D. A phase waits (polling a counter) until every program of the phase before it has signalled, and a
 program only ever waits for programs with lower tickets, which have already started: it cannot deadlock however
@@ -67,7 +67,8 @@ except ImportError:  # a CPU-only install without Triton: the wrapper's checks s
 __all__ = ["topk_indices", "topk_workspace", "MAX_K"]
 
 MAX_K = 2048
-FUSED = True  # one launch (phases ordered by tickets); False: four launches. A switch for timing both.
+FUSED = False  # four launches; True: one launch ordered by tickets. H200 (docs/bench/topk-variants-h200.txt): four
+# launches 22.9 / 38.2 / 53.9 us at 256K / 1M / 64 x 32K, one launch 26.9 / 53.3 / 69.2 (the waits cost more than launches)
 PROGRAMS_PER_SM = 2  # programs per SM and phase on a GPU (S = this x SMs / R); a workspace's size depends on it
 _BINS = 256  # 8-bit digits: four levels cover the 32-bit key
 _LINE = 32  # int32s per 128-byte line: each counter on its own line, so spinning readers do not share a line
