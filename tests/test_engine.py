@@ -12,7 +12,7 @@ import torch
 
 from dsv4kv import CacheManager, RequestError, WeightError
 from dsv4kv.engine import DSV4Model, Engine, SamplingParams
-from dsv4kv.engine.reference import random_model, tiny_config
+from dsv4kv.engine.reference import random_model, tiny_config, with_dtype
 from dsv4kv.engine.request import Request, Status
 from dsv4kv.engine.sampler import sample
 from dsv4kv.engine.scheduler import Scheduler
@@ -218,6 +218,29 @@ def test_decode_steps_through_padded_graph_steps_give_the_same_tokens():
     outputs = e.generate(prompts((131, 47, 9)), SamplingParams(max_new_tokens=6))
     assert e.stats.graph_steps > 0
     assert tuple(o.token_ids for o in outputs) == greedy_reference()
+
+
+def test_the_kernel_path_serves_the_reference_tokens():
+    """bf16 weights with the attention on the Triton kernels (on a CPU under Triton's interpreter, on CUDA compiled
+    and with decode steps captured as CUDA graphs), decode steps through padded graph steps: the same greedy tokens
+    as the PyTorch reference."""
+    from dsv4kv.backend import kernels_can_run
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if not kernels_can_run(device):
+        pytest.skip("Triton is not installed, or TRITON_INTERPRET is off on a CPU")
+    model = with_dtype(random_model(tiny_config(), seed=0, device=device), torch.bfloat16)
+    token_lists = prompts((33, 9), seed=5)
+    got = {}
+    for backend, sizes in (("torch", ()), ("triton", (2,))):
+        e = Engine.from_transformers(model, max_requests=2, max_tokens=256, page_tokens=128, step_tokens=64,
+                                     max_seq_len=128, decode_graph_sizes=sizes, **EXACT)
+        for layer in e.model.attention_layers:
+            layer.backend = backend
+        got[backend] = [o.token_ids for o in e.generate(token_lists, SamplingParams(max_new_tokens=3))]
+        if backend == "triton":
+            assert e.stats.graph_steps == 2, e.stats
+    assert got["triton"] == got["torch"]
 
 
 def test_cuda_graph_sizes_are_checked():
