@@ -7,6 +7,7 @@ import functools
 import json
 import os
 
+import numpy as np
 import pytest
 import torch
 
@@ -95,6 +96,9 @@ def test_generate_returns_outputs_in_prompt_order_with_timings():
     token_lists = prompts((131, 47, 9))
     outputs = e.generate(token_lists, [SamplingParams(max_new_tokens=n) for n in (6, 3, 1)])
     assert [o.prompt_token_ids for o in outputs] == [tuple(p) for p in token_lists]
+    again = engine().generate([torch.tensor(token_lists[1]), np.array(token_lists[2])],
+                              [SamplingParams(max_new_tokens=n) for n in (3, 1)])
+    assert [o.token_ids for o in again] == [o.token_ids for o in outputs[1:]]
     assert [len(o.token_ids) for o in outputs] == [6, 3, 1]
     assert all(o.finished and o.finish_reason == "length" and o.cached_tokens == 0 for o in outputs)
     assert all(o.ttft > 0 for o in outputs) and outputs[0].itl > 0 and outputs[2].itl is None

@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from ..checks import positive_int
@@ -232,10 +233,11 @@ class Engine:
         return params
 
     def _check_prompt(self, prompt, name: str = "prompt") -> tuple[int, ...]:
-        if isinstance(prompt, torch.Tensor):
-            if prompt.dim() != 1 or prompt.dtype.is_floating_point or prompt.dtype == torch.bool:
-                raise ValueError(f"{name}: expected a 1-D integer tensor, got {prompt.dtype} {list(prompt.shape)}")
-            prompt = prompt.tolist()
+        if isinstance(prompt, (torch.Tensor, np.ndarray)):  # 1-D integer arrays
+            tensor = torch.as_tensor(prompt)
+            if tensor.dim() != 1 or tensor.dtype.is_floating_point or tensor.dtype == torch.bool:
+                raise ValueError(f"{name}: expected a 1-D integer tensor, got {tensor.dtype} {list(tensor.shape)}")
+            prompt = tensor.tolist()
         if isinstance(prompt, (str, bytes)) or not isinstance(prompt, Sequence):
             raise TypeError(f"{name}: expected a sequence of token ids, got {type(prompt).__name__}")
         if len(prompt) == 0:
