@@ -214,6 +214,17 @@ def test_a_request_stops_at_max_seq_len():
     assert out.token_ids == engine().generate(prompts((131,)), SamplingParams(max_new_tokens=10))[0].token_ids
 
 
+def test_max_seq_len_is_what_the_blocks_hold():
+    """max_seq_len 4096 over a cache of 3 blocks of 128 tokens: requests are bounded by the 384 tokens the blocks
+    hold, so a long prompt is refused instead of waiting forever for blocks."""
+    e = engine(max_requests=2, max_tokens=256, max_seq_len=4096)
+    assert e.cache.num_blocks == 3 and e.max_seq_len == 384
+    with pytest.raises(ValueError, match="400 tokens, the cache holds at most 384"):
+        e.add_request(list(range(400)))
+    out = e.generate(prompts((380,)), SamplingParams(max_new_tokens=20))[0]
+    assert len(out.token_ids) == 5 and out.finish_reason == "length"
+
+
 def test_decode_steps_through_padded_graph_steps_give_the_same_tokens():
     """On a CPU the decode-graph path runs eagerly over padded rows (position -1, token 0) with the batched MoE:
     the same tokens as the eager steps."""
