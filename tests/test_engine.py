@@ -7,18 +7,29 @@ import functools
 import json
 import os
 
+import numpy as np
 import pytest
 import torch
 
 from dsv4kv import CacheManager, RequestError, WeightError
 from dsv4kv.engine import DSV4Model, Engine, SamplingParams
-from dsv4kv.engine.reference import random_model, tiny_config
+from dsv4kv.engine.reference import random_model, tiny_config, with_dtype
 from dsv4kv.engine.request import Request, Status
 from dsv4kv.engine.sampler import sample
 from dsv4kv.engine.scheduler import Scheduler
 
 EXACT = dict(kv_format="bf16", indexer_format="bf16")
 CACHE = dict(max_requests=4, max_tokens=1024, page_tokens=128, step_tokens=96, **EXACT)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """The tiny model's ops are too small to gain from a second thread, and spinning threads slow them several
+    times over when other processes share the cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @functools.lru_cache(maxsize=None)
@@ -95,6 +106,9 @@ def test_generate_returns_outputs_in_prompt_order_with_timings():
     token_lists = prompts((131, 47, 9))
     outputs = e.generate(token_lists, [SamplingParams(max_new_tokens=n) for n in (6, 3, 1)])
     assert [o.prompt_token_ids for o in outputs] == [tuple(p) for p in token_lists]
+    again = engine().generate([torch.tensor(token_lists[1]), np.array(token_lists[2])],
+                              [SamplingParams(max_new_tokens=n) for n in (3, 1)])
+    assert [o.token_ids for o in again] == [o.token_ids for o in outputs[1:]]
     assert [len(o.token_ids) for o in outputs] == [6, 3, 1]
     assert all(o.finished and o.finish_reason == "length" and o.cached_tokens == 0 for o in outputs)
     assert all(o.ttft > 0 for o in outputs) and outputs[0].itl > 0 and outputs[2].itl is None
@@ -210,6 +224,17 @@ def test_a_request_stops_at_max_seq_len():
     assert out.token_ids == engine().generate(prompts((131,)), SamplingParams(max_new_tokens=10))[0].token_ids
 
 
+def test_max_seq_len_is_what_the_blocks_hold():
+    """max_seq_len 4096 over a cache of 3 blocks of 128 tokens: requests are bounded by the 384 tokens the blocks
+    hold, so a long prompt is refused instead of waiting forever for blocks."""
+    e = engine(max_requests=2, max_tokens=256, max_seq_len=4096)
+    assert e.cache.num_blocks == 3 and e.max_seq_len == 384
+    with pytest.raises(ValueError, match="400 tokens, the cache holds at most 384"):
+        e.add_request(list(range(400)))
+    out = e.generate(prompts((380,)), SamplingParams(max_new_tokens=20))[0]
+    assert len(out.token_ids) == 5 and out.finish_reason == "length"
+
+
 def test_decode_steps_through_padded_graph_steps_give_the_same_tokens():
     """On a CPU the decode-graph path runs eagerly over padded rows (position -1, token 0) with the batched MoE:
     the same tokens as the eager steps."""
@@ -218,6 +243,29 @@ def test_decode_steps_through_padded_graph_steps_give_the_same_tokens():
     outputs = e.generate(prompts((131, 47, 9)), SamplingParams(max_new_tokens=6))
     assert e.stats.graph_steps > 0
     assert tuple(o.token_ids for o in outputs) == greedy_reference()
+
+
+def test_the_kernel_path_serves_the_reference_tokens():
+    """bf16 weights with the attention on the Triton kernels (on a CPU under Triton's interpreter, on CUDA compiled
+    and with decode steps captured as CUDA graphs), decode steps through padded graph steps: the same greedy tokens
+    as the PyTorch reference."""
+    from dsv4kv.backend import kernels_can_run
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if not kernels_can_run(device):
+        pytest.skip("Triton is not installed, or TRITON_INTERPRET is off on a CPU")
+    model = with_dtype(random_model(tiny_config(), seed=0, device=device), torch.bfloat16)
+    token_lists = prompts((33, 9), seed=5)
+    got = {}
+    for backend, sizes in (("torch", ()), ("triton", (2,))):
+        e = Engine.from_transformers(model, max_requests=2, max_tokens=256, page_tokens=128, step_tokens=64,
+                                     max_seq_len=128, decode_graph_sizes=sizes, **EXACT)
+        for layer in e.model.attention_layers:
+            layer.backend = backend
+        got[backend] = [o.token_ids for o in e.generate(token_lists, SamplingParams(max_new_tokens=3))]
+        if backend == "triton":
+            assert e.stats.graph_steps == 2, e.stats
+    assert got["triton"] == got["torch"]
 
 
 def test_cuda_graph_sizes_are_checked():

@@ -81,7 +81,7 @@ def run_demo(*, device: torch.device | str | None = None, workload: Workload | N
                                       indexer_format=indexer_format, page_tokens=workload.page_tokens,
                                       step_tokens=workload.step_tokens, max_seq_len=workload.max_seq_len)
     result = DemoResult(workload, str(device), str(dtype).replace("torch.", ""), kv_format, indexer_format,
-                        backend=engine.backend, graphs=bool(engine.runner.graphs) and device.type == "cuda")
+                        backend=engine.backend, graphs=any(g.capture for g in engine.runner.graphs.values()))
     g = torch.Generator().manual_seed(seed + 1)
     prompts = [torch.randint(0, config.vocab_size, (n,), generator=g).tolist() for n in workload.prompts]
     result.setup_seconds = time.perf_counter() - start

@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from ..checks import positive_int
@@ -56,7 +57,8 @@ class Engine:
         max_requests, max_tokens, kv_format, indexer_format, page_tokens: the cache (`CacheManager`).
         device: default the model's; the model is moved there (its per-token modules with it).
         step_tokens: token budget of one step: decode tokens first, then prefill chunks.
-        max_seq_len: longest request (prompt + generated); default min(max_tokens, the model's positions).
+        max_seq_len: longest request (prompt + generated); default min(max_tokens, the model's positions), and
+            never more than the cache's blocks hold.
         decode_graph_sizes: decode batch sizes served by a padded `DecodeStepGraph`; default: powers of two
             up to max_requests when the attention runs on the Triton kernels on CUDA (then captured as CUDA
             graphs), none otherwise. Given on a CPU, the padded steps run eagerly.
@@ -77,6 +79,9 @@ class Engine:
         self.cache = CacheManager(geometry, max_requests=max_requests, max_tokens=max_tokens, kv_format=kv_format,
                                   indexer_format=indexer_format, device=model.device,
                                   page_tokens=page_tokens or DEFAULT_PAGE_TOKENS, max_seq_len=max_seq_len)
+        # the longest request: what the cache's positions and all of its blocks can hold (so a request alone
+        # always fits, and the scheduler can always make progress with the oldest one)
+        self.max_seq_len = min(self.cache.max_seq_len, self.cache.num_blocks * self.cache.spec.page_tokens)
         self.scheduler = Scheduler(self.cache, step_tokens=step_tokens)
         kernels = all(layer.resolved_backend(self.cache.device) == "triton" for layer in model.attention_layers)
         capture = self.cache.device.type == "cuda" and kernels
@@ -85,7 +90,8 @@ class Engine:
         sizes = [positive_int("decode_graph_sizes", b) for b in decode_graph_sizes]
         if any(b > self.cache.max_requests for b in sizes):
             raise ValueError(f"decode_graph_sizes: {sizes} exceed max_requests {self.cache.max_requests}")
-        self.runner = ModelRunner(model, self.cache, graph_sizes=sizes, capture=capture and bool(sizes))
+        self.runner = ModelRunner(model, self.cache, graph_sizes=sizes, capture=capture and bool(sizes),
+                                  max_seq_len=self.max_seq_len)
         self.backend = "Triton kernels" if kernels else "PyTorch reference"
         self.stats = EngineStats()
         self._requests: dict[int, Request] = {}
@@ -203,7 +209,7 @@ class Engine:
     def _finish_reason(self, request: Request, token: int) -> str | None:
         if token in request.params.stop_token_ids:
             return "stop"
-        if request.num_generated >= request.params.max_new_tokens or request.num_tokens > self.cache.max_seq_len:
+        if request.num_generated >= request.params.max_new_tokens or request.num_tokens > self.max_seq_len:
             return "length"  # the cache cannot take the next token past max_seq_len
         return None
 
@@ -232,10 +238,11 @@ class Engine:
         return params
 
     def _check_prompt(self, prompt, name: str = "prompt") -> tuple[int, ...]:
-        if isinstance(prompt, torch.Tensor):
-            if prompt.dim() != 1 or prompt.dtype.is_floating_point or prompt.dtype == torch.bool:
-                raise ValueError(f"{name}: expected a 1-D integer tensor, got {prompt.dtype} {list(prompt.shape)}")
-            prompt = prompt.tolist()
+        if isinstance(prompt, (torch.Tensor, np.ndarray)):  # 1-D integer arrays
+            tensor = torch.as_tensor(prompt)
+            if tensor.dim() != 1 or tensor.dtype.is_floating_point or tensor.dtype == torch.bool:
+                raise ValueError(f"{name}: expected a 1-D integer tensor, got {tensor.dtype} {list(tensor.shape)}")
+            prompt = tensor.tolist()
         if isinstance(prompt, (str, bytes)) or not isinstance(prompt, Sequence):
             raise TypeError(f"{name}: expected a sequence of token ids, got {type(prompt).__name__}")
         if len(prompt) == 0:
@@ -246,7 +253,6 @@ class Engine:
         if bad:
             i, t = bad[0]
             raise ValueError(f"{name}: {len(bad)} token ids outside the vocabulary [0, {vocab}), first {t!r} at {i}")
-        if len(prompt) > self.cache.max_seq_len:
-            raise ValueError(f"{name}: {len(prompt)} tokens, the cache holds at most {self.cache.max_seq_len} per "
-                             "request (max_seq_len)")
+        if len(prompt) > self.max_seq_len:
+            raise ValueError(f"{name}: {len(prompt)} tokens, the cache holds at most {self.max_seq_len} per request")
         return tuple(int(t) for t in prompt)

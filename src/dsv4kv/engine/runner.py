@@ -94,10 +94,11 @@ class DecodeStepGraph:
 
 class ModelRunner:
     """Runs steps of `model` over `cache`. `graph_sizes`: decode batch sizes served by a `DecodeStepGraph`
-    (empty: every step eager); `capture`: whether those graphs are captured (CUDA only)."""
+    (empty: every step eager); `capture`: whether those graphs are captured (CUDA only); `max_seq_len`: the
+    longest request, the graphs' fixed context bound (default the cache's)."""
 
     def __init__(self, model: DSV4Model, cache: CacheManager, *, graph_sizes: Sequence[int] = (),
-                 capture: bool = False):
+                 capture: bool = False, max_seq_len: int | None = None):
         if capture and cache.device.type != "cuda":
             raise ValueError(f"capture: CUDA graphs need a CUDA cache, got one on {cache.device}")
         if capture:
@@ -107,7 +108,8 @@ class ModelRunner:
                 raise ValueError(f"capture: layers {slow} run the PyTorch reference, which reads the plan back to "
                                  "the host; a captured step needs the Triton kernels (bf16 weights on CUDA)")
         self.model, self.cache = model, cache
-        self.graphs = {b: DecodeStepGraph(model, cache, b, max_seq_len=cache.max_seq_len, capture=capture)
+        max_seq_len = max_seq_len or cache.max_seq_len
+        self.graphs = {b: DecodeStepGraph(model, cache, b, max_seq_len=max_seq_len, capture=capture)
                        for b in sorted(set(graph_sizes))}
 
     def graph_for(self, num_requests: int) -> DecodeStepGraph | None:

@@ -31,11 +31,7 @@ __all__ = ["Scheduler", "ScheduledStep"]
 class ScheduledStep:
     batch: list[tuple[Request, int]] = field(default_factory=list)  # (request, new tokens), decodes first
     preempted: list[Request] = field(default_factory=list)
-
-    @property
-    def is_decode(self) -> bool:
-        """Every request feeds exactly its one pending token (a pure decode step)."""
-        return all(n == 1 and r.pending == 1 for r, n in self.batch)
+    is_decode: bool = False  # every request feeds exactly its one pending token (a pure decode step)
 
     @property
     def num_tokens(self) -> int:
@@ -114,6 +110,7 @@ class Scheduler:
             budget -= n
             free -= self._need(request, n)
         step.batch = list(chosen.items())
+        step.is_decode = bool(step.batch) and all(n == 1 and r.pending == 1 for r, n in step.batch)
         return step
 
     # --- block arithmetic (the manager holds ceil(length / page_tokens) blocks per request) -------
