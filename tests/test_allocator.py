@@ -73,3 +73,30 @@ def test_bad_sizes(bad):
         BlockAllocator(bad)
     with pytest.raises(ValueError):
         BlockAllocator(2).allocate(-1)
+
+
+def test_take_pulls_free_blocks_out_of_the_queue():
+    alloc = BlockAllocator(5)
+    alloc.allocate(5)
+    alloc.free([3, 1, 4])
+    alloc.take([1])
+    assert alloc.refcount(1) == 1 and alloc.free_order() == [3, 4]
+    before = state(alloc)
+    with pytest.raises(AllocatorError, match="take: block 0 is in use"):
+        alloc.take([3, 0])  # validated first: 3 stays free
+    with pytest.raises(AllocatorError, match="appears twice"):
+        alloc.take([3, 3])
+    assert state(alloc) == before
+
+
+def test_free_to_front_and_to_front():
+    alloc = BlockAllocator(6)
+    alloc.allocate(6)
+    alloc.free([0, 1])  # back, in order
+    alloc.free([2, 3], front=True)  # front, the last given first out
+    assert alloc.free_order() == [3, 2, 0, 1]
+    alloc.to_front([1])
+    assert alloc.free_order() == [1, 3, 2, 0]
+    assert alloc.allocate(2) == [1, 3]
+    with pytest.raises(AllocatorError, match="to_front: block 4 is in use"):
+        alloc.to_front([4])

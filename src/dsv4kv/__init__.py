@@ -9,15 +9,16 @@ from .geometry import GeometryError, LayerKind, LayerSpec, ModelGeometry, RopeSp
 from .layer import DSV4Attention, init_random_weights
 from .layout import EntryLayout, IndexerFormat, KVFormat, indexer_layout, main_layout
 from .manager import CacheManager, RequestError
-from .memory import AllocatorError, BlockAllocator, CacheSpec, MemoryPlan
-from .plan import EntryWrites, OutOfBlocks, StepBuffers, StepPlan
+from .memory import AllocatorError, BlockAllocator, CacheSpec, MemoryPlan, NoRoom, PrefixStats
+from .plan import EntryWrites, OutOfBlocks, SnapshotWrites, StepBuffers, StepPlan
 from .weights import WeightError
 
 __all__ = [
     "ModelGeometry", "LayerSpec", "LayerKind", "RopeSpec", "YarnScaling", "GeometryError",
     "KVFormat", "IndexerFormat", "EntryLayout", "main_layout", "indexer_layout",
     "BlockAllocator", "AllocatorError", "CacheSpec", "MemoryPlan",
-    "CacheManager", "RequestError", "StepPlan", "EntryWrites", "StepBuffers", "OutOfBlocks",
+    "CacheManager", "RequestError", "StepPlan", "EntryWrites", "StepBuffers", "OutOfBlocks", "SnapshotWrites",
+    "NoRoom", "PrefixStats",
     "DSV4Attention", "init_random_weights", "WeightError",
 ]
 __version__ = "0.1.0"

@@ -668,35 +668,37 @@ class CacheManager:
         num_tokens = int(counts.sum())
         host["snapshot_window"] = np.full(num_tokens, -1, dtype=np.int64)
         host["snapshot_state"] = np.full(num_tokens, -1, dtype=np.int64)
-        query_start = host["query_start"]
+        queued: list[tuple[int, _Publish]] = []  # (batch row, publication)
         for b, request in enumerate(requests):
             if request.tokens is None or not request.publishing:
                 continue
             start, end = int(starts[b]), int(starts[b] + counts[b])
             for depth in range(start // page, end // page):
-                queued = sum(p.rid == request.rid for p in self._pending)  # earlier blocks of this step
-                if depth != len(request.nodes) + queued:
+                if depth != len(request.nodes) + sum(q.rid == request.rid for _, q in queued):
                     request.publishing = False  # a block before this one was not published
                     break
-                if not queued:  # a queued parent has no children yet; a cached one may have this block already
+                if depth == len(request.nodes):  # a queued parent has no children yet; a cached one may have it
                     parent = request.nodes[-1] if request.nodes else None
                     if self.prefix.child(parent, request.tokens[depth * page:(depth + 1) * page]) is not None:
                         self.prefix.stats.duplicate_blocks += 1
                         request.publishing = False
                         break
-                snapshot = self.prefix.take_snapshot()
-                self._pending.append(_Publish(request.rid, depth, int(self._host_table[request.slot, depth]), snapshot))
-                if snapshot is None:
-                    continue
-                boundary = (depth + 1) * page
-                for name, first, size in (("snapshot_window", boundary - window, window),
-                                          ("snapshot_state", boundary - m, m if m else 0)):
-                    positions = np.arange(max(first, start), boundary)
-                    if size:
-                        host[name][query_start[b] + positions - start] = snapshot * size + positions % size
-                if start > boundary - window:
-                    self.pools.copy_to_snapshot(request.slot, snapshot, range(boundary - window, start),
-                                                range(boundary - m, max(start, boundary - m)) if m else ())
+                queued.append((b, _Publish(request.rid, depth, int(self._host_table[request.slot, depth]), None)))
+        # the deepest boundaries first: when snapshots run short, a longer hit is worth more
+        for b, publish in reversed(queued):
+            publish.snapshot = self.prefix.take_snapshot()
+            if publish.snapshot is None:
+                break
+            request, start = requests[b], int(starts[b])
+            boundary = (publish.depth + 1) * page
+            for name, size in (("snapshot_window", window), ("snapshot_state", m)):
+                if size:
+                    positions = np.arange(max(boundary - size, start), boundary)
+                    host[name][host["query_start"][b] + positions - start] = publish.snapshot * size + positions % size
+            if start > boundary - window:
+                self.pools.copy_to_snapshot(request.slot, publish.snapshot, range(boundary - window, start),
+                                            range(boundary - m, max(start, boundary - m)) if m else ())
+        self._pending.extend(publish for _, publish in queued)
         return int(((host["snapshot_window"] >= 0) | (host["snapshot_state"] >= 0)).sum())
 
     def _map_blocks(self, requests: list[_Request], need: list[int], fresh: list[int]) -> None:

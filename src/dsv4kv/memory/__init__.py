@@ -1,9 +1,13 @@
-"""Memory: block allocator (ids, refcounts), cache spec (byte counts), pools (tensors), planner (reports)."""
+"""Memory: block allocator (ids, refcounts), cache spec (byte counts), pools (tensors), planner (reports),
+prefix cache index (which blocks hold which prefix), swap records."""
 
 from .allocator import AllocatorError, BlockAllocator
 from .planner import MemoryPlan, parse_bytes
 from .pools import CachePools, LayerCache
+from .prefix import CachedBlock, PrefixCache, PrefixStats
 from .spec import DEFAULT_PAGE_TOKENS, CacheSpec, LayerCacheSpec
+from .swap import NoRoom
 
 __all__ = ["AllocatorError", "BlockAllocator", "CachePools", "LayerCache", "CacheSpec", "LayerCacheSpec",
-           "DEFAULT_PAGE_TOKENS", "MemoryPlan", "parse_bytes"]
+           "DEFAULT_PAGE_TOKENS", "MemoryPlan", "parse_bytes", "CachedBlock", "PrefixCache", "PrefixStats",
+           "NoRoom"]

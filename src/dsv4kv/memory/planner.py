@@ -41,12 +41,15 @@ class MemoryPlan:
     spec: CacheSpec
     context: int = 1 << 20
     memory: int = 141 * 2**30
+    snapshots: int = 0  # prefix-cache boundary snapshots set aside before requests are counted
 
     def __post_init__(self):
         if self.context <= 0:
             raise ValueError(f"context: expected a positive token count, got {self.context}")
         if self.memory <= 0:
             raise ValueError(f"memory: expected a positive size, got {self.memory}")
+        if isinstance(self.snapshots, bool) or not isinstance(self.snapshots, int) or self.snapshots < 0:
+            raise ValueError(f"snapshots: expected an int >= 0, got {self.snapshots!r}")
 
     def kinds(self) -> list[dict]:
         """One row per layer kind present: per-layer and all-layer bytes."""
@@ -64,6 +67,7 @@ class MemoryPlan:
                 "paged_bytes_per_token": len(layers) * one.block_bytes / self.spec.page_tokens,
                 "window_bytes_per_request_per_layer": one.window_bytes,
                 "state_bytes_per_request_per_layer": one.state_bytes,
+                "boundary_bytes_per_layer": one.boundary_bytes,
             })
         return rows
 
@@ -74,6 +78,7 @@ class MemoryPlan:
         state = sum(layer.state_bytes for layer in spec.layers)
         request = spec.request_bytes(n)
         layers = spec.layers
+        snapshot_bytes = spec.pool_bytes(0, 0, self.snapshots)  # includes the scratch snapshot
         return {
             "model": spec.geometry.describe(),
             "kv_format": spec.kv_format.value,
@@ -88,8 +93,18 @@ class MemoryPlan:
                 "tokens": n, "blocks": blocks, "paged_bytes": blocks * spec.block_bytes,
                 "window_bytes": window, "state_bytes": state, "total_bytes": request,
             },
+            "prefix_caching": {
+                # one cached boundary: its full block (shared by refcount) plus the snapshot of the state after it
+                "block_bytes": spec.block_bytes,
+                "boundary_bytes": spec.boundary_bytes,
+                "boundary_window_bytes": window,
+                "boundary_state_bytes": spec.boundary_bytes - window,
+                "boundary_per_block": spec.boundary_bytes / spec.block_bytes,
+                "snapshots": self.snapshots,
+                "snapshot_pool_bytes": snapshot_bytes,
+            },
             "memory_bytes": self.memory,
-            "requests_fit": self.memory // request,
+            "requests_fit": max(self.memory - snapshot_bytes, 0) // request,
         }
 
     def table(self) -> str:
@@ -118,6 +133,9 @@ class MemoryPlan:
             f"  window  {req['window_bytes']:>16,} B  {format_bytes(req['window_bytes']):>11}",
             f"  state   {req['state_bytes']:>16,} B  {format_bytes(req['state_bytes']):>11}",
             f"  total   {req['total_bytes']:>16,} B  {format_bytes(req['total_bytes']):>11}",
-            f"requests of {req['tokens']:,} tokens that fit in {format_bytes(r['memory_bytes'])}: {r['requests_fit']:,}",
+            f"prefix caching: a cached boundary snapshot (window + CSA rows) costs {r['prefix_caching']['boundary_bytes']:,} B"
+            f" = {r['prefix_caching']['boundary_per_block']:.2f} blocks",
+            f"requests of {req['tokens']:,} tokens that fit in {format_bytes(r['memory_bytes'])}"
+            + (f" beside {self.snapshots:,} snapshots" if self.snapshots else "") + f": {r['requests_fit']:,}",
         ]
         return "\n".join(lines)
