@@ -1,8 +1,9 @@
 """Byte compatibility with FlashMLA (GPU, `flash_mla` from the `sgl-flash-mla` wheel): on pages that dsv4kv wrote
 through its own kernels (a V4-Flash CSA / HCA layer's prefill: kv insert, compress-and-insert, window appends), FlashMLA's
-legacy SM90 sparse FP8 decode (`kv_format="V4"`) and dsv4kv's attention kernel agree within the attention tolerance,
-ours is within it of the fp32 reference on the dequantized keys, and FlashMLA within its own looser bound
-(bench.flashmla.FLASHMLA_TOL: its rounding is its own; a misread page would be off by far more). Skipped without a GPU or without flash_mla."""
+legacy SM90 sparse FP8 decode (`kv_format="V4"`) and dsv4kv's attention kernel: ours is within the attention
+tolerance of the fp32 reference on the dequantized keys; FlashMLA, and the difference between the two, within
+FlashMLA's own looser bound (bench.flashmla.FLASHMLA_TOL: FlashMLA's error, 2.2e-3..4.5e-3 measured, dominates the
+difference; a misread page would be off by far more). Skipped without a GPU or without flash_mla."""
 
 import pytest
 import torch
@@ -36,4 +37,4 @@ def test_flashmla_decodes_pages_written_by_our_kernels(kind):
     ours_err, theirs_err, between = row_error(ours, ref), row_error(theirs, ref), row_error(theirs, ours)
     print(f"{kind}: dsv4kv {ours_err:.2e}, FlashMLA {theirs_err:.2e} against fp32; FlashMLA vs dsv4kv {between:.2e}")
     assert torch.isfinite(ours).all() and torch.isfinite(theirs).all()
-    assert ours_err <= ATTENTION_TOL and between <= ATTENTION_TOL and theirs_err <= FLASHMLA_TOL
+    assert ours_err <= ATTENTION_TOL and between <= FLASHMLA_TOL and theirs_err <= FLASHMLA_TOL
