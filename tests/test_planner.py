@@ -332,3 +332,36 @@ def test_pool_bytes_equal_allocated_bytes(model, kv, indexer):
         else:
             assert layer.entries is None and layer.state_kv is None
         assert (layer.index_keys is not None) == ls.layer.has_indexer
+
+
+# ----------------------------------------------------------------------------------------------------
+# Prefix caching: a boundary snapshot's bytes
+# ----------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("model", ["flash", "pro"])
+def test_boundary_snapshot_bytes(model):
+    """A snapshot = every layer's window page (128 FP8 entries, padded to the 576-B data row) + per CSA layer
+    4 fp32 rows of kv and logits of the main (2 x 512 wide) and indexer (2 x 128) compressors."""
+    window, csa, hca = LAYERS[model]
+    window_page = round_up(128 * MAIN_FP8, MAIN_FP8_DATA)
+    csa_rows = 2 * 4 * (2 * 512 + 2 * 128) * 4
+    want = (window + csa + hca) * window_page + csa * csa_rows
+    spec = CacheSpec(ModelGeometry.preset(model), "fp8", "mxfp4")
+    assert window_page == 74_880 and csa_rows == 40_960
+    assert spec.boundary_bytes == want
+    report = MemoryPlan(spec, context=CONTEXT).report()["prefix_caching"]
+    assert report["boundary_bytes"] == want and report["block_bytes"] == spec.block_bytes
+    assert report["boundary_window_bytes"] + report["boundary_state_bytes"] == want
+
+
+def test_snapshots_are_set_aside_before_requests_fit():
+    spec = CacheSpec(ModelGeometry.preset("flash"))
+    memory = 141 * GiB
+    request = spec.request_bytes(CONTEXT)
+    plan = MemoryPlan(spec, context=CONTEXT, memory=memory, snapshots=64)
+    r = plan.report()
+    assert r["prefix_caching"]["snapshot_pool_bytes"] == 65 * spec.boundary_bytes  # + the scratch snapshot
+    assert r["requests_fit"] == (memory - 65 * spec.boundary_bytes) // request
+    assert "beside 64 snapshots" in plan.table() and "boundary snapshot" in plan.table()
+    with pytest.raises(ValueError, match="snapshots: expected an int >= 0, got -1"):
+        MemoryPlan(spec, snapshots=-1)
