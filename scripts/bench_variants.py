@@ -1,8 +1,9 @@
 """Times tile / variant choices of the kernels on the GPU (the figures behind each default, docs/performance.md).
 
-    python scripts/bench_variants.py [indexer] [attention] [insert]  > variants.txt
+    python scripts/bench_variants.py [indexer] [attention] [insert] [topk]  > variants.txt
 
-(`attention` also times the kernel before split-KV when .base/attention_before.py holds it.)
+(`attention` also times the kernel before split-KV when .base/attention_before.py holds it; `topk` times the
+kernel before issue 12, scripts/topk_radix4.py, beside the current one in its one- and four-launch forms.)
 
 Each variant is checked against the default's output before it is timed (a variant that disagrees is
 reported as such, never timed)."""
@@ -203,6 +204,78 @@ def insert():
         def apply(v, key=key, base=base):
             C.COMPRESS_TILES = {**base, key: v}
         variants(f"compress_insert 8192 rows {key}", run, settings, apply)
+
+
+def _load_script(name: str):
+    """A module from a file beside this script (scripts/<name>.py), imported without touching sys.path."""
+    import importlib.util
+    import os
+
+    spec = importlib.util.spec_from_file_location(f"_bench_{name}", os.path.join(os.path.dirname(__file__),
+                                                                                 f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+TOPK_SHAPES = ((1, 262144, 512), (1, 1 << 20, 512), (64, 32768, 512), (8, 262144, 512), (1, 262144, 1024),
+               (8192, 16384, 512))  # the issue's three targets, a mid batch, V4-Pro's k, a prefill chunk's rows
+
+
+def topk():
+    """top-k: the kernel before issue 12 (four launches, a looped select), the current phases in four launches, and
+    in one launch (the default; also with 1 and 4 programs per SM and phase instead of 2), on randn scores and on scores that rise with the column (the top-k clustered in
+    the row's last chunks, which then buffer nearly every pick). Each variant's index sets must equal a stable sort's before it
+    is timed. Prints one line per variant, then `TOPK` summary lines."""
+    import dsv4kv.kernels.topk as T
+    from dsv4kv.ops.indexer import topk_picks
+
+    old = _load_script("topk_radix4")
+    summary = []
+    for rows, cols, k in TOPK_SHAPES:
+        for kind in ("randn", "rising"):
+            if kind == "rising" and rows > 64:
+                continue
+            g = torch.Generator(device=DEVICE).manual_seed(rows * cols + k)
+            scores = torch.randn(rows, cols, generator=g, device=DEVICE)
+            if kind == "rising":
+                scores += torch.linspace(0, 8, cols, device=DEVICE)
+            lengths = torch.full((rows,), cols, dtype=torch.int32, device=DEVICE)
+            want = topk_picks(scores, k).sort(dim=1).values.int()
+            out = torch.empty(rows, k, dtype=torch.int32, device=DEVICE)
+            old_ws = old.topk_workspace(rows, cols, k, DEVICE)
+            new_ws = {}
+
+            def new(fused: bool, per_sm: int):
+                def run():
+                    T.FUSED, T.PROGRAMS_PER_SM = fused, per_sm
+                    if per_sm not in new_ws:  # S, so the workspace's width, depends on the programs per SM
+                        new_ws[per_sm] = T.topk_workspace(rows, cols, k, DEVICE)
+                    return T.topk_indices(scores, lengths, k, out=out, workspace=new_ws[per_sm])
+                return run
+
+            runs = {"before (4 launches)": lambda: old.topk_indices(scores, lengths, k, out=out, workspace=old_ws),
+                    "phases (4 launches)": new(False, 2), "fused (1 launch)": new(True, 2),
+                    "fused-1/SM": new(True, 1), "fused-4/SM": new(True, 4)}
+            label = f"topk {rows} x {cols} k={k} {kind}"
+            times = {}
+            for name, run in runs.items():
+                out.fill_(-7)
+                run()
+                torch.cuda.synchronize()
+                if not torch.equal(out, want):
+                    print(f"{label} {name}: DIFFERS from a stable sort, not timed", flush=True)
+                    times[name] = "DIFFERS"
+                    continue
+                t = time_cuda(run, device=DEVICE, runs=30)
+                times[name] = f"{t.median_us:.1f}"
+                print(f"{label} {name}: {t.median_us:.1f} us (p10 {t.p10_us:.1f}, p90 {t.p90_us:.1f})", flush=True)
+            T.FUSED, T.PROGRAMS_PER_SM = True, 2
+            summary.append(f"TOPK {rows:>5} x {cols:>7} k={k:<4} {kind:<6} " + "  ".join(
+                f"{name.split(' ')[0]} {value}" for name, value in times.items()))
+            del scores, out, new_ws, old_ws
+            torch.cuda.empty_cache()
+    print("\n".join(summary), flush=True)
 
 
 if __name__ == "__main__":

@@ -23,4 +23,11 @@ for kv_format, indexer_format in (("fp8", "mxfp4"), ("fp8", "fp8"), ("bf16", "bf
             torch.cuda.synchronize()
             print(f"{kv_format}/{indexer_format} layer {layer.layer_index} ({layer.spec.kind.short}) step {step}: "
                   f"finite={bool(torch.isfinite(out[:plan.num_tokens]).all())}", flush=True)
+    plan = cache.plan_step([(a, 1), (b, 1)])  # unpadded decode: attention's split-KV path and its merge
+    x = torch.randn(2, geometry.hidden_size, generator=gen, device="cuda").to(torch.bfloat16)
+    for layer in layers:
+        out = layer(x, plan, cache)
+        torch.cuda.synchronize()
+        print(f"{kv_format}/{indexer_format} layer {layer.layer_index} unpadded decode: "
+              f"finite={bool(torch.isfinite(out).all())}", flush=True)
 print("memcheck script done")

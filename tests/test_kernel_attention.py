@@ -14,10 +14,10 @@ against the same reference; CSA rows take 40 picks, so their entries span two ke
 16-key blocks splits HCA rows inside their entries. Rows with fewer key blocks than splits, padding rows and the
 host-side split choice (`_config`) have their own tests. Splits change only the summation order: same tolerance.
 
-Error measure: per (row, head), max |out - ref| / max |ref| (the row's largest output). The kernel's own
-rounding (two-part bf16 weights) is ~2^-17 relative with the GPU's round-to-nearest casts; Triton's interpreter
-truncates fp32 -> bf16, which roughly doubles it (<= 2.5e-5 measured), hence one tolerance of 1e-4 (the layer's
-budget is ~1e-2). The GPU tests print their errors (pytest -s).
+Error measure: per (row, head), max |out - ref| / max |ref| (the row's largest output). The kernel takes q and the
+softmax weights of w . V in bf16 (rounded to nearest on the GPU and, explicitly, under the interpreter), as
+FlashMLA does: one tolerance of 4e-3 (docs/numerics.md; 2.5e-3..3.7e-3 measured here, with keys of std 2). The GPU
+tests print their errors (pytest -s).
 
 CSA picks may repeat an entry: a repeated pick counts once per occurrence, as in the reference (no dedup);
 the indexer never repeats one.
@@ -40,7 +40,7 @@ TINY = ModelGeometry.preset("tiny")  # layers: 0 window, 1 CSA m=4, 2 HCA m=16
 # the small tests run under the interpreter on the CPU, or compiled where a GPU exists
 DEVICE = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 PAGE = 128
-TOL = 1e-4  # max |out - ref| / max |ref| per (row, head)
+TOL = 4e-3  # max |out - ref| / max |ref| per (row, head): bf16 q and weights (docs/numerics.md)
 LAYER = {"window": 0, "csa": 1, "hca": 2}
 AUTO = (None,) if torch.cuda.is_available() else ()  # the automatic split count (always 1 off CUDA)
 CSA_PICKS = 40  # picks per CSA row in the scenario: 2 key blocks of 32 after the window's one
@@ -290,27 +290,26 @@ def test_empty_splits_and_padding_rows(monkeypatch, splits):
 
 def test_config_splits_only_grids_that_leave_the_gpu_idle(monkeypatch):
     """`_config` on a 132-SM device (V4-Flash decode shapes: 64 heads, window 128 + 512 picks, or + 8192 HCA entries
-    at 1M): batch 1 splits, a batch that fills half the SMs or more does not; the interpreter never splits."""
+    at 1M): small batches split (with 16-head blocks where even the split grid leaves half the SMs idle), a batch
+    that fills half the SMs does not, a batch filling a third takes 64-key blocks; the interpreter never splits."""
     monkeypatch.setattr(attention, "_num_sms", lambda device: 132)
-    for name, value in dict(BLOCK_H=16, BLOCK_N=32, MIN_SPLIT_BLOCKS=2).items():  # whatever the defaults are now
-        monkeypatch.setattr(attention, name, value)
+    for name, value in dict(BLOCK_H=64, SMALL_BLOCK_H=16, BLOCK_N=32, LARGE_BLOCK_N=64, MIN_SPLIT_BLOCKS=2).items():
+        monkeypatch.setattr(attention, name, value)  # whatever the defaults are now
     cuda = torch.device("cuda", 0)
 
-    def splits(rows, keys, device=cuda):
-        return attention._config(rows, 64, keys, device).splits
+    def tiles(rows, keys, heads=64, device=cuda):
+        config = attention._config(rows, heads, keys, device)
+        return config.block_h, config.block_n, config.splits, config.num_warps
 
-    assert splits(1, 128 + 512) == 10  # 20 key blocks, >= 2 per split
-    assert splits(1, 128 + 8192) == 132 // 4
-    assert splits(8, 128 + 8192) == 4 and splits(16, 128 + 8192) == 2
-    assert splits(17, 128 + 8192) == 1 and splits(64, 128 + 512) == 1
-    assert splits(1, 16) == 1  # too few keys to split
-    assert splits(1, 128 + 8192, torch.device("cpu")) == 1
-    # 32-head blocks: a CSA decode row would run 2 x 10 programs, so it takes 16-head blocks (4 x 10); an HCA row
-    # at 1M fills the GPU with 2 x 66 and keeps 32
-    monkeypatch.setattr(attention, "BLOCK_H", 32)
-    assert attention._config(1, 64, 128 + 512, cuda)[:3] == (16, 32, 10)
-    assert attention._config(1, 64, 128 + 8192, cuda)[:3] == (32, 32, 66)
-    assert attention._config(64, 64, 128 + 512, cuda)[:3] == (32, 32, 1)
+    assert tiles(1, 128 + 512) == (16, 32, 10, 4)  # 1 x 10 programs at 64 heads: 4 x 10 at 16 heads
+    assert tiles(1, 128 + 8192) == (64, 32, 130, 8)  # 260 key blocks, 2 per split
+    assert tiles(8, 128 + 512) == (64, 32, 10, 8) and tiles(8, 128 + 8192) == (64, 32, 16, 8)
+    assert tiles(64, 128 + 512) == (64, 64, 2, 8)  # 64 rows fill a third of the SMs: 64-key blocks
+    assert tiles(67, 128 + 512) == (64, 64, 1, 8) and tiles(128, 128 + 8192) == (64, 64, 1, 8)
+    assert tiles(1, 16) == (16, 32, 1, 4)  # too few keys to split
+    assert tiles(4, 128 + 512, heads=128) == (64, 32, 10, 8)  # V4-Pro: 2 head blocks per row
+    assert tiles(1, 128 + 8192, heads=8) == (16, 32, 130, 4)  # fewer heads than a tensor-core M: 16
+    assert tiles(1, 128 + 8192, device=torch.device("cpu")) == (64, 32, 1, 8)
 
 
 def test_dequantizes_raw_fp8_bytes():
@@ -557,14 +556,14 @@ def _flash_decode(kind, contexts, seed=0):
 @pytest.mark.parametrize("batch", [1, 64])
 def test_gpu_split_decode_flash(monkeypatch, kind, batch):
     """V4-Flash decode: batch 1 (CSA: 512 picks at 2^17 tokens; HCA: 8191 entries at ~2^20) splits automatically,
-    batch 64 (20K..26K tokens each) fills the GPU and runs the single pass. Forced split counts (1, 4, 33; at batch
+    batch 64 (20K..26K tokens each) into 2 with 64-key blocks (`_config`). Forced split counts (1, 4, 33; at batch
     1 also 100, more than a CSA row's 20 key blocks) agree with the automatic choice and the reference."""
     contexts = [(2**20 - 1) if kind == "hca" else 2**17] if batch == 1 else [20000 + 97 * i for i in range(64)]
     q, plan, args, want = _flash_decode(kind, contexts)
     choose, seen = attention._config, []
     monkeypatch.setattr(attention, "_config", lambda *a: seen.append(choose(*a)) or seen[-1])
     auto = sparse_attention_paged(q, plan, **args)
-    assert (seen[-1].splits > 1) == (batch == 1), seen[-1]
+    assert seen[-1].splits > 1 and (seen[-1].block_n == 64) == (batch == 64), seen[-1]
     errors = {f"auto ({seen[-1].splits})": rel_error(auto, want)}
     for splits in (1, 4, 33) + ((100,) if batch == 1 else ()):
         got = sparse_attention_paged(q, plan, splits=splits, **args)

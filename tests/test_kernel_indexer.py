@@ -1,7 +1,8 @@
 """Triton indexer scores (`kernels.indexer.indexer_scores_paged`) against the reference: `ops.indexer.indexer_scores`
-over keys decoded by `layout.read`, masked to -inf past each row's visible count as `indexer_topk` does. Both
-kernels (row: decode; stacked: rows of a request share key tiles) are checked, each forced with `stack_rows`,
-and against each other.
+over keys decoded by `layout.read`, masked to -inf past each row's visible count as `indexer_topk` does (the
+kernel's `fill=True`; without it, the layer's default, columns past visible(t) are left unwritten and top-k never
+picks them). Both kernels (row: decode; stacked: rows of a request share key tiles) are checked, each forced with
+`stack_rows`, and against each other.
 
 Small cases run under Triton's interpreter on the CPU (or on the GPU where there is one); the V4-Flash /
 V4-Pro shaped cases need a CUDA device. q and the keys are bf16 values, so the MMA's products are exact and
@@ -177,13 +178,13 @@ def test_scores_over_random_chunked_schedule(indexer_format):
         mode = k % 3
         if mode == 0:  # preallocated out, default width, every element must be written
             out = torch.full((rows, default_entries), float("nan"), device=DEVICE)
-            got = indexer_scores_paged(q, w, plan, pool, layout, ratio=M, page_tokens=PAGE, out=out)
+            got = indexer_scores_paged(q, w, plan, pool, layout, ratio=M, page_tokens=PAGE, out=out, fill=True)
             assert got.data_ptr() == out.data_ptr()
         elif mode == 1:  # an odd width past every visible count
-            got = indexer_scores_paged(q, w, plan, pool, layout, ratio=M, page_tokens=PAGE, max_entries=71)
+            got = indexer_scores_paged(q, w, plan, pool, layout, ratio=M, page_tokens=PAGE, max_entries=71, fill=True)
         else:  # a width below some visible counts: scores are cut at J
             out = torch.full((rows, 37), float("nan"), device=DEVICE)
-            got = indexer_scores_paged(q, w, plan, pool, layout, ratio=M, page_tokens=PAGE, out=out)
+            got = indexer_scores_paged(q, w, plan, pool, layout, ratio=M, page_tokens=PAGE, out=out, fill=True)
         want = reference(plan, pool, layout, q, w, got.shape[1], ratio=M, page_tokens=PAGE)
         worst = tuple(map(max, worst, score_error(got, want)))
         assert torch.isneginf(got[plan.num_tokens:]).all()
@@ -206,7 +207,7 @@ def test_chunk_boundaries(indexer_format, stack_rows, monkeypatch):
         write_all_keys(cache, rid, layout, pool, torch.randn(200, layout.dim, generator=g).to(DEVICE), M, PAGE)
     q, w = make_query(layout, plan.positions.shape[0], TINY.index_n_heads, seed=22)
     out = torch.full((plan.positions.shape[0], 45), float("nan"), device=DEVICE)
-    indexer_scores_paged(q, w, plan, pool, layout, ratio=M, page_tokens=PAGE, out=out, stack_rows=stack_rows)
+    indexer_scores_paged(q, w, plan, pool, layout, ratio=M, page_tokens=PAGE, out=out, stack_rows=stack_rows, fill=True)
     assert_close_scores(out, reference(plan, pool, layout, q, w, 45, ratio=M, page_tokens=PAGE))
 
 
@@ -234,11 +235,60 @@ def test_stacked_rows_over_random_chunked_schedule(indexer_format, monkeypatch):
         q, w = make_query(layout, rows, heads, seed=200 + k, padding_from=plan.num_tokens)
         width = (45, 37)[k % 2]  # 45: past every visible count (42); 37: cuts some rows
         out = torch.full((rows, width), float("nan"), device=DEVICE)
-        indexer_scores_paged(q, w, plan, pool, layout, ratio=M, page_tokens=PAGE, out=out, stack_rows=True)
+        indexer_scores_paged(q, w, plan, pool, layout, ratio=M, page_tokens=PAGE, out=out, stack_rows=True, fill=True)
         worst = tuple(map(max, worst, score_error(out, reference(plan, pool, layout, q, w, width, ratio=M,
                                                                  page_tokens=PAGE))))
         assert torch.isneginf(out[plan.num_tokens:]).all()
     assert worst[0] <= ROW_TOL and worst[1] <= TERM_TOL, worst
+
+
+def check_unfilled(got, filled, plan, ratio, poison):
+    """fill=False against fill=True on the same inputs: the visible columns are the same bits; a column past a
+    row's visible count holds -inf (inside the row's last score tile) or the poison it had (nothing wrote it);
+    padding rows keep the poison whole. -> the visible counts [R]."""
+    rows = plan.positions.shape[0]
+    visible = torch.clamp((plan.positions.long() + 1) // ratio, min=0)
+    visible[plan.num_tokens:] = 0
+    cols = torch.arange(got.shape[1], device=got.device)
+    seen = cols < visible[:, None]
+    assert torch.equal(torch.where(seen, got, 0.0).view(torch.int32), torch.where(seen, filled, 0.0).view(torch.int32))
+    past = got[~seen]
+    assert (torch.isneginf(past) | (past.view(torch.int32) == poison.view(torch.int32))).all()
+    assert (past.view(torch.int32) == poison.view(torch.int32)).any(), "no column past visible was left unwritten"
+    assert (got[plan.num_tokens:rows].view(torch.int32) == poison.view(torch.int32)).all()
+    return visible
+
+
+@pytest.mark.parametrize("stack_rows", [False, True], ids=["row", "stacked"])
+def test_unfilled_columns_are_never_picked(stack_rows, monkeypatch):
+    """Without the -inf fill (the layer's default), columns past a row's visible count keep whatever the buffer
+    held (+inf here, which would win any top-k that read it); top-k over the visible counts picks exactly what it
+    picks from the filled scores, and never a column at or past visible(t)."""
+    from dsv4kv.kernels.topk import topk_indices
+
+    monkeypatch.setattr(kernel_mod, "_config", lambda rows, entries, device: (16, 2, 4))
+    small_stack_tiles(monkeypatch)
+    cache, layout, pool = make_cache(TINY, "mxfp4", page_tokens=PAGE, max_requests=4, max_tokens=500)
+    rids = admit(cache, 3)
+    cache.plan_step([(rids[0], 150), (rids[1], 50), (rids[2], 31)])
+    buffers = cache.step_buffers(max_tokens=16, max_requests=4)
+    plan = cache.plan_step([(rids[0], 2), (rids[1], 9), (rids[2], 1)], buffers=buffers)  # 4 padding rows
+    g = gen(23)
+    for rid in rids:
+        write_all_keys(cache, rid, layout, pool, torch.randn(200, layout.dim, generator=g).to(DEVICE), M, PAGE)
+    rows = plan.positions.shape[0]
+    q, w = make_query(layout, rows, TINY.index_n_heads, seed=24, padding_from=plan.num_tokens)
+    poison = torch.tensor(float("inf"), device=DEVICE)
+    filled = indexer_scores_paged(q, w, plan, pool, layout, ratio=M, page_tokens=PAGE, max_entries=64,
+                                  stack_rows=stack_rows, fill=True)
+    got = torch.full((rows, 64), float("inf"), device=DEVICE)
+    indexer_scores_paged(q, w, plan, pool, layout, ratio=M, page_tokens=PAGE, out=got, stack_rows=stack_rows)
+    visible = check_unfilled(got, filled, plan, M, poison)
+    lengths = visible.to(torch.int32)
+    picks = topk_indices(got, lengths, 8)
+    assert torch.equal(picks, topk_indices(filled, lengths, 8))
+    assert ((picks < lengths[:, None]) | (picks == -1)).all() and (picks[plan.num_tokens:] == -1).all()
+    assert (picks >= 0).sum(1).tolist() == torch.clamp(visible, max=8).tolist()
 
 
 def test_stacked_rows_in_any_order(monkeypatch):
@@ -254,13 +304,13 @@ def test_stacked_rows_in_any_order(monkeypatch):
         write_all_keys(cache, rid, layout, pool, torch.randn(200, layout.dim, generator=g).to(DEVICE), M, PAGE)
     q, w = make_query(layout, plan.positions.shape[0], TINY.index_n_heads, seed=82)
     by_row = indexer_scores_paged(q, w, plan, pool, layout, ratio=M, page_tokens=PAGE, max_entries=41,
-                                  stack_rows=False)
+                                  stack_rows=False, fill=True)
     want, size = reference(plan, pool, layout, q, w, 41, ratio=M, page_tokens=PAGE)
     perm = torch.randperm(plan.positions.shape[0], generator=gen(83)).to(DEVICE)
     shuffled = dataclasses.replace(plan, positions=plan.positions[perm].contiguous(),
                                    token_request=plan.token_request[perm].contiguous())
     got = indexer_scores_paged(q[perm].contiguous(), w[perm].contiguous(), shuffled, pool, layout, ratio=M,
-                               page_tokens=PAGE, max_entries=41, stack_rows=True)
+                               page_tokens=PAGE, max_entries=41, stack_rows=True, fill=True)
     assert_close_scores(got, (want[perm], size[perm]))
     assert_paths_agree(got, by_row[perm], (want[perm], size[perm]))
 
@@ -284,7 +334,7 @@ def test_kernel_choice(monkeypatch):
         q, w = make_query(layout, plan.positions.shape[0], TINY.index_n_heads, seed=91)
         before = (row.launches, stacked.launches)
         indexer_scores_paged(q, w, plan, pool, layout, ratio=M, page_tokens=PAGE, max_entries=16,
-                             stack_rows=stack_rows)
+                             stack_rows=stack_rows, fill=True)
         ran = "row" if row.launches > before[0] else "stacked"
         assert ran == want and row.launches + stacked.launches == sum(before) + 1, (step, stack_rows)
 
@@ -321,7 +371,7 @@ def test_hand_written_key_bytes(indexer_format, stack_rows):
     scale_rows[page.to(DEVICE), off.to(DEVICE)] = scales.to(DEVICE)
     q, w = make_query(layout, plan.positions.shape[0], TINY.index_n_heads, seed=32)
     q = q * 2.0 ** 60  # still bf16 values; keeps the products of 2^-127-scaled keys normal fp32 numbers
-    got = indexer_scores_paged(q, w, plan, pool, layout, ratio=M, page_tokens=PAGE, stack_rows=stack_rows)
+    got = indexer_scores_paged(q, w, plan, pool, layout, ratio=M, page_tokens=PAGE, stack_rows=stack_rows, fill=True)
     assert_close_scores(got, reference(plan, pool, layout, q, w, got.shape[1], ratio=M, page_tokens=PAGE))
     visible = (plan.positions.long() + 1) // M
     assert torch.isnan(got[:, 3]).sum() == (visible > 3).sum()  # the NaN-scale key, only where it is visible
@@ -352,7 +402,7 @@ def test_fp32_query_is_rounded_to_bf16():
     # exact ties (to even: down, up, down) and a value just past a tie, in a row that sees entries
     q[-1, 0, :4] = torch.tensor([1 + 2 ** -8, 1 + 3 * 2 ** -8, -(1 + 2 ** -8), 1 + 2 ** -8 + 2 ** -20])
     w = torch.rand(203, TINY.index_n_heads, generator=g, device=DEVICE)
-    got = indexer_scores_paged(q, w, plan, pool, layout, ratio=M, page_tokens=PAGE)
+    got = indexer_scores_paged(q, w, plan, pool, layout, ratio=M, page_tokens=PAGE, fill=True)
     rounded = q.to(torch.bfloat16).float()
     assert_close_scores(got, reference(plan, pool, layout, rounded, w, got.shape[1], ratio=M, page_tokens=PAGE))
     # against the fp32 q: off by the bf16 rounding of q, at most 2^-9 of each term
@@ -398,7 +448,7 @@ def test_rejects_bad_input():
     with pytest.raises(ValueError, match=r"layout: expected an indexer layout"):
         run(layout=main_layout("fp8", 128, 64))
     with pytest.raises(ValueError, match=r"plan: expected a StepPlan, got dict"):
-        indexer_scores_paged(q, w, {"positions": plan.positions}, pool, layout, ratio=M, page_tokens=PAGE)
+        indexer_scores_paged(q, w, {"positions": plan.positions}, pool, layout, ratio=M, page_tokens=PAGE, fill=True)
     with pytest.raises(ValueError, match=r"ratio: expected a positive int"):
         run(ratio=0)
     with pytest.raises(ValueError, match=r"page_tokens: expected a positive multiple of ratio 4"):
@@ -463,7 +513,7 @@ def test_v4_decode_one_request_65536_entries(indexer_format):
                                                  max_tokens=262144 + 512, buffer_tokens=1, seed=1)
     assert (heads, layout.dim) == (64, 128) and int(plan.positions[0]) == 262143
     q, w = make_query(layout, 1, heads, seed=1)
-    got = indexer_scores_paged(q, w, plan, pool, layout, ratio=4, page_tokens=V4_PAGE)
+    got = indexer_scores_paged(q, w, plan, pool, layout, ratio=4, page_tokens=V4_PAGE, fill=True)
     assert got.shape == (1, 65536) and torch.isfinite(got).all()
     assert_close_scores(got, reference(plan, pool, layout, q, w, 65536, ratio=4, page_tokens=V4_PAGE))
 
@@ -481,14 +531,37 @@ def test_v4_decode_mixed_lengths_and_graph_replay(geometry_name, indexer_format)
     entries = cache.block_table.shape[1] * V4_PAGE // 4
     q, w = make_query(layout, 11, heads, seed=2, padding_from=8)
     out = torch.full((11, entries), float("nan"), device=DEVICE)
-    indexer_scores_paged(q, w, plan, pool, layout, ratio=4, page_tokens=V4_PAGE, out=out)
+    indexer_scores_paged(q, w, plan, pool, layout, ratio=4, page_tokens=V4_PAGE, out=out, fill=True)
     assert_close_scores(out, reference(plan, pool, layout, q, w, entries, ratio=4, page_tokens=V4_PAGE))
 
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        indexer_scores_paged(q, w, plan, pool, layout, ratio=4, page_tokens=V4_PAGE, out=out)
+        indexer_scores_paged(q, w, plan, pool, layout, ratio=4, page_tokens=V4_PAGE, out=out, fill=True)
     plan = cache.plan_step([(rids[i], n) for i, n in step], buffers=buffers)
     replay_over_new_inputs(graph, plan, cache, rids, layout, pool, q, w, out, entries, seed=3, padding_from=8)
+
+
+@needs_cuda
+@pytest.mark.parametrize("stack_rows", [False, True], ids=["row", "stacked"])
+def test_v4_unfilled_columns_are_never_picked(stack_rows):
+    """V4-Flash, MXFP4: eight requests at lengths 1 .. ~200K in a padded plan over the full width (a graph captured
+    for the longest request): without the fill, columns past visible keep the +inf poison, and the top-512 over the
+    visible counts equals the top-512 of the filled scores, never past visible(t)."""
+    from dsv4kv.kernels.topk import topk_indices
+
+    history = [0, 2, 3, 128, 4097, 30001, 65535, 199998]
+    cache, layout, pool, plan, _, _, heads = v4_case("flash", "mxfp4", history, [(i, 1) for i in range(8)],
+                                                     max_tokens=310_000, buffer_tokens=11, seed=7)
+    entries = cache.block_table.shape[1] * V4_PAGE // 4
+    q, w = make_query(layout, 11, heads, seed=7, padding_from=8)
+    filled = indexer_scores_paged(q, w, plan, pool, layout, ratio=4, page_tokens=V4_PAGE, max_entries=entries,
+                                  stack_rows=stack_rows, fill=True)
+    got = torch.full((11, entries), float("inf"), device=DEVICE)
+    indexer_scores_paged(q, w, plan, pool, layout, ratio=4, page_tokens=V4_PAGE, out=got, stack_rows=stack_rows)
+    lengths = check_unfilled(got, filled, plan, 4, torch.tensor(float("inf"), device=DEVICE)).to(torch.int32)
+    picks = topk_indices(got, lengths, 512)
+    assert torch.equal(picks, topk_indices(filled, lengths, 512))
+    assert ((picks < lengths[:, None]) | (picks == -1)).all()
 
 
 @needs_cuda
@@ -500,7 +573,7 @@ def test_v4_prefill_512_rows(indexer_format):
     q, w = make_query(layout, 520, heads, seed=5, padding_from=513)
     entries = cache.block_table.shape[1] * V4_PAGE // 4
     out = torch.full((520, entries), float("nan"), device=DEVICE)
-    indexer_scores_paged(q, w, plan, pool, layout, ratio=4, page_tokens=V4_PAGE, out=out)
+    indexer_scores_paged(q, w, plan, pool, layout, ratio=4, page_tokens=V4_PAGE, out=out, fill=True)
     assert_close_scores(out, reference(plan, pool, layout, q, w, entries, ratio=4, page_tokens=V4_PAGE))
 
 
@@ -517,12 +590,12 @@ def test_v4_prefill_2048_rows_after_6k_stacked(indexer_format, monkeypatch):
     q, w = make_query(layout, 2053, heads, seed=7, padding_from=2048)
     row, stacked = spy_kernels(monkeypatch)
     out = torch.full((2053, entries), float("nan"), device=DEVICE)
-    indexer_scores_paged(q, w, plan, pool, layout, ratio=4, page_tokens=V4_PAGE, out=out)
+    indexer_scores_paged(q, w, plan, pool, layout, ratio=4, page_tokens=V4_PAGE, out=out, fill=True)
     assert (row.launches, stacked.launches) == (0, 1)
     want = reference(plan, pool, layout, q, w, entries, ratio=4, page_tokens=V4_PAGE)
     assert_close_scores(out, want)
     by_row = indexer_scores_paged(q, w, plan, pool, layout, ratio=4, page_tokens=V4_PAGE, max_entries=entries,
-                                  stack_rows=False)
+                                  stack_rows=False, fill=True)
     assert_paths_agree(out, by_row, want)
 
 
@@ -539,12 +612,12 @@ def test_v4_prefill_graph_replay_stacked(indexer_format, monkeypatch):
     q, w = make_query(layout, 1100, heads, seed=8, padding_from=1014)
     out = torch.full((1100, entries), float("nan"), device=DEVICE)
     row, stacked = spy_kernels(monkeypatch)
-    indexer_scores_paged(q, w, plan, pool, layout, ratio=4, page_tokens=V4_PAGE, out=out)
+    indexer_scores_paged(q, w, plan, pool, layout, ratio=4, page_tokens=V4_PAGE, out=out, fill=True)
     assert_close_scores(out, reference(plan, pool, layout, q, w, entries, ratio=4, page_tokens=V4_PAGE))
 
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        indexer_scores_paged(q, w, plan, pool, layout, ratio=4, page_tokens=V4_PAGE, out=out)
+        indexer_scores_paged(q, w, plan, pool, layout, ratio=4, page_tokens=V4_PAGE, out=out, fill=True)
     assert (row.launches, stacked.launches) == (0, 2)
     plan = cache.plan_step([(rids[0], 1), (rids[1], 777), (rids[2], 250), (rids[3], 64)], buffers=buffers)
     replay_over_new_inputs(graph, plan, cache, rids, layout, pool, q, w, out, entries, seed=9, padding_from=1092)

@@ -1,5 +1,6 @@
 """The top-k kernel against the reference `topk_picks` (a stable descending sort): the same index set,
-bit for bit, on rows full of exact ties, short and empty rows, -inf inside and NaN past the length.
+bit for bit, on rows full of exact ties, short and empty rows, -inf inside and NaN past the length; in one
+launch (phases ordered by tickets, the default) and in four; with phase D's candidates in registers and looped.
 Small cases run under the interpreter; V4-Flash / V4-Pro shapes (1M tokens at ratio 4) need a GPU."""
 
 import pytest
@@ -46,6 +47,13 @@ def make_rows(seed, rows, cols, kind, device="cpu"):
     return scores.to(device), lengths.to(torch.int32).to(device)
 
 
+@pytest.fixture(params=["fused", "phased"])
+def mode(request, monkeypatch):
+    """One launch (tickets order the phases) or four launches: the same phases, the same results."""
+    monkeypatch.setattr(topk_module, "FUSED", request.param == "fused")
+    return request.param
+
+
 def run(scores, lengths, k, **kw):
     out = torch.full((scores.shape[0], k), SENTINEL, dtype=torch.int32, device=scores.device)
     result = topk_indices(scores, lengths, k, out=out, **kw)
@@ -62,17 +70,35 @@ def run(scores, lengths, k, **kw):
     (1, 257, 257, "normal"),  # k == J
     (3, 300, 50, "equal"),  # the whole row ties: the buffer overflows, kernel 4 reads the row
 ], ids=lambda v: str(v))
-def test_topk_matches_reference(rows, cols, k, kind):
+def test_topk_matches_reference(rows, cols, k, kind, mode):
     scores, lengths = make_rows(rows * cols + k, rows, cols, kind, DEVICE)
     assert torch.equal(run(scores, lengths, k), reference(scores, lengths, k))
 
 
 @pytest.mark.parametrize("capacity", [0, 9])
-def test_topk_small_buffer_is_exact(capacity):
+def test_topk_small_buffer_is_exact(capacity, mode):
     """Rows whose candidates overflow the buffer are selected from the row itself, with the same result."""
     scores, lengths = make_rows(11, 3, 203, "ties", DEVICE)
     ws = topk_workspace(3, 203, 12, scores.device, capacity=capacity)
     assert torch.equal(run(scores, lengths, 12, workspace=ws), reference(scores, lengths, 12))
+
+
+@pytest.mark.parametrize("select", [16, 1024])
+def test_topk_select_in_registers_or_looped(select, monkeypatch):
+    """Phase D holds up to SELECT buffered candidates in registers and loops over a bigger buffer: both exact."""
+    monkeypatch.setattr(topk_module, "_select_block", lambda k, device: select)
+    for seed, (rows, cols, k, kind) in enumerate(((2, 400, 9, "normal"), (3, 517, 40, "ties"), (1, 300, 1, "ties"))):
+        scores, lengths = make_rows(seed, rows, cols, kind, DEVICE)
+        assert torch.equal(run(scores, lengths, k), reference(scores, lengths, k)), (rows, cols, k, kind)
+
+
+def test_topk_empty_rows_write_no_picks(mode):
+    """Rows of length <= 0 (padding rows of a captured batch) pick nothing, and leave the workspace reusable."""
+    scores = torch.randn(4, 300, device=DEVICE)
+    lengths = torch.tensor([0, -5, 0, -1], dtype=torch.int32, device=DEVICE)
+    ws = topk_workspace(4, 300, 8, DEVICE)
+    assert run(scores, lengths, 8, workspace=ws).eq(-1).all()
+    assert ws[:, :topk_module._HEADER].eq(0).all()
 
 
 def test_topk_inf_and_signed_zero():
@@ -92,7 +118,7 @@ def test_topk_workspace_reused():
     for seed, kind in ((1, "ties"), (2, "normal"), (3, "equal")):
         scores, lengths = make_rows(seed, 3, 150, kind, DEVICE)
         assert torch.equal(run(scores, lengths, 20, workspace=ws), reference(scores, lengths, 20))
-        assert ws[:, :512].eq(0).all()
+        assert ws[:, :topk_module._HEADER].eq(0).all()
 
 
 def test_topk_bad_inputs():
@@ -163,6 +189,26 @@ def test_topk_gpu_one_long_row(preset, kind):
 def test_topk_gpu_batches(rows, cols, k, kind):
     scores, lengths = make_rows(rows + k, rows, cols, kind, "cuda")  # mixed lengths, NaN past them
     assert torch.equal(run(scores, lengths, k), reference(scores, lengths, k))
+
+
+@cuda
+@pytest.mark.parametrize("rows,cols,k", [(1, CONTEXT, 512), (1, 4 * CONTEXT, 512), (64, 32768, 512),
+                                         (3, CONTEXT, 1024)],
+                         ids=lambda v: str(v))
+def test_topk_gpu_repeated_calls(rows, cols, k):
+    """100 calls on one workspace, new scores each time: a phase that read another's data before it was complete
+    (the fused launch orders them by counters, not by kernel boundaries) would show as a wrong set."""
+    ws = topk_workspace(rows, cols, k, "cuda")
+    out = torch.empty(rows, k, dtype=torch.int32, device="cuda")
+    lengths = torch.full((rows,), cols, dtype=torch.int32, device="cuda")
+    g = torch.Generator(device="cuda").manual_seed(rows + cols)
+    for i in range(100):
+        scores = torch.randn(rows, cols, generator=g, device="cuda")
+        if i % 3 == 1:
+            scores = (scores * 8).round()  # exact ties at the threshold
+        topk_indices(scores, lengths, k, out=out, workspace=ws)
+        assert torch.equal(out, reference(scores, lengths, k)), i
+    assert ws[:, :topk_module._HEADER].eq(0).all()
 
 
 @cuda

@@ -1,4 +1,4 @@
-"""Command line: `dsv4kv plan` (memory planner), `dsv4kv demo` (a serving workload over the cache) and
+"""Command line: `dsv4kv plan` (memory planner), `dsv4kv demo` (token generation through the engine) and
 `dsv4kv bench` (GPU benchmarks)."""
 
 from __future__ import annotations
@@ -22,11 +22,18 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from .demo import run_demo  # imports the layers (and transformers, when installed) only when asked
+    import torch
+
+    from .demo import render, run_demo  # imports the engine and transformers only when asked
+
+    if args.device in (None, "cpu") and not torch.cuda.is_available():
+        # the tiny model's ops are too small to gain from threads, and spinning threads slow it several times
+        # over when other processes share the cores
+        torch.set_num_threads(1)
 
     result = run_demo(device=args.device, kv_format=args.kv_format, indexer_format=args.indexer_format,
-                      seed=args.seed, progress=not args.no_progress)
-    print(result.table())
+                      seed=args.seed, progress=not args.no_progress, compare=not args.no_compare)
+    render(result)
     return 0
 
 
@@ -61,19 +68,21 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--json", action="store_true", help="print the figures as JSON")
     plan.set_defaults(run=_plan)
 
-    demo = sub.add_parser("demo", help="serve a small workload through every layer and compare with transformers")
-    demo.add_argument("--device", default=None, help="default: cuda when available (V4-Flash geometry), else cpu "
-                                                    "(the tiny geometry)")
+    demo = sub.add_parser("demo", help="generate tokens with a random DeepSeek-V4 model through the engine and "
+                                        "compare with transformers")
+    demo.add_argument("--device", default=None, help="default: cuda when available (V4-Flash attention geometry, "
+                                                    "bf16), else cpu (the tiny model, fp32)")
     demo.add_argument("--kv-format", default=KVFormat.FP8.value, choices=[f.value for f in KVFormat])
     demo.add_argument("--indexer-format", default=IndexerFormat.MXFP4.value,
                       choices=[f.value for f in IndexerFormat])
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--no-progress", action="store_true", help="no progress bar")
+    demo.add_argument("--no-compare", action="store_true", help="skip the comparison with transformers")
     demo.set_defaults(run=_demo)
 
     bench = sub.add_parser("bench", help="time the kernels, a decode step, prefill and scale on a GPU; write JSON "
                                          "and plots")
-    bench.add_argument("workloads", nargs="*", help="machine, topk, insert, decode, layer, prefill, scale "
+    bench.add_argument("workloads", nargs="*", help="machine, topk, insert, decode, layer, prefill, scale, flashmla "
                                                     "(default: all; --quick: a short subset)")
     bench.add_argument("--quick", action="store_true", help="fewer sizes (a few minutes)")
     bench.add_argument("--out", default="docs/bench", help="folder for the JSON and PNG files (default docs/bench)")

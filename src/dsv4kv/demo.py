@@ -1,302 +1,204 @@
-"""`dsv4kv demo`: a small serving workload through every layer of a geometry, over one paged cache.
+"""`dsv4kv demo`: token generation through the engine, checked against transformers.
 
-Requests with different prompt lengths arrive over time; each step packs the decode tokens of running
-requests with chunks of waiting prompts (chunked prefill) under a token budget; finished requests are
-released and new ones admitted into their slots. The hidden states are random "embeddings" chained
-through the layers with a residual (h <- h + attention(h)); there is no MLP or LM head, so decode inputs
-are drawn in advance rather than sampled. At the end: tokens processed, memory held per layer kind
-against a dense bf16 cache, and the output difference against transformers' DeepseekV4Attention layers
-(same weights, run once over the whole sequence of one request, fp32).
+A random DeepSeek-V4 model (transformers' DeepseekV4ForCausalLM) is served by `dsv4kv.engine.Engine`:
+requests with prompts of different lengths arrive over time, steps mix decode tokens with prefill chunks,
+and every request decodes greedily. On a CPU the model is the tiny three-layer one (window, CSA, HCA), in
+fp32; on a GPU it has V4-Flash's attention geometry in bf16 (4 layers: window, CSA, HCA, CSA; V4-Flash's
+vocabulary; a reduced MoE of 8 experts x 512 wide, 2 per token, plus the shared expert). Printed: prefill and
+decode tokens/s, time to first token and inter-token latency, cache memory per layer kind against a dense
+bf16 cache at the peak, and how many generated tokens are transformers' own greedy choice (its fp32 one-shot
+forward over the same tokens).
 """
 
 from __future__ import annotations
 
-import copy
-import json
-import sys
 import time
 from dataclasses import dataclass, field
-from importlib import resources
 
 import torch
 
-from .geometry import ModelGeometry
-from .layer import DSV4Attention, init_random_weights
+from .engine import Engine, SamplingParams
+from .engine.reference import flash_config, random_model, reference_logits, tiny_config, with_dtype
 from .manager import CacheManager
 from .memory.planner import format_bytes
 
-__all__ = ["Workload", "DemoResult", "run_demo", "default_workload"]
+__all__ = ["Workload", "DemoResult", "run_demo", "default_workload", "render"]
+
+NEAR_TIE = 0.05  # transformers' top-2 logits closer than this count as a tie (docs/engine.md)
 
 
 @dataclass(frozen=True)
 class Workload:
-    preset: str
-    prompts: tuple[int, ...]  # prompt length of each request, in arrival order
-    decode: int  # tokens decoded by every request after its prompt
-    arrival_every: int  # steps between arrivals
-    step_tokens: int  # token budget of one step (decode tokens first, then prefill chunks)
-    max_requests: int  # live requests at once
-    compare_request: int  # index of the request compared with transformers
-    page_tokens: int = 1024  # original tokens per block
+    model: str  # "tiny" or "flash"
+    prompts: tuple[int, ...]  # prompt lengths, in arrival order
+    new_tokens: int  # generated per request (greedy)
+    arrival_every: int  # engine steps between arrivals
+    step_tokens: int
+    max_requests: int
+    page_tokens: int
+    max_seq_len: int
 
 
 def default_workload(device: torch.device) -> Workload:
     if device.type == "cuda":
-        return Workload("flash", prompts=(1500, 300, 4100, 700, 2300, 129, 3000, 900), decode=32, arrival_every=6,
-                        step_tokens=2048, max_requests=4, compare_request=2)
-    return Workload("tiny", prompts=(301, 77, 480, 150, 389, 45, 260, 413), decode=32, arrival_every=5,
-                    step_tokens=160, max_requests=4, compare_request=2, page_tokens=128)
-
-
-@dataclass
-class _Request:
-    index: int
-    inputs: torch.Tensor  # [prompt + decode, hidden]: this request's whole input sequence
-    prompt: int
-    rid: int | None = None
-    fed: int = 0
-    outputs: list[torch.Tensor] = field(default_factory=list)
-
-    @property
-    def done(self) -> bool:
-        return self.fed == self.inputs.shape[0]
+        return Workload("flash", prompts=(1500, 300, 4100, 700, 2300, 129, 3000, 900), new_tokens=32,
+                        arrival_every=3, step_tokens=2048, max_requests=4, page_tokens=256, max_seq_len=8192)
+    return Workload("tiny", prompts=(301, 77, 480, 150, 389, 45, 260, 413), new_tokens=24, arrival_every=3,
+                    step_tokens=160, max_requests=4, page_tokens=128, max_seq_len=1024)
 
 
 @dataclass
 class DemoResult:
     workload: Workload
     device: str
+    dtype: str
     kv_format: str
     indexer_format: str
-    steps: int = 0
-    prefill_tokens: int = 0
-    decode_tokens: int = 0
-    seconds: float = 0.0
+    backend: str = ""
+    graphs: bool = False
+    setup_seconds: float = 0.0
+    serve_seconds: float = 0.0
+    stats: object = None
+    requests: list[tuple[int, int, float, float | None, int]] = field(default_factory=list)  # prompt, new, ttft, itl, preemptions
     peak_tokens: int = 0
-    memory: dict[str, tuple[int, int, int]] = field(default_factory=dict)  # kind -> (layers, held, dense bf16) bytes
-    compared_tokens: int = 0
-    # worst and median row difference against transformers, relative to the row's max |value|:
-    served_diff: tuple[float, float, float] | None = None  # as served (this run's formats): worst, median, <=3%
-    exact_diff: tuple[float, float, float] | None = None  # the same request alone through an exact (bf16) cache
-    hf_bf16_diff: tuple[float, float, float] | None = None  # transformers itself run in bf16: the rounding floor
-
-    def table(self) -> str:
-        w = self.workload
-        lines = [f"dsv4kv demo: {w.preset} geometry, {len(w.prompts)} requests, {self.device}, "
-                 f"entries {self.kv_format}, indexer keys {self.indexer_format}",
-                 f"  steps {self.steps}, prefill tokens {self.prefill_tokens}, decode tokens {self.decode_tokens}, "
-                 f"{self.seconds:.1f} s ({(self.prefill_tokens + self.decode_tokens) / self.seconds:.0f} tokens/s, "
-                 "PyTorch reference)",
-                 f"  memory at the peak ({self.peak_tokens} tokens held):",
-                 f"    {'layer kind':<12}{'layers':>7}{'held':>14}{'dense bf16':>14}{'ratio':>8}"]
-        for kind, (count, held, dense) in self.memory.items():
-            lines.append(f"    {kind:<12}{count:>7}{format_bytes(held):>14}{format_bytes(dense):>14}"
-                         f"{held / dense:>8.3f}")
-        if self.served_diff is None:
-            lines.append("  transformers comparison: skipped (transformers is not installed)")
-            return "\n".join(lines)
-        lines += [f"  vs transformers DeepseekV4Attention (fp32, one forward) on request {w.compare_request}, "
-                  f"{self.compared_tokens} tokens through all layers; row difference / row max:",
-                  f"    {'as served':<34} worst {self.served_diff[0]:7.2%}  median {self.served_diff[1]:7.2%}  "
-                  f"rows within 3%: {self.served_diff[2]:.0%}",
-                  f"    {'alone, exact mode (bf16 cache)':<34} worst {self.exact_diff[0]:7.2%}  "
-                  f"median {self.exact_diff[1]:7.2%}  rows within 3%: {self.exact_diff[2]:.0%}",
-                  f"    {'transformers itself in bf16':<34} worst {self.hf_bf16_diff[0]:7.2%}  "
-                  f"median {self.hf_bf16_diff[1]:7.2%}  rows within 3%: {self.hf_bf16_diff[2]:.0%}"]
-        if (self.kv_format, self.indexer_format) != ("bf16", "bf16"):
-            lines.append("    (official numerics quantize kv to FP8 and select CSA entries by MXFP4/FP8 scores, which "
-                         "transformers does not; see docs/numerics.md)")
-        return "\n".join(lines)
+    memory: dict[str, tuple[int, int, int]] = field(default_factory=dict)  # kind -> (layers, held, dense bf16)
+    agree: int = 0  # generated tokens equal to transformers' argmax
+    near_ties: int = 0  # of the others, tokens within NEAR_TIE of it
+    compared: int = 0
 
 
-class _Progress:
-    """A bar on stderr: redrawn in place on a terminal, one line per 10% otherwise (logs stay readable)."""
-
-    def __init__(self, total: int, enabled: bool):
-        self.total, self.enabled, self.start = total, enabled, time.perf_counter()
-        self.tty = sys.stderr.isatty()
-        self.printed = -1
-
-    def update(self, done: int, note: str) -> None:
-        tenth = 10 * done // self.total
-        if not self.enabled or (not self.tty and tenth == self.printed):
-            return
-        self.printed = tenth
-        width = 30
-        filled = width * done // self.total
-        rate = done / max(time.perf_counter() - self.start, 1e-9)
-        line = f"  [{'#' * filled}{'.' * (width - filled)}] {done}/{self.total} tokens {rate:6.0f} tok/s  {note}"
-        sys.stderr.write(f"\r{line:<100}" if self.tty else line + "\n")
-        sys.stderr.flush()
-
-    def close(self) -> None:
-        if self.enabled and self.tty:
-            sys.stderr.write("\n")
-
-
-def _with_params(module: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
-    """A copy with parameters cast to `dtype` and buffers left alone: transformers' rotary tables (inv_freq)
-    must stay fp32, and `module.to(bfloat16)` would round them too."""
-    module = copy.deepcopy(module)
-    for param in module.parameters():
-        param.data = param.data.to(dtype)
-    return module
-
-
-def _build_layers(geometry: ModelGeometry, device: torch.device, seed: int):
-    """Our bf16 layers, and transformers' fp32 layers with the same (bf16-representable) weights when
-    transformers is installed (else None)."""
-    try:
-        from transformers import DeepseekV4Config
-        from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4Attention
-    except ImportError:
-        layers = [init_random_weights(DSV4Attention(geometry, i, device=device), seed + i)
-                  for i in range(geometry.num_layers)]
-        return layers, None
-    config = DeepseekV4Config(**json.loads(resources.files("dsv4kv.presets").joinpath(
-        f"{geometry.name}.json").read_text()))
-    config._attn_implementation = "eager"
-    hf_layers, layers = [], []
-    for i in range(geometry.num_layers):
-        hf = init_random_weights(DeepseekV4Attention(config, i).to(device).eval(), seed + i)
-        hf = _with_params(_with_params(hf, torch.bfloat16), torch.float32)  # bf16-representable fp32 weights
-        hf_layers.append(hf)
-        layers.append(DSV4Attention.from_transformers(_with_params(hf, torch.bfloat16)))
-    return layers, (config, hf_layers)
-
-
-def _transformers_reference(hf, inputs: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """transformers' layers over one whole sequence in `dtype`, residual chain like the demo's."""
-    from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4RotaryEmbedding
-    config, hf_layers = hf
-    n = inputs.shape[0]
-    positions = torch.arange(n, device=inputs.device)[None]
-    h = inputs.to(dtype)[None]
-    rotary = DeepseekV4RotaryEmbedding(config).to(inputs.device)
-    cos_sin = {kind: rotary(h, positions, layer_type=kind) for kind in ("main", "compress")}
-    i = torch.arange(n, device=inputs.device)
-    allowed = (i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < config.sliding_window)
-    mask = torch.where(allowed, 0.0, float("-inf"))[None, None]
-    with torch.no_grad():
-        for module in hf_layers:
-            layer = module if dtype == torch.float32 else _with_params(module, dtype)
-            h = h + layer(h, cos_sin, positions, mask.to(dtype))[0]
-    return h[0].float()
-
-
-def run_demo(*, device: torch.device | str | None = None, workload: Workload | None = None,
-             kv_format: str = "fp8", indexer_format: str = "mxfp4", seed: int = 0,
-             progress: bool = True) -> DemoResult:
+def run_demo(*, device: torch.device | str | None = None, workload: Workload | None = None, kv_format: str = "fp8",
+             indexer_format: str = "mxfp4", seed: int = 0, progress: bool = True, compare: bool = True) -> DemoResult:
     device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
     workload = workload or default_workload(device)
-    geometry = ModelGeometry.preset(workload.preset)
-    layers, hf = _build_layers(geometry, device, seed)
-    total = sum(workload.prompts) + workload.decode * len(workload.prompts)
-    cache = CacheManager(geometry, max_requests=workload.max_requests,
-                         max_tokens=workload.max_requests * (max(workload.prompts) + workload.decode),
-                         kv_format=kv_format, indexer_format=indexer_format, device=device,
-                         page_tokens=workload.page_tokens)
-    g = torch.Generator(device=device).manual_seed(seed + 1000)
-    requests = [_Request(i, torch.randn(p + workload.decode, geometry.hidden_size, generator=g, device=device)
-                         .to(torch.bfloat16), p) for i, p in enumerate(workload.prompts)]
-    result = DemoResult(workload, str(device), kv_format, indexer_format)
-    waiting, running = list(requests), []
-    bar = _Progress(total, progress)
     start = time.perf_counter()
-    while waiting or running:
-        # admissions: one arrival every `arrival_every` steps, while a slot is free
-        if waiting and result.steps % workload.arrival_every == 0 and len(running) < workload.max_requests:
-            request = waiting.pop(0)
-            request.rid = cache.admit()
-            running.append(request)
-        batch = _schedule(running, workload.step_tokens)
-        if not batch:
-            result.steps += 1
-            continue
-        plan = cache.plan_step([(r.rid, n) for r, n in batch])
-        if not plan:
-            raise RuntimeError(f"demo: {plan}")  # the cache is sized for the workload: never expected
-        h = torch.cat([r.inputs[r.fed:r.fed + n] for r, n in batch])
-        with torch.no_grad():
-            for layer in layers:
-                h = h + layer(h, plan, cache)
-        start_row = 0
-        for r, n in batch:
-            r.outputs.append(h[start_row:start_row + n])
-            start_row += n
-            if r.fed < r.prompt:
-                result.prefill_tokens += n
-            else:
-                result.decode_tokens += n
-            r.fed += n
-        if cache.tokens_held > result.peak_tokens:
-            result.peak_tokens = cache.tokens_held
-            result.memory = _memory_by_kind(cache)
-        for r in [r for r in running if r.done]:
-            cache.release(r.rid)
-            running.remove(r)
-        result.steps += 1
-        bar.update(result.prefill_tokens + result.decode_tokens,
-                   f"step {result.steps}, {cache.num_live_requests} live, {cache.num_used_blocks} blocks")
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    result.seconds = time.perf_counter() - start
-    bar.close()
-    if hf is not None:
-        request = requests[workload.compare_request]
-        want = _transformers_reference(hf, request.inputs)
-        result.compared_tokens = want.shape[0]
-        result.served_diff = _row_diff(torch.cat(request.outputs), want)
-        result.exact_diff = _row_diff(_run_alone(layers, request.inputs, workload.step_tokens), want)
-        result.hf_bf16_diff = _row_diff(_transformers_reference(hf, request.inputs, torch.bfloat16), want)
+    config = flash_config(4) if workload.model == "flash" else tiny_config()
+    oracle = random_model(config, seed=seed, device=device)  # fp32, bf16-representable weights
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    served = with_dtype(oracle, dtype) if dtype != torch.float32 else oracle
+    engine = Engine.from_transformers(served, max_requests=workload.max_requests,
+                                      max_tokens=workload.max_requests * workload.max_seq_len, kv_format=kv_format,
+                                      indexer_format=indexer_format, page_tokens=workload.page_tokens,
+                                      step_tokens=workload.step_tokens, max_seq_len=workload.max_seq_len)
+    result = DemoResult(workload, str(device), str(dtype).replace("torch.", ""), kv_format, indexer_format,
+                        backend=engine.backend, graphs=any(g.capture for g in engine.runner.graphs.values()))
+    g = torch.Generator().manual_seed(seed + 1)
+    prompts = [torch.randint(0, config.vocab_size, (n,), generator=g).tolist() for n in workload.prompts]
+    result.setup_seconds = time.perf_counter() - start
+
+    params = SamplingParams(max_new_tokens=workload.new_tokens)
+    ids, outputs = [], {}
+    total = sum(workload.prompts) + workload.new_tokens * len(prompts)
+    with _progress(progress) as bar:
+        task = bar.add_task("serving", total=total) if bar else None
+        start, steps = time.perf_counter(), 0
+        while len(ids) < len(prompts) or engine.has_unfinished:
+            if len(ids) < len(prompts) and steps % workload.arrival_every == 0:
+                ids.append(engine.add_request(prompts[len(ids)], params))
+            engine.step()
+            steps += 1
+            if engine.cache.tokens_held > result.peak_tokens:
+                result.peak_tokens, result.memory = engine.cache.tokens_held, memory_by_kind(engine.cache)
+            if bar:
+                s = engine.stats
+                bar.update(task, completed=s.prefill_tokens + s.decode_tokens,
+                           description=f"step {steps}, {engine.cache.num_live_requests} live")
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        result.serve_seconds = time.perf_counter() - start
+    result.stats = engine.stats
+    for prompt, rid in zip(prompts, ids):
+        out = engine.output(rid)
+        outputs[rid] = out
+        result.requests.append((len(prompt), len(out.token_ids), out.ttft, out.itl, out.preemptions))
+    if compare:
+        for prompt, rid in zip(prompts, ids):
+            tokens = outputs[rid].token_ids
+            rows = reference_logits(oracle, list(prompt) + list(tokens))[len(prompt) - 1:-1]  # row k -> token k
+            best = rows.max(-1).values
+            chosen = rows.gather(1, torch.tensor(tokens, device=rows.device)[:, None])[:, 0]
+            result.agree += int((chosen == best).sum())
+            result.near_ties += int(((chosen != best) & (best - chosen <= NEAR_TIE)).sum())
+            result.compared += len(tokens)
     return result
 
 
-def _row_diff(got: torch.Tensor, want: torch.Tensor) -> tuple[float, float, float]:
-    rows = (got.float() - want).abs().amax(-1) / want.abs().amax(-1)
-    return float(rows.max()), float(rows.median()), float((rows <= 0.03).float().mean())
-
-
-def _run_alone(layers: list[DSV4Attention], inputs: torch.Tensor, chunk: int) -> torch.Tensor:
-    """One request through a fresh exact-mode (bf16 entries and keys) cache, in prefill chunks."""
-    geometry = layers[0].geometry
-    cache = CacheManager(geometry, max_requests=1, max_tokens=inputs.shape[0], kv_format="bf16",
-                         indexer_format="bf16", device=inputs.device, page_tokens=128)
-    rid, outputs = cache.admit(), []
-    with torch.no_grad():
-        for start in range(0, inputs.shape[0], chunk):
-            h = inputs[start:start + chunk]
-            plan = cache.plan_step([(rid, h.shape[0])])
-            for layer in layers:
-                h = h + layer(h, plan, cache)
-            outputs.append(h)
-    return torch.cat(outputs)
-
-
-def _schedule(running: list[_Request], budget: int) -> list[tuple[_Request, int]]:
-    """Decode tokens of every running request first, then prefill chunks in arrival order."""
-    batch, used = [], 0
-    for r in running:
-        if r.fed >= r.prompt and not r.done:
-            batch.append((r, 1))
-            used += 1
-    for r in running:
-        if r.fed < r.prompt and used < budget:
-            n = min(r.prompt - r.fed, budget - used)
-            batch.append((r, n))
-            used += n
-    return batch
-
-
-def _memory_by_kind(cache: CacheManager) -> dict[str, tuple[int, int, int]]:
-    """Per layer kind: bytes held (used blocks' pages + live slots' window and state) and a dense bf16 cache
-    of every held token's kv (what an unpaged, uncompressed cache keeps)."""
+def memory_by_kind(cache: CacheManager) -> dict[str, tuple[int, int, int]]:
+    """Per layer kind: bytes held (used blocks' pages + live slots' window and state) and what a dense bf16 cache
+    of every held token's kv would take."""
     out = {}
     live, blocks = cache.num_live_requests, cache.num_used_blocks
     dense_per_layer = cache.tokens_held * cache.geometry.head_dim * 2
     for spec in cache.spec.layers:
         kind = spec.layer.kind.short
-        held = blocks * spec.block_bytes + live * spec.request_bytes
-        layers, old_held, old_dense = out.get(kind, (0, 0, 0))
-        out[kind] = (layers + 1, old_held + held, old_dense + dense_per_layer)
+        layers, held, dense = out.get(kind, (0, 0, 0))
+        out[kind] = (layers + 1, held + blocks * spec.block_bytes + live * spec.request_bytes, dense + dense_per_layer)
     return out
+
+
+class _progress:
+    """A rich progress bar on stderr (None when disabled)."""
+
+    def __init__(self, enabled: bool):
+        self.enabled, self.bar = enabled, None
+
+    def __enter__(self):
+        if self.enabled:
+            from rich.console import Console
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+            self.bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                TextColumn("tokens"), TimeElapsedColumn(), console=Console(stderr=True),
+                                transient=False)
+            self.bar.__enter__()
+        return self.bar
+
+    def __exit__(self, *exc):
+        if self.bar is not None:
+            self.bar.__exit__(*exc)
+
+
+def render(result: DemoResult, console=None) -> None:
+    """Print the result as rich tables."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console()
+    w, s = result.workload, result.stats
+    what = ("V4-Flash attention geometry, 4 layers (window, CSA, HCA, CSA), vocabulary 129280, MoE of 8 experts "
+            "x 512 (2 per token) + shared" if w.model == "flash" else
+            "tiny: 3 layers (window, CSA ratio 4, HCA ratio 128), hidden 128, vocabulary 512, MoE of 4 experts x 64")
+    console.print(f"[bold]dsv4kv demo[/bold]: {what}; random weights in {result.dtype} on {result.device}")
+    console.print(f"attention: {result.backend}"
+                  + (", decode steps replayed from CUDA graphs" if result.graphs else ", every step eager")
+                  + f"; cache entries {result.kv_format}, indexer keys {result.indexer_format}; "
+                  f"{len(w.prompts)} requests, step budget {w.step_tokens} tokens, {w.max_requests} slots")
+    decode_tokens_alone = s.decode_tokens - (s.tokens_in_prefill_steps - s.prefill_tokens)
+    t = Table(title="throughput (wall time of the steps, host included)")
+    for col in ("steps", "count", "tokens", "seconds", "tokens/s"):
+        t.add_column(col, justify="right" if col != "steps" else "left")
+    t.add_row("with prefill", str(s.steps - s.decode_steps), str(s.tokens_in_prefill_steps),
+              f"{s.prefill_seconds:.2f}", f"{s.tokens_in_prefill_steps / max(s.prefill_seconds, 1e-9):,.0f}")
+    t.add_row("decode only", str(s.decode_steps), str(decode_tokens_alone), f"{s.decode_seconds:.2f}",
+              f"{decode_tokens_alone / max(s.decode_seconds, 1e-9):,.0f}")
+    console.print(t)
+    ttfts = [r[2] for r in result.requests]
+    itls = [r[3] for r in result.requests if r[3] is not None]
+    console.print(f"time to first token: mean {sum(ttfts) / len(ttfts) * 1e3:,.0f} ms, max {max(ttfts) * 1e3:,.0f} ms"
+                  f" (from arrival, queueing included); inter-token latency: mean "
+                  f"{sum(itls) / max(len(itls), 1) * 1e3:,.1f} ms; preemptions {s.preemptions}; "
+                  f"setup {result.setup_seconds:.1f} s, serving {result.serve_seconds:.1f} s")
+    m = Table(title=f"cache memory at the peak ({result.peak_tokens:,} tokens held, {w.page_tokens}-token pages)")
+    for col in ("layer kind", "layers", "held", "dense bf16", "ratio"):
+        m.add_column(col, justify="left" if col == "layer kind" else "right")
+    for kind, (count, held, dense) in result.memory.items():
+        m.add_row(kind, str(count), format_bytes(held), format_bytes(dense), f"{held / dense:.3f}")
+    console.print(m)
+    if result.compared:
+        others = result.compared - result.agree
+        console.print(f"greedy agreement with transformers (fp32, one forward over the same tokens): "
+                      f"[bold]{result.agree} of {result.compared}[/bold] tokens are its argmax; of the other "
+                      f"{others}, {result.near_ties} are within {NEAR_TIE} of its best logit (near ties)")
+        if (result.kv_format, result.indexer_format) != ("bf16", "bf16"):
+            console.print("  (official numerics: FP8 kv and MXFP4/FP8 indexer keys, which transformers does not "
+                          "model; --kv-format bf16 --indexer-format bf16 is the exact mode)")

@@ -20,7 +20,7 @@ from typing import Callable
 
 import torch
 
-__all__ = ["Timing", "time_cuda", "copy_bandwidth", "gemm_rate", "machine_info", "profile_kernels"]
+__all__ = ["Timing", "time_cuda", "copy_bandwidth", "gemm_rate", "machine_info", "profile_kernels", "source_commit"]
 
 _FLUSH_BYTES = 256 << 20
 _SPIN_CYCLES = 40_000  # ~20 us at 1.98 GHz: longer than the host needs to launch a graph or a few kernels
@@ -94,19 +94,31 @@ def gemm_rate(device: torch.device, n: int = 8192) -> float:
     return 2 * n ** 3 / (timing.median_us * 1e-6)
 
 
-def _commit() -> str:
+# this file is <project root>/src/dsv4kv/bench/timing.py in the project's own checkout
+_PROJECT_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+
+def _git(root: str, *args: str) -> str:
+    return subprocess.run(["git", "-C", root, *args], capture_output=True, text=True, check=True).stdout.strip()
+
+
+def source_commit(root: str = _PROJECT_ROOT) -> str:
+    """The commit of the checkout at `root`, or "unknown". Git is trusted only when `root` is itself the top
+    of a work tree: a copy of the project without .git inside another repository (or an installed package
+    inside one) would otherwise be stamped with that repository's commit. DSV4KV_COMMIT overrides git."""
     if os.environ.get("DSV4KV_COMMIT"):
         return os.environ["DSV4KV_COMMIT"]
     try:
-        here = os.path.dirname(os.path.abspath(__file__))
-        return subprocess.run(["git", "-C", here, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              check=True).stdout.strip()
+        top = _git(root, "rev-parse", "--show-toplevel")
+        if os.path.realpath(top) != os.path.realpath(root):
+            return "unknown"
+        return _git(root, "rev-parse", "--short", "HEAD")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
 
 
 def machine_info(device: torch.device) -> dict:
-    """GPU, versions, date and commit (DSV4KV_COMMIT overrides git, for copies of the tree without .git)."""
+    """GPU, versions, date and commit (`source_commit`: DSV4KV_COMMIT, else git where the project is a checkout)."""
     import triton
 
     props = torch.cuda.get_device_properties(device)
@@ -114,7 +126,7 @@ def machine_info(device: torch.device) -> dict:
             "memory_bytes": props.total_memory, "capability": f"{props.major}.{props.minor}",
             "torch": torch.__version__, "cuda": torch.version.cuda, "triton": triton.__version__,
             "python": platform.python_version(),
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "commit": _commit()}
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "commit": source_commit()}
 
 
 def _kernels(prof) -> list[tuple[str, float]]:

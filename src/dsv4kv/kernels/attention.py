@@ -27,16 +27,16 @@ writes (m_s, l_s, acc_s) to the workspace; a second kernel merges the splits tha
 so the sink counts once, a split without keys is never written nor read (no -inf - -inf), and a row without keys
 still gets acc = 0, l = 1. S = 1 is the single pass: no workspace, no merge.
 
-Numerics. Keys are dequantized in registers (no staging copy of any pool): e4m3 * 2^(ue8m0 - 127) and the
-bf16 rope dims are exactly bf16 values, so q . k is a bf16 tensor-core dot with fp32 accumulation, exact per
-product for a bf16 q (an fp32 q is split into three bf16 parts, which carry all its 24 bits). The head dims are
-held as D / 64 chunks of 64 (one ue8m0 scale each), the batch dimension of the dots (`_attend`): q . k sums the
-chunks' fp32 partial dots. The softmax runs in fp32; for w . V each fp32 weight is split into two bf16 parts
-(hi + lo, two dots), ~2^-17 relative instead of bf16's 2^-9. The merge is fp32: the split path differs from the
-single pass only in summation order. Measured against the fp32 reference (error / the row's max |out|,
-tests/test_kernel_attention.py, Triton's interpreter, whose fp32 -> bf16 casts truncate): <= 2.5e-5 for the
-single pass and 2 to 7 key splits alike (hi + lo weights), 4e-3..7e-3 with bf16 weights alone. Keys are not
-flushed: ue8m0 code 0 scales by 2^-127, code 0xFF is NaN, as `quant.ue8m0_decode`.
+Work split. A program holds up to 64 heads of one row (BLOCK_H): they are the M dimension of both tensor-core
+products, so each key block is read and decoded once per 64 heads into one bf16 tile [BLOCK_N, D] that both
+products read (q . k through a transposed view of it, w . V = w . K), with the fp32 accumulator [64, D] split over
+two warpgroups. The window blocks and the entry blocks run in one loop (both address forms computed, one selected).
+
+Numerics (docs/numerics.md). Keys are exact: e4m3 * 2^(ue8m0 - 127) and the rope dims are bf16 values; codes are
+not flushed (ue8m0 code 0 scales by 2^-127, code 0xFF is NaN, as `quant.ue8m0_decode`). q enters the product in
+bf16 (an fp32 q as two bf16 parts, ~2^-17 relative), the softmax runs in fp32 and its weights enter w . V in bf16,
+as FlashMLA does; the running sum adds the weights as rounded. Against the fp32 reference: within 4e-3 of each
+(row, head)'s largest output (tests/test_kernel_attention.py). The merge is fp32.
 """
 
 from __future__ import annotations
@@ -52,27 +52,22 @@ from ..layout import EntryLayout, MainFP8Layout
 from ..ops.common import require
 from ..plan import StepPlan
 from .common import check_pool, check_tensor, interpreted, padded_rows
+from .encode import round_bf16
 
 __all__ = ["sparse_attention_paged"]
 
-# Tile sizes, compiled for sm_90 ahead of time (H=64, D=512, 16-byte aligned pools as launched; ptxas -v): with
-# 32 heads x 32 keys, 8 warps and 2 stages, triton 3.6 uses 255 registers for bf16 or fp32 q over fp8 entries and
-# no spills (12 B over bf16 entries), triton 3.9 251-252, and 144 KiB (bf16 q) / 208 KiB (fp32 q) of shared
-# memory: one program per SM. 16 heads take 190-254 registers, none spilled, 128 / 160 KiB; 64 heads spill 1-2 KiB;
-# 64-key blocks need 240+ KiB of shared memory over fp8 entries (more than an SM has). 32 heads read and dequantize
-# each key block once per 32 heads instead of per 16 (half the programs per row for V4's 64 or 128 heads). Timed on the
-# H200 by scripts/bench_variants.py (docs/bench/variants-2-attention.txt): 3 stages are slower than 2.
-BLOCK_H = 32  # heads per program (H200, decode batch 64 at 128K: 234 us at 32 heads, 328 at 16)
-SMALL_BLOCK_H = 16  # heads per program where even the split grid leaves most SMs idle (`_config`)
-BLOCK_N = 32  # keys per online-softmax block; splits start on these boundaries
-NUM_WARPS = 8  # one per 64-dim chunk of head_dim 512 (the dots' batch dimension)
-NUM_STAGES = 2
-# Fewest key blocks per split: a split's fixed cost (q load, partial write, its share of the merge: ~3 fp8 key
-# blocks of bytes at D=512) should not dominate its work.
+# Tiles from H200 timings (scripts/attention_variants.py, docs/bench/attention-variants-*.txt). A program holds up
+# to 64 heads of one row, the M dimension of both tensor-core products, so each key tile is read and decoded once
+# per 64 heads; its fp32 accumulator [64, D] is split over 2 warpgroups (128 registers per thread at D = 512).
+BLOCK_H = 64  # most heads per program
+SMALL_BLOCK_H = 16  # where even the split grid leaves most SMs idle (CSA batch 1: 17.7 us at 16 heads, 20-26 at 64)
+BLOCK_N = 32  # keys per online-softmax block in small grids (split rows); splits start on these boundaries
+LARGE_BLOCK_N = 64  # ... once the rows alone fill a third of the SMs (CSA batch 128: 121 us at 64 keys, 145 at 32)
+NUM_STAGES = 1  # 2 stages were slower at every decode shape (more registers, spills)
+# Fewest key blocks per split: a split's fixed cost (q load, partial write, its share of the merge) should not
+# dominate its work.
 MIN_SPLIT_BLOCKS = 2
-# Heads per merge program: one (D fp32 per split and program; decode batch 1 still gets H programs) on a GPU, 16 under
-# the interpreter, which pays per program.
-MERGE_H = {"cuda": 1, "cpu": 16}
+MERGE_S = 16  # splits a merge program reads at once
 MERGE_WARPS = 4
 
 _WINDOW_ONLY, _ALL_VISIBLE, _PICKS = 0, 1, 2  # which compressed entries a row attends to
@@ -87,7 +82,6 @@ class _Config(NamedTuple):
     splits: int  # key splits per row; 1 = single pass
     num_warps: int
     num_stages: int
-    merge_h: int  # heads per merge program (split path)
 
 
 @functools.lru_cache(maxsize=8)
@@ -102,31 +96,29 @@ def _config(rows: int, heads: int, max_keys: int, device: torch.device) -> _Conf
     A program holds one SM (registers, shared memory), so a grid of rows x head blocks programs fills the GPU once
     it reaches the SM count. Split only where it leaves at least half the SMs idle (a grid of 0.5..1 waves gains
     little from splitting and would pay the merge): then as many splits as one wave holds, each keeping at least
-    MIN_SPLIT_BLOCKS key blocks of the longest row. Off CUDA (the interpreter) always the single pass; tests force
-    splits. V4-Flash decode (64 heads = 2 head blocks, 132 SMs): batch 1 CSA (128 + 512 keys: 20 blocks) -> 10
-    splits, batch 1 HCA at 1M (128 + 8192 keys) -> 66, batch 8 -> 8, batch 16 -> 4, batch 33 -> 2, batch >= 34 -> 1.
+    MIN_SPLIT_BLOCKS key blocks of the longest row; if even that leaves half the SMs idle, 16-head blocks. Off
+    CUDA (the interpreter) always the single pass with 32-key blocks; tests force splits. V4-Flash decode on 132
+    SMs: CSA batch 1 (640 keys) -> 16 heads x 10 splits; HCA batch 1 at 1M -> 64 heads x 132 splits; batch 8 -> 10
+    (CSA) / 16 (HCA) splits; batch 64 -> 64-key blocks, 2 splits; batch >= 67 -> 64-key blocks, no split.
     """
-    merge_h = MERGE_H["cuda" if device.type == "cuda" else "cpu"]
+    block_h = max(16, min(BLOCK_H, triton.next_power_of_2(heads)))  # a tensor-core M of at least 16
     if device.type != "cuda":
-        return _Config(BLOCK_H, BLOCK_N, 1, NUM_WARPS, NUM_STAGES, merge_h)
+        return _Config(block_h, BLOCK_N, 1, 4 if block_h <= 32 else 8, NUM_STAGES)
     sms = _num_sms(device)
-    block_h = BLOCK_H
-    programs, splits = _grid(rows, heads, max_keys, block_h, sms)
-    if programs * splits < sms // 2 and block_h > SMALL_BLOCK_H:
-        # even split, the grid leaves most SMs idle (a CSA decode row: 20 key blocks): more, smaller head
-        # blocks beat fewer re-reads of each key block there (H200, batch 1, 512 picks: 31 us at 16 heads, 39 at 32)
-        block_h = SMALL_BLOCK_H
-        programs, splits = _grid(rows, heads, max_keys, block_h, sms)
-    return _Config(block_h, BLOCK_N, splits, NUM_WARPS, NUM_STAGES, merge_h)
-
-
-def _grid(rows: int, heads: int, max_keys: int, block_h: int, sms: int) -> tuple[int, int]:
-    """(programs per split, splits) for heads in blocks of block_h on `sms` SMs."""
     programs = max(rows, 1) * triton.cdiv(heads, block_h)
-    splits = 1
-    if 2 * programs <= sms:
-        splits = max(1, min(sms // programs, triton.cdiv(max_keys, BLOCK_N) // MIN_SPLIT_BLOCKS))
-    return programs, splits
+    block_n = LARGE_BLOCK_N if 3 * programs >= sms else BLOCK_N
+    splits = _splits(programs, max_keys, block_n, sms)
+    if programs * splits < sms // 2 and block_h > SMALL_BLOCK_H:
+        block_h = SMALL_BLOCK_H
+        programs = max(rows, 1) * triton.cdiv(heads, block_h)
+        splits = _splits(programs, max_keys, block_n, sms)
+    return _Config(block_h, block_n, splits, 4 if block_h <= 32 else 8, NUM_STAGES)
+
+
+def _splits(programs: int, max_keys: int, block_n: int, sms: int) -> int:
+    if 2 * programs > sms:
+        return 1
+    return max(1, min(sms // programs, triton.cdiv(max_keys, block_n) // MIN_SPLIT_BLOCKS))
 
 
 @triton.jit
@@ -138,26 +130,37 @@ def _rows(p_page, entry, per_page, DATA_BYTES: tl.constexpr, SCALE_BYTES: tl.con
 
 
 @triton.jit
-def _load_keys(p_data, p_scale, mask, C: tl.constexpr, CHUNK: tl.constexpr, NOPE: tl.constexpr):
-    """Keys of the entries at data / scale row pointers [N] -> bf16 [C, N, CHUNK] (dim c * CHUNK + e at [c, n, e]),
-    exactly their decoded values; 0 where ~mask."""
-    o_c = tl.arange(0, C)
-    o_d = (o_c * CHUNK)[:, None, None] + tl.arange(0, CHUNK)[None, None, :]  # [C, 1, CHUNK]
-    m_row = mask[None, :, None]
+def _dequant_fp8(b_code, b_exp):
+    """e4m3 codes uint8 [N, C, 64] times 2^(ue8m0 - 127) (codes uint8 [N, C]) -> bf16 [N, C, 64], exactly the
+    decoded value (every product of an e4m3 value and a power of two in range is a bf16 value). Code 0 scales by
+    2^-127 (an fp32 subnormal), code 0xFF is NaN, as `quant.ue8m0_decode`."""
+    b_e = b_exp.to(tl.int32)
+    b_bits = tl.where(b_e == 0, 0x400000, b_e << 23)
+    b_bits = tl.where(b_e == 255, 0x7FC00000, b_bits)
+    b_scale = b_bits.to(tl.float32, bitcast=True)
+    return (b_code.to(tl.float8e4nv, bitcast=True).to(tl.float32) * b_scale[:, :, None]).to(tl.bfloat16)
+
+
+@triton.jit
+def _key_tile(p_data, p_scale, mask, D: tl.constexpr, NOPE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Keys of the entries at data / scale row pointers [BLOCK_N] -> bf16 [BLOCK_N, D], exactly their decoded
+    values; 0 where ~mask. FP8 entries are decoded as [BLOCK_N, D / 64, 64] (one ue8m0 scale per 64 nope dims;
+    the rope chunks are the bf16 values after the nope bytes), then viewed as [BLOCK_N, D]."""
     if NOPE > 0:
-        # nope chunks (CHUNK = 64 dims, one ue8m0 scale each): e4m3 bytes times the chunk's scale; rope chunks: bf16
-        # after the nope bytes (data rows start at even bytes)
-        m_nope = o_c < NOPE // CHUNK
-        b_code = tl.load(p_data[None, :, None] + o_d, mask=m_row & m_nope[:, None, None], other=0)
-        b_exp = tl.load(p_scale[None, :] + o_c[:, None], mask=mask[None, :] & m_nope[:, None], other=127).to(tl.int32)
-        b_bits = tl.where(b_exp == 0, 0x400000, b_exp << 23)  # code 0: 2^-127, an fp32 subnormal (quant.ue8m0_decode)
-        b_bits = tl.where(b_exp == 255, 0x7FC00000, b_bits)  # code 0xFF: NaN
-        b_nope = b_code.to(tl.float8e4nv, bitcast=True).to(tl.float32) * b_bits.to(tl.float32, bitcast=True)[:, :, None]
-        p_rope = (p_data + NOPE).to(tl.pointer_type(tl.bfloat16))
-        b_rope = tl.load(p_rope[None, :, None] + (o_d - NOPE), mask=m_row & (o_d >= NOPE), other=0.0)
-        b_k = tl.where(m_nope[:, None, None], b_nope.to(tl.bfloat16), b_rope)
+        C: tl.constexpr = D // 64
+        o_c = tl.arange(0, C)
+        o_d = (o_c * 64)[None, :, None] + tl.arange(0, 64)[None, None, :]  # [1, C, 64]
+        m_nope = o_c < NOPE // 64
+        m_row = mask[:, None, None]
+        b_code = tl.load(p_data[:, None, None] + o_d, mask=m_row & m_nope[None, :, None], other=0)
+        b_exp = tl.load(p_scale[:, None] + o_c[None, :], mask=mask[:, None] & m_nope[None, :], other=127)
+        p_rope = (p_data + NOPE).to(tl.pointer_type(tl.bfloat16))  # data rows start at even bytes
+        b_rope = tl.load(p_rope[:, None, None] + (o_d - NOPE), mask=m_row & (o_d >= NOPE), other=0.0)
+        b_k = tl.where(m_nope[None, :, None], _dequant_fp8(b_code, b_exp), b_rope)
+        b_k = tl.reshape(b_k, (BLOCK_N, D))
     else:
-        b_k = tl.load(p_data.to(tl.pointer_type(tl.bfloat16))[None, :, None] + o_d, mask=m_row, other=0.0)
+        p_bf16 = p_data.to(tl.pointer_type(tl.bfloat16))
+        b_k = tl.load(p_bf16[:, None] + tl.arange(0, D)[None, :], mask=mask[:, None], other=0.0)
     return b_k
 
 
@@ -173,32 +176,33 @@ def _dot(a, b, acc, DOT_F32: tl.constexpr):
 
 
 @triton.jit
-def _attend(b_q0, b_q1, b_q2, b_k, valid, m_i, l_i, acc, qk_scale, Q_SPLIT: tl.constexpr, DOT_F32: tl.constexpr):
-    """One block of keys b_k bf16 [C, N, CHUNK] (valid [N]) into the running max m_i, sum l_i [BLOCK_H] and acc
-    [C, BLOCK_H, CHUNK] (log2 domain). q is b_q0 (bf16 q) or b_q0 + b_q1 + b_q2 (Q_SPLIT: the three bf16 parts of
-    an fp32 q), each [C, BLOCK_H, CHUNK].
+def _round_bf16(x, DOT_F32: tl.constexpr):
+    """x rounded to bf16, nearest even: a bf16 tensor, or under the interpreter (DOT_F32, whose casts truncate) an
+    fp32 tensor holding the rounded values."""
+    if DOT_F32:
+        return round_bf16(x.to(tl.float32))
+    else:
+        return x.to(tl.bfloat16)
 
-    The head_dim chunks are the batch of the dots (Triton lays 8 warps on the batch for D = 512: a warp per chunk):
-    q . k sums C partial dots (a split-K over warps), w . V fills C column chunks of acc. A 2-D [BLOCK_H, D] x
-    [D, N] dot instead hands every warp all of q from shared memory at each block, and spills at 32 heads (1.3 KiB
-    per thread, triton 3.6)."""
-    b_kt = tl.trans(b_k, (0, 2, 1))
-    b_s = _dot(b_q0, b_kt, tl.zeros([b_q0.shape[0], b_q0.shape[1], b_k.shape[1]], tl.float32), DOT_F32)
+
+@triton.jit
+def _attend(b_q, b_q_lo, b_k, valid, unread, m_i, l_i, acc, qk_scale, Q_SPLIT: tl.constexpr, DOT_F32: tl.constexpr):
+    """One block of keys b_k bf16 [BLOCK_N, D] (valid [BLOCK_N]; `unread`: picks without a block, whose logits
+    are NaN as the reference's reads of slot -1 are) into the running max m_i, sum l_i [BLOCK_H] and
+    acc fp32 [BLOCK_H, D] (log2 domain), for bf16 queries b_q [BLOCK_H, D] (Q_SPLIT: b_q + b_q_lo, the two bf16 parts
+    of an fp32 q). The key tile is the B operand of both products (V = K); the weights enter the second in bf16."""
+    b_kt = tl.trans(b_k)
+    b_s = _dot(b_q, b_kt, tl.zeros([b_q.shape[0], b_k.shape[0]], tl.float32), DOT_F32)
     if Q_SPLIT:
-        b_s = _dot(b_q1, b_kt, b_s, DOT_F32)
-        b_s = _dot(b_q2, b_kt, b_s, DOT_F32)
-    b_s = tl.where(valid[None, :], tl.sum(b_s, 0) * qk_scale, float("-inf"))  # [BLOCK_H, N]
+        b_s = _dot(b_q_lo, b_kt, b_s, DOT_F32)
+    b_s = tl.where(valid[None, :], b_s * qk_scale, float("-inf"))  # [BLOCK_H, BLOCK_N]
+    b_s = tl.where(unread[None, :], float("nan"), b_s)
     m_new = tl.maximum(m_i, tl.max(b_s, 1))  # finite: m_i starts at the sink
     alpha = tl.exp2(m_i - m_new)
-    b_p = tl.exp2(b_s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(b_p, 1)
-    # two bf16 parts of the fp32 weights: ~2^-17 relative instead of bf16's 2^-9
-    b_ph = b_p.to(tl.bfloat16)
-    b_pl = (b_p - b_ph.to(tl.float32)).to(tl.bfloat16)
-    b_ph = tl.broadcast_to(b_ph[None, :, :], (b_k.shape[0], b_p.shape[0], b_p.shape[1]))  # one copy per chunk
-    b_pl = tl.broadcast_to(b_pl[None, :, :], (b_k.shape[0], b_p.shape[0], b_p.shape[1]))
-    acc = _dot(b_ph, b_k, acc * alpha[None, :, None], DOT_F32)
-    acc = _dot(b_pl, b_k, acc, DOT_F32)
+    # the sum takes the weights as rounded for the product, so the rounding scales each weight, not their total
+    b_p = _round_bf16(tl.exp2(b_s - m_new[:, None]), DOT_F32)
+    l_i = l_i * alpha + tl.sum(b_p.to(tl.float32), 1)
+    acc = _dot(b_p, b_k, acc * alpha[:, None], DOT_F32)
     return m_new, l_i, acc
 
 
@@ -228,17 +232,17 @@ def _sparse_attention_kernel(
         p_picks, n_picks, qk_scale, H, splits,
         WINDOW: tl.constexpr, D: tl.constexpr, NOPE: tl.constexpr, DATA_BYTES: tl.constexpr,
         SCALE_BYTES: tl.constexpr, ENTRIES: tl.constexpr, Q_SPLIT: tl.constexpr, DOT_F32: tl.constexpr,
-        BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, SPLIT: tl.constexpr):
+        BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr):
     """One program per (token row, head block, key split); pools are uint8 pointers. SPLIT: write split
-    program_id(2)'s partial softmax to the workspace; else (splits = 1) the row's normalized output. Head dims are
-    held as C = D / CHUNK chunks: [C, BLOCK_H, CHUNK] (see _attend)."""
-    C: tl.constexpr = D // CHUNK
+    program_id(2)'s partial softmax to the workspace; else (splits = 1) the row's normalized output. The heads
+    of the block are the M dimension of both products, so each key tile is read and decoded once per head
+    block (once per row for V4-Flash's 64 heads)."""
     i_t = tl.program_id(0)
     i_h = tl.program_id(1)
     i_s = tl.program_id(2)
     o_h = i_h * BLOCK_H + tl.arange(0, BLOCK_H)
     m_h = o_h < H
-    o_d = (tl.arange(0, C) * CHUNK)[:, None, None] + tl.arange(0, CHUNK)[None, None, :]  # [C, 1, CHUNK]
+    o_d = tl.arange(0, D)
     o_n = tl.arange(0, BLOCK_N)
 
     pos = tl.load(p_positions + i_t)
@@ -253,16 +257,13 @@ def _sparse_attention_kernel(
     # `bool tensor & bool scalar` into ints
     m_busy = m_h & (b_lo + tl.zeros([BLOCK_H], tl.int32) < b_hi)
 
-    o_q = (i_t.to(tl.int64) * H + o_h)[None, :, None] * D + o_d  # [C, BLOCK_H, CHUNK]
-    b_q = tl.load(p_q + o_q, mask=m_busy[None, :, None], other=0.0)
-    # fp32 q: three bf16 parts carry its 24 significant bits, so every q . k product stays exact
-    b_q0 = b_q.to(tl.bfloat16)
-    b_q1 = b_q0
-    b_q2 = b_q0
+    p_q_row = p_q + i_t.to(tl.int64) * H * D
+    b_q = tl.load(p_q_row + o_h[:, None] * D + o_d[None, :], mask=m_busy[:, None], other=0.0)
+    # bf16 q as given; an fp32 q as two bf16 parts (16 significant bits: ~2^-17 relative per product)
+    b_q_hi = _round_bf16(b_q, DOT_F32)
+    b_q_lo = b_q_hi
     if Q_SPLIT:
-        b_rest = b_q - b_q0.to(tl.float32)
-        b_q1 = b_rest.to(tl.bfloat16)
-        b_q2 = (b_rest - b_q1.to(tl.float32)).to(tl.bfloat16)
+        b_q_lo = _round_bf16(b_q - b_q_hi.to(tl.float32), DOT_F32)
 
     # the sink as a key of value 0 and logit sink_h: running max = sink, sum = exp(0) = 1. A split starts from the
     # same max (a finite reference point) with sum 0: the merge adds the sink once.
@@ -271,84 +272,95 @@ def _sparse_attention_kernel(
         l_i = tl.zeros([BLOCK_H], tl.float32)
     else:
         l_i = tl.full([BLOCK_H], 1.0, tl.float32)
-    acc = tl.zeros([C, BLOCK_H, CHUNK], tl.float32)
+    acc = tl.zeros([BLOCK_H, D], tl.float32)
 
     b = tl.maximum(tl.load(p_token_request + i_t), 0)  # padding rows (-1) have no keys: any request will do
     slot = tl.load(p_request_slots + b)
     q_lo = tl.load(p_query_start + b)
     start = tl.load(p_seq_lens + b) - (tl.load(p_query_start + b + 1) - q_lo)  # history before the step
 
-    # window key i is position pos - n_win + 1 + i: before the step from the ring (not yet overwritten by this
-    # step's append), the step's own from step_kv
+    # One loop over the split's blocks, window blocks first. Window key i is position pos - n_win + 1 + i: before
+    # the step from the ring (not yet overwritten by this step's append), the step's own from step_kv. Entry block
+    # keys come from the entry pages. Both address forms are computed and selected (no branch), so the loop has one
+    # body that the compiler pipelines: the loads of the other form are masked off.
     p_ring = p_win + slot.to(tl.int64) * win_page_bytes
-    for blk in range(b_lo, tl.minimum(b_hi, n_win_blocks)):
+    for blk in range(b_lo, b_hi):
         o_i = blk * BLOCK_N + o_n
-        valid = o_i < n_win
+        is_win = o_i < n_win_blocks * BLOCK_N  # [BLOCK_N] (the interpreter mixes scalar and tensor bools badly)
         at = pos - n_win + 1 + o_i
         ring = at < start
-        p_data, p_scale = _rows(tl.where(ring, p_ring, p_step), tl.where(ring, at % WINDOW, q_lo + at - start),
-                                tl.where(ring, WINDOW, step_entries), DATA_BYTES, SCALE_BYTES)
-        b_k = _load_keys(p_data, p_scale, valid, C, CHUNK, NOPE)
-        m_i, l_i, acc = _attend(b_q0, b_q1, b_q2, b_k, valid, m_i, l_i, acc, qk_scale, Q_SPLIT, DOT_F32)
-
-    if ENTRIES != 0:
-        for blk in range(tl.maximum(b_lo, n_win_blocks), b_hi):
-            j0 = (blk - n_win_blocks) * BLOCK_N
+        valid = is_win & (o_i < n_win)
+        p_page = tl.where(ring, p_ring, p_step)
+        entry = tl.where(ring, at % WINDOW, q_lo + at - start).to(tl.int64)
+        per_page = tl.where(ring, WINDOW, step_entries)
+        unread = o_n < 0
+        if ENTRIES != 0:
+            j = (blk - n_win_blocks) * BLOCK_N + o_n
             if ENTRIES == 1:
-                o_j = (j0 + o_n).to(tl.int64)
-                valid = o_j < n_ent
+                o_j = j.to(tl.int64)
+                ent_valid = (j >= 0) & (j < n_ent)
             else:
-                o_j = tl.load(p_picks + i_t.to(tl.int64) * n_picks + j0 + o_n, mask=j0 + o_n < n_ent,
+                o_j = tl.load(p_picks + i_t.to(tl.int64) * n_picks + j, mask=(j >= 0) & (j < n_ent),
                               other=-1).to(tl.int64)
-                valid = o_j >= 0
+                ent_valid = o_j >= 0
             block = tl.load(p_block_table + slot.to(tl.int64) * bt_stride + (o_j * ratio) // page_tokens,
-                            mask=valid, other=-1)
-            p_data, p_scale = _rows(p_ent + block.to(tl.int64) * ent_page_bytes, o_j % ent_per_page, ent_per_page,
-                                    DATA_BYTES, SCALE_BYTES)
-            b_k = _load_keys(p_data, p_scale, valid & (block >= 0), C, CHUNK, NOPE)
-            # a pick without a block reads NaN, as the reference's slot -1 does (never a stray address)
-            b_k = tl.where((valid & (block < 0))[None, :, None], float("nan"), b_k.to(tl.float32)).to(tl.bfloat16)
-            m_i, l_i, acc = _attend(b_q0, b_q1, b_q2, b_k, valid, m_i, l_i, acc, qk_scale, Q_SPLIT, DOT_F32)
+                            mask=ent_valid, other=-1)
+            # a pick without a block reads nothing (never a stray address) and turns the row NaN, as in the reference
+            unread = ent_valid & (block < 0)
+            p_page = tl.where(is_win, p_page, p_ent + block.to(tl.int64) * ent_page_bytes)
+            entry = tl.where(is_win, entry, o_j % ent_per_page)
+            per_page = tl.where(is_win, per_page, ent_per_page)
+            valid = tl.where(is_win, valid, ent_valid)
+        p_data, p_scale = _rows(p_page, entry, per_page, DATA_BYTES, SCALE_BYTES)
+        b_k = _key_tile(p_data, p_scale, valid & ~unread, D, NOPE, BLOCK_N)
+        m_i, l_i, acc = _attend(b_q_hi, b_q_lo, b_k, valid, unread, m_i, l_i, acc, qk_scale, Q_SPLIT, DOT_F32)
 
+    # the epilogue's offsets are built here from the row's base pointer, so no [BLOCK_H, D] offset tensor stays
+    # live across the key loops (it would hold as many registers as acc)
+    o_hd = tl.arange(0, BLOCK_H)[:, None] * D + tl.arange(0, D)[None, :]
     if SPLIT:
         # workspace row (t, s, h): acc [D], then m, l
-        o_w = ((i_t.to(tl.int64) * splits + i_s) * H + o_h) * (D + 2)
-        tl.store(p_ws + o_w[None, :, None] + o_d, acc, mask=m_h[None, :, None])
-        tl.store(p_ws + o_w + D, m_i, mask=m_h)
-        tl.store(p_ws + o_w + D + 1, l_i, mask=m_h)
+        p_w = p_ws + ((i_t.to(tl.int64) * splits + i_s) * H + i_h * BLOCK_H) * (D + 2)
+        tl.store(p_w + o_hd + tl.arange(0, BLOCK_H)[:, None] * 2, acc, mask=m_h[:, None])
+        o_w = tl.arange(0, BLOCK_H) * (D + 2) + D
+        tl.store(p_w + o_w, m_i, mask=m_h)
+        tl.store(p_w + o_w + 1, l_i, mask=m_h)
     else:
-        tl.store(p_out + o_q, acc / l_i[None, :, None], mask=m_h[None, :, None])
+        tl.store(p_out + (i_t.to(tl.int64) * H + i_h * BLOCK_H) * D + o_hd, acc / l_i[:, None], mask=m_h[:, None])
 
 
 @triton.jit
 def _merge_kernel(p_ws, p_sinks, p_out, p_positions, ratio, n_picks, H, splits, WINDOW: tl.constexpr,
-                  D: tl.constexpr, ENTRIES: tl.constexpr, BLOCK_N: tl.constexpr, MERGE_H: tl.constexpr):
-    """One program per (token row, block of MERGE_H heads): merges the row's splits that hold keys (the first
-    ceil(blocks / per_split)) with the sink, in fp32, into out [R, H, D]."""
+                  D: tl.constexpr, ENTRIES: tl.constexpr, BLOCK_N: tl.constexpr, MERGE_S: tl.constexpr):
+    """One program per (token row, head): merges the row's splits that hold keys (the first ceil(blocks /
+    per_split)) with the sink, in fp32, into out [R, H, D]. Splits are read MERGE_S at a time: the loads of a chunk
+    do not wait on the previous chunk's arithmetic."""
     i_t = tl.program_id(0)
-    o_h = tl.program_id(1) * MERGE_H + tl.arange(0, MERGE_H)
-    m_h = o_h < H
+    i_h = tl.program_id(1)
     o_d = tl.arange(0, D)
     _, _, _, n_blocks, per_split = _row_blocks(tl.load(p_positions + i_t), ratio, n_picks, splits, WINDOW, ENTRIES,
                                                BLOCK_N)
     used = tl.cdiv(n_blocks, tl.maximum(per_split, 1))
 
     # start from the sink: max = sink, sum = 1, acc = 0 (a row without keys ends there: zeros)
-    m_i = tl.load(p_sinks + o_h, mask=m_h, other=0.0) * 1.4426950408889634
-    l_i = tl.full([MERGE_H], 1.0, tl.float32)
-    acc = tl.zeros([MERGE_H, D], tl.float32)
-    o_w = (i_t.to(tl.int64) * splits * H + o_h) * (D + 2)
-    for s in range(0, used):
-        p_s = p_ws + o_w + s * H * (D + 2)
-        m_s = tl.load(p_s + D, mask=m_h, other=0.0)  # >= the sink: every split starts there
-        m_new = tl.maximum(m_i, m_s)
+    m_i = tl.load(p_sinks + i_h) * 1.4426950408889634
+    l_i = m_i * 0.0 + 1.0
+    acc = tl.zeros([D], tl.float32)
+    p_row = p_ws + (i_t.to(tl.int64) * splits * H + i_h) * (D + 2)
+    for s0 in range(0, used, MERGE_S):
+        o_s = s0 + tl.arange(0, MERGE_S)
+        m_s = o_s < used
+        p_s = p_row + o_s.to(tl.int64) * H * (D + 2)
+        b_m = tl.load(p_s + D, mask=m_s, other=float("-inf"))  # >= the sink where written: every split starts there
+        b_l = tl.load(p_s + D + 1, mask=m_s, other=0.0)
+        b_acc = tl.load(p_s[:, None] + o_d[None, :], mask=m_s[:, None], other=0.0)
+        m_new = tl.maximum(m_i, tl.max(b_m, 0))
         alpha = tl.exp2(m_i - m_new)
-        beta = tl.exp2(m_s - m_new)
-        l_i = l_i * alpha + tl.load(p_s + D + 1, mask=m_h, other=0.0) * beta
-        acc = acc * alpha[:, None] + tl.load(p_s[:, None] + o_d[None, :], mask=m_h[:, None], other=0.0) * beta[:, None]
+        beta = tl.exp2(b_m - m_new)
+        l_i = l_i * alpha + tl.sum(b_l * beta, 0)
+        acc = acc * alpha + tl.sum(b_acc * beta[:, None], 0)
         m_i = m_new
-    tl.store(p_out + (i_t.to(tl.int64) * H + o_h)[:, None] * D + o_d[None, :], acc / l_i[:, None],
-             mask=m_h[:, None])
+    tl.store(p_out + (i_t.to(tl.int64) * H + i_h) * D + o_d, acc / l_i)
 
 
 def _layout_dims(layout: EntryLayout) -> tuple[int, int]:
@@ -468,12 +480,12 @@ def sparse_attention_paged(q: torch.Tensor, plan: StepPlan, *, sinks: torch.Tens
         picks if picks is not None else plan.positions, n_picks, float(scale) * _LOG2E, heads, config.splits,
         WINDOW=window, D=dim, NOPE=nope, DATA_BYTES=layout.data_bytes, SCALE_BYTES=scale_bytes, ENTRIES=mode,
         Q_SPLIT=q.dtype == torch.float32, DOT_F32=interpreted(), BLOCK_H=config.block_h, BLOCK_N=config.block_n,
-        CHUNK=min(dim, 64), SPLIT=split, num_warps=config.num_warps, num_stages=config.num_stages,
+        SPLIT=split, num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if split:
-        _merge_kernel[(rows, triton.cdiv(heads, config.merge_h))](
+        _merge_kernel[(rows, heads)](
             workspace, sinks, out, plan.positions, max(ratio, 1), n_picks, heads, config.splits,
-            WINDOW=window, D=dim, ENTRIES=mode, BLOCK_N=config.block_n, MERGE_H=config.merge_h,
+            WINDOW=window, D=dim, ENTRIES=mode, BLOCK_N=config.block_n, MERGE_S=MERGE_S,
             num_warps=MERGE_WARPS,
         )
     return out

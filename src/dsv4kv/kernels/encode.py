@@ -146,7 +146,7 @@ def rope_block(x, cos, sin, INVERSE: tl.constexpr = False, ROUND: tl.constexpr =
     R: tl.constexpr = x.shape[0]
     even, odd = tl.split(tl.reshape(x, (R, 32, 2)))
     if INVERSE:
-        sin = -sin
+        sin = sin * -1.0  # -0 where sin is +0, as torch (Triton 3.6 compiles unary minus to 0 - x: +0)
     rot_even = even * cos - odd * sin
     rot_odd = odd * cos + even * sin
     if ROUND:

@@ -1,7 +1,7 @@
 """Lightning-indexer scores over the paged indexer-key pool (Triton), the kernel of `ops.indexer.indexer_scores`.
 
     out[t, j] = sum_h w[t, h] * ReLU(q[t, h] . K_j) * D^-0.5     for j < visible(t) = (positions[t] + 1) // ratio
-    out[t, j] = -inf                                              for j >= visible(t) and for padding rows
+    out[t, j] = -inf (fill=True) or left as it was (fill=False)   for j >= visible(t) and for padding rows
 
 K_j is entry j of row t's request, decoded in the kernel straight from the pool bytes (no dequantized
 copy): MXFP4 (packed e2m1, element 2i in the low nibble, one ue8m0 scale per 32 values; 0xFF = NaN,
@@ -43,11 +43,12 @@ BLOCK_T * H MMA columns instead of H, and q is loaded once per segment for up to
 (row, entry) pairs. The products and their fp32 accumulation are those of the row kernel (equal results
 up to summation order: bit-identical in most scores under the interpreter).
 
--inf fill. Every column < J of every row is written: score tiles store -inf past visible(t), and the columns
-of a chunk past a row's last score tile (all of them for padding rows and chunks wholly past visible(t))
-get -inf from wide streaming stores (16-B vectors, `.cs`: top-k never reads them, so they should not
-evict scores from L2). A graph captured with a large J therefore pays one write of R x J x 4 B at store
-bandwidth, and no key or q traffic, for the columns nobody sees.
+Columns past visible(t). Top-k (`topk_indices(scores, visible, k)`) never reads a row past its visible count,
+so by default nothing is written there: a graph captured for a large J (max_seq_len // ratio) pays nothing for
+the columns nobody sees, where a fill wrote R x J x 4 B per CSA layer (1 MB per row at 1M). Score tiles still
+store -inf past visible(t) up to the end of the tile. `fill=True` writes -inf to every other column too (padding
+rows included) with wide streaming stores (16-B vectors, `.cs`, so they do not evict scores from L2), for a
+caller that reads whole rows.
 """
 
 from __future__ import annotations
@@ -169,6 +170,7 @@ def _indexer_scores_kernel(
     FORMAT: tl.constexpr, RATIO: tl.constexpr, D: tl.constexpr, P: tl.constexpr, PAGE_BYTES: tl.constexpr,
     DATA_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_J: tl.constexpr, ITERS: tl.constexpr, FILL_J: tl.constexpr, DOT: tl.constexpr,
+    FILL: tl.constexpr,
 ):
     """The row kernel: one token row, one chunk of BLOCK_J * ITERS entries."""
     i_t, i_c = tl.program_id(0), tl.program_id(1)
@@ -200,11 +202,11 @@ def _indexer_scores_kernel(
             b_s = tl.sum(_relu(b_dot) * b_w[None, :], axis=1)
             tl.store(p_out + o_j, tl.where(o_j < visible, b_s, float("-inf")), mask=o_j < num_entries)
 
-    # the rest of the chunk is past visible(t): one wide streaming store (FILL_J = the chunk)
-    fill_lo = tl.maximum(chunk_lo, tl.cdiv(visible, BLOCK_J) * BLOCK_J)
-    o_f = chunk_lo + tl.arange(0, FILL_J)
-    tl.store(p_out + o_f, tl.full((FILL_J,), float("-inf"), tl.float32), mask=(o_f >= fill_lo) & (o_f < chunk_hi),
-             cache_modifier=".cs")
+    if FILL:  # the rest of the chunk is past visible(t): one wide streaming store (FILL_J = the chunk)
+        fill_lo = tl.maximum(chunk_lo, tl.cdiv(visible, BLOCK_J) * BLOCK_J)
+        o_f = chunk_lo + tl.arange(0, FILL_J)
+        tl.store(p_out + o_f, tl.full((FILL_J,), float("-inf"), tl.float32),
+                 mask=(o_f >= fill_lo) & (o_f < chunk_hi), cache_modifier=".cs")
 
 
 @triton.jit
@@ -219,6 +221,7 @@ def _indexer_scores_stacked_kernel(
     FORMAT: tl.constexpr, RATIO: tl.constexpr, D: tl.constexpr, P: tl.constexpr, PAGE_BYTES: tl.constexpr,
     DATA_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr, BLOCK_T: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_J: tl.constexpr, ITERS: tl.constexpr, FILL_J: tl.constexpr, DOT: tl.constexpr,
+    FILL: tl.constexpr,
 ):
     """The stacked kernel: BLOCK_T consecutive token rows, one chunk of BLOCK_J * ITERS entries."""
     i_b, i_c = tl.program_id(0), tl.program_id(1)
@@ -275,13 +278,14 @@ def _indexer_scores_stacked_kernel(
             b_s = tl.where(o_j[:, None] < visible[None, :], b_s, float("-inf"))
             tl.store(p_out[None, :] + o_j[:, None], b_s, mask=seg[None, :] & (o_j < num_entries)[:, None])
 
-    # -inf for the rest of each row's chunk (16-B vector stores when J is a multiple of 4: the masks change
-    # only at multiples of BLOCK_J; the lower bound, a multiple too, is written as such for the compiler)
-    for j0 in range(tl.min(fill_from, axis=0) // BLOCK_J * BLOCK_J, chunk_hi, FILL_J):
-        o_f = j0 + tl.arange(0, FILL_J)
-        tl.store(p_out[:, None] + o_f[None, :], tl.full((BLOCK_T, FILL_J), float("-inf"), tl.float32),
-                 mask=m_t[:, None] & (o_f[None, :] >= fill_from[:, None]) & (o_f < chunk_hi)[None, :],
-                 cache_modifier=".cs")
+    if FILL:
+        # -inf for the rest of each row's chunk (16-B vector stores when J is a multiple of 4: the masks change
+        # only at multiples of BLOCK_J; the lower bound, a multiple too, is written as such for the compiler)
+        for j0 in range(tl.min(fill_from, axis=0) // BLOCK_J * BLOCK_J, chunk_hi, FILL_J):
+            o_f = j0 + tl.arange(0, FILL_J)
+            tl.store(p_out[:, None] + o_f[None, :], tl.full((BLOCK_T, FILL_J), float("-inf"), tl.float32),
+                     mask=m_t[:, None] & (o_f[None, :] >= fill_from[:, None]) & (o_f < chunk_hi)[None, :],
+                     cache_modifier=".cs")
 
 
 @functools.lru_cache(maxsize=8)
@@ -341,7 +345,8 @@ def _format(layout: EntryLayout) -> int:
 
 def indexer_scores_paged(q: torch.Tensor, weights: torch.Tensor, plan, key_pool: torch.Tensor, layout: EntryLayout,
                          *, ratio: int, page_tokens: int, out: torch.Tensor | None = None,
-                         max_entries: int | None = None, stack_rows: bool | None = None) -> torch.Tensor:
+                         max_entries: int | None = None, stack_rows: bool | None = None,
+                         fill: bool = False) -> torch.Tensor:
     """Indexer scores of every plan row against its request's compressed keys -> fp32 [R, J].
 
     Args:
@@ -357,8 +362,10 @@ def indexer_scores_paged(q: torch.Tensor, weights: torch.Tensor, plan, key_pool:
         stack_rows: True = the stacked (prefill) kernel, False = the row (decode) kernel, None = the stacked
             one when the plan's requests average at least two rows (`plan.num_tokens`, `plan.request_ids`:
             host facts, so a captured graph replays correctly whatever the later plans hold).
+        fill: also write -inf to every column j >= visible(t) and to padding rows. By default those columns
+            are left as they were (beyond the -inf a score tile stores up to its end): top-k never reads them.
 
-    Returns `out`: scores for j < visible(t), -inf elsewhere and on padding rows.
+    Returns `out`: scores for j < visible(t); -inf elsewhere with fill=True, else unspecified there.
     """
     require(isinstance(plan, StepPlan), f"plan: expected a StepPlan, got {type(plan).__name__}")
     fmt = _format(layout)
@@ -381,6 +388,7 @@ def indexer_scores_paged(q: torch.Tensor, weights: torch.Tensor, plan, key_pool:
     check_tensor("plan.block_table", plan.block_table, dtype=torch.int32, shape=(None, None), device=device)
     require(stack_rows is None or isinstance(stack_rows, bool),
             f"stack_rows: expected True, False or None, got {stack_rows!r}")
+    require(isinstance(fill, bool), f"fill: expected a bool, got {fill!r}")
     if out is not None:
         check_tensor("out", out, dtype=torch.float32, shape=(rows, None), device=device)
         require(max_entries is None or max_entries == out.shape[1],
@@ -401,7 +409,7 @@ def indexer_scores_paged(q: torch.Tensor, weights: torch.Tensor, plan, key_pool:
               "DATA_BYTES": layout.data_bytes, "SCALE_BYTES": layout.scale_bytes, "BLOCK_H": block_h,
               # Triton's interpreter multiplies the bit patterns of bf16 dot operands (triton-lang/triton#11584):
               # there the same bf16 values go through an fp32 dot, which forms the same exact products
-              "DOT": tl.float32 if interpreted() else tl.bfloat16}
+              "DOT": tl.float32 if interpreted() else tl.bfloat16, "FILL": fill}
     args = (q, weights, plan.positions, plan.token_request, plan.request_slots, plan.block_table, key_pool, out)
     if _stacked(plan) if stack_rows is None else stack_rows:
         block_t, block_j, iters, num_warps, num_stages = _stack_config(rows, entries, block_h, device)

@@ -68,7 +68,7 @@ def _rope_pairs(x, cos_ptr, sin_ptr, row, BLOCK_H: tl.constexpr, COLS: tl.conste
     b_cos = tl.load(cos_ptr + row * HALF + o_r, mask=m_r, other=1.0)
     b_sin = tl.load(sin_ptr + row * HALF + o_r, mask=m_r, other=0.0)
     if INVERSE:
-        b_sin = -b_sin
+        b_sin = b_sin * -1.0  # torch's -sin: -0 where sin is +0; Triton 3.6 compiles unary minus to 0 - x (+0)
     even, odd = tl.split(tl.reshape(x, (BLOCK_H, COLS // 2, 2)))
     rot_even = round_bf16(even * b_cos[None, :] - odd * b_sin[None, :])
     rot_odd = round_bf16(odd * b_cos[None, :] + even * b_sin[None, :])
@@ -101,7 +101,7 @@ def _e4m3_value(code):
     mag = code & 0x7F
     normal = ((((mag >> 3) + 120) << 23) | ((mag & 7) << 20)).to(tl.float32, bitcast=True)
     value = tl.where(mag < 8, (mag & 7).to(tl.float32) * 0.001953125, normal)  # subnormal: m * 2^-9
-    return tl.where((code & 0x80) != 0, -value, value)
+    return tl.where((code & 0x80) != 0, value * -1.0, value)  # -0 for code 0x80 (not 0 - x: +0)
 
 
 @triton.jit
@@ -110,7 +110,7 @@ def _e2m1_value(code):
     mag = code & 7
     normal = ((mag << 22) + (126 << 23)).to(tl.float32, bitcast=True)  # codes >= 2: exponent (mag >> 1) - 1
     value = tl.where(mag < 2, mag.to(tl.float32) * 0.5, normal)
-    return tl.where((code & 8) != 0, -value, value)
+    return tl.where((code & 8) != 0, value * -1.0, value)  # -0 for code 8 (not 0 - x: +0)
 
 
 @triton.jit

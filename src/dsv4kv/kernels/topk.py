@@ -1,4 +1,4 @@
-"""Exact top-k column indices of every score row: a radix select in four kernels, no sort of the row.
+"""Exact top-k column indices of every score row: a radix select in one launch, no sort of the row.
 
     out[r] = the columns of the min(k, n_r) highest candidate scores of row r, in ascending column order,
              then -1                                                      (int32 [R, k])
@@ -14,28 +14,39 @@ histogram the digit among the keys that share the digits found so far, take the 
 from the top reaches the number still needed). Then the selection is: every key > T, plus the first
 `need` keys == T in column order, where `need` = k - #(key > T). With fewer than k candidates the
 descent bottoms out at T = int32 min and everything is taken. Each row is split into S chunks (S grows
-as R shrinks, so one long decode row still fills the GPU); the kernels, in launch order:
+as R shrinks, so one long decode row still fills the GPU). Four phases:
 
-1. `_hist1`   [R, S]  histogram of digit 1 (bits 31..24) of the chunk   -> atomics into hist1[r]
-2. `_hist2`   [R, S]  digit 1 from hist1; histogram of digit 2 among keys of that top digit
-                      -> atomics into hist2[r]; also the chunk's count of keys >= each 16-bit prefix
-                      that could be chosen, suffix[r, s, :] (no atomics)
-3. `_compact` [R, S]  digit 2 from hist2, i.e. the 16-bit prefix P of T; the chunk's candidates with
-                      key >> 16 >= P (M of them in the row, ~k plus one fine bin) go to a per-row
-                      buffer (key, column) in column order, offsets from suffix[r, :, d2]
-4. `_select`  [R]     digits 3 and 4 from two histograms over the buffer, then one ordered pass writes
-                      the picks (cumsum ranks, ties counted in column order) and the -1 tail; it
-                      zeroes hist1[r] and hist2[r] for the next call.
+A  [S per row]  histogram of digit 1 (bits 31..24) of a chunk                     -> atomics into hist1[r]
+B  [S per row]  digit 1 from hist1; histogram of digit 2 among keys of that top digit -> atomics into
+                hist2[r]; the chunk's count of keys >= each 16-bit prefix that could be chosen, suffix[r, s, :]
+C  [S per row]  digit 2 from hist2, i.e. the 16-bit prefix P of T; the chunk's candidates with key >> 16 >= P
+                (M in the row, ~k plus one fine bin) go to a per-row buffer (key, column) in column order,
+                offsets from suffix[r, :, d2]
+D  [1 per row]  digits 3 and 4 from two histograms over the buffer, then the picks (cumsum ranks, ties counted
+                in column order) and the -1 tail. With M <= SELECT the buffer is read once into registers and
+                everything after is register work; else three passes over the buffer. It zeroes the row's
+                histograms and counters for the next call.
 
-Passes over the scores: three (kernels 1-3) in parallel chunks, then ~3 over the M buffered candidates.
-If M exceeds the buffer's capacity (e.g. tens of thousands of equal scores), kernel 4 makes its three
-passes over the whole row instead: exact, only slower.
+One launch (`FUSED = True`; four launches are the default, faster on the H200): every program of row r takes a ticket from the row's counter when it starts
+and the ticket gives its role: tickets 0..S-1 run phase A on chunk t, S..2S-1 phase B, 2S..3S-1 phase C, 3S
+phase D. A phase waits (polling a counter) until every program of the phase before it has signalled, and a
+program only ever waits for programs with lower tickets, which have already started: it cannot deadlock however
+many programs the GPU holds at once (CUB's decoupled look-back rests on the same rule), and under Triton's
+interpreter, which runs programs one after another, nothing ever waits. A signal is a CTA barrier, then a
+release increment by one thread; a wait polls with acquire reads by one thread, then a CTA barrier (CUTLASS's
+`GenericBarrier` does the same); data another program wrote is read past L1 (".cg").
+`FUSED = False` launches the four phases as four kernels instead (the same code, no tickets, no waits).
 
-Workspace (int32 [R, 512 + 256 * S + 2 * capacity], see `topk_workspace`): hist1 [256], hist2 [256],
-suffix [S, 256], buffer keys [capacity], buffer columns [capacity]. The two histograms must be zero on
-entry and every call leaves them zero, so a workspace from `topk_workspace` can be reused call after call.
-For a CUDA graph, allocate `out` and the workspace before capture and pass both: the op then allocates
-nothing, reads nothing back to the host, and launches the same four kernels for fixed (R, J, k).
+Passes over the scores: three (phases A-C, chunks in parallel; after the first, from L2), then the M buffered
+candidates. If M exceeds the buffer's capacity (e.g. tens of thousands of equal scores), phase D makes its
+three passes over the whole row instead: exact, only slower.
+
+Workspace (int32 [R, 640 + 256 * S + 2 * capacity], see `topk_workspace`): counters [4 x 32] (ticket, A, B, C,
+each on its own 128-byte line), hist1 [256], hist2 [256], suffix [S, 256], buffer keys [capacity], buffer
+columns [capacity]. The counters and histograms must be zero on entry and every call leaves them zero, so a
+workspace from `topk_workspace` can be reused call after call. For a CUDA graph, allocate `out` and the
+workspace before capture and pass both: the op then allocates nothing, reads nothing back to the host, and
+launches the same kernel for fixed (R, J, k).
 """
 
 from __future__ import annotations
@@ -56,8 +67,15 @@ except ImportError:  # a CPU-only install without Triton: the wrapper's checks s
 __all__ = ["topk_indices", "topk_workspace", "MAX_K"]
 
 MAX_K = 2048
+FUSED = False  # four launches; True: one launch ordered by tickets. H200 (docs/bench/topk-variants-h200.txt): four
+# launches 22.9 / 38.2 / 53.9 us at 256K / 1M / 64 x 32K, one launch 26.9 / 53.3 / 69.2 (the waits cost more than launches)
+PROGRAMS_PER_SM = 2  # programs per SM and phase on a GPU (S = this x SMs / R); a workspace's size depends on it
 _BINS = 256  # 8-bit digits: four levels cover the 32-bit key
-_HEADER = 2 * _BINS  # hist1, hist2
+_LINE = 32  # int32s per 128-byte line: each counter on its own line, so spinning readers do not share a line
+_TICKET, _DONE_A, _DONE_B, _DONE_C = 0, _LINE, 2 * _LINE, 3 * _LINE
+_HIST1 = 4 * _LINE
+_HIST2 = _HIST1 + _BINS
+_HEADER = _HIST2 + _BINS  # counters, hist1, hist2; then suffix [S, 256] and the buffer
 _BLOCK = {"cuda": 1024, "cpu": 64}  # columns per tile; small under the interpreter so tests split rows
 _CPU_PROGRAMS = 6  # programs the interpreter aims for when splitting rows (tests exercise S > 1)
 
@@ -68,10 +86,11 @@ def _sm_count(index: int) -> int:
 
 
 def _split(rows: int, cols: int, device: torch.device) -> tuple[int, int, int]:
-    """(splits S, chunk columns, tile columns) for a [rows, cols] problem: about two programs per SM."""
+    """(splits S, chunk columns, tile columns) for a [rows, cols] problem: about two programs per SM per phase."""
     block = _BLOCK["cuda" if device.type == "cuda" else "cpu"]
     if device.type == "cuda":
-        programs = 2 * _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        programs = PROGRAMS_PER_SM * _sm_count(index)
     else:
         programs = _CPU_PROGRAMS
     splits = max(1, min(-(-programs // max(rows, 1)), -(-cols // block)))
@@ -79,9 +98,16 @@ def _split(rows: int, cols: int, device: torch.device) -> tuple[int, int, int]:
     return max(1, -(-cols // chunk)), chunk, block
 
 
+def _select_block(k: int, device: torch.device) -> int:
+    """Buffered candidates phase D holds in registers (a power of two): ~k plus one fine bin must fit."""
+    if device.type != "cuda":
+        return 64  # small under the interpreter, so tests take both the register path and the looped one
+    return max(1024, triton.next_power_of_2(k + k // 2))
+
+
 def topk_workspace(rows: int, cols: int, k: int, device: torch.device | str, *,
                    capacity: int | None = None) -> torch.Tensor:
-    """A zeroed workspace int32 [rows, 512 + 256 * S + 2 * capacity] for `topk_indices` on scores
+    """A zeroed workspace int32 [rows, 640 + 256 * S + 2 * capacity] for `topk_indices` on scores
     [rows, cols] of `device` (S depends on rows, cols and the device). `capacity` (default 3k) candidates
     per row fit the buffer; any capacity >= 0 is exact, rows that overflow it take the slower path."""
     device = torch.device(device)
@@ -97,7 +123,8 @@ def topk_indices(scores: torch.Tensor, lengths: torch.Tensor, k: int, *, out: to
 
     scores: fp32 [R, J] contiguous; lengths: int32 [R], row r's candidates are columns < lengths[r]
     (clamped to [0, J]) with a score other than -inf; k: 1..2048; out: int32 [R, k] (allocated when None);
-    workspace: from `topk_workspace(R, J, k, device)` (allocated when None), histogram part zero on entry.
+    workspace: from `topk_workspace(R, J, k, device)` (allocated when None), counters and histograms zero on
+    entry (every call leaves them so).
     """
     device = scores.device if isinstance(scores, torch.Tensor) else None
     check_tensor("scores", scores, dtype=torch.float32, shape=(None, None), device=device)
@@ -121,18 +148,23 @@ def topk_indices(scores: torch.Tensor, lengths: torch.Tensor, k: int, *, out: to
     if cols == 0:
         return out.fill_(-1)
     capacity = (width - _HEADER - _BINS * splits) // 2
-    splits_p2 = triton.next_power_of_2(splits)
-    grid = (rows, splits)
-    _hist1[grid](scores, lengths, workspace, cols, width, chunk, BLOCK=block)
-    _hist2[grid](scores, lengths, workspace, cols, width, chunk, k, BLOCK=block)
-    _compact[grid](scores, lengths, workspace, cols, width, chunk, splits, capacity, k,
-                   BLOCK=block, SPLITS=splits_p2)
-    _select[(rows,)](scores, lengths, workspace, out, cols, width, splits, capacity, k,
-                     BLOCK=block, SPLITS=splits_p2)
+    select = _select_block(k, device)
+    args = (scores, lengths, workspace, out, cols, width, chunk, splits, capacity, k)
+    meta = dict(BLOCK=block, SPLITS=triton.next_power_of_2(splits), SELECT=select,
+                num_warps=4 if select <= 1024 else 8)
+    if FUSED:
+        _topk_kernel[(rows, 3 * splits + 1)](*args, PHASE=-1, **meta)
+    else:
+        for phase in range(3):
+            _topk_kernel[(rows, splits)](*args, PHASE=phase, **meta)
+        _topk_kernel[(rows, 1)](*args, PHASE=3, **meta)
     return out
 
 
 if triton is not None:
+    # the workspace offsets as constexprs (jit code reads no other globals)
+    _C_TICKET, _C_DONE_A, _C_DONE_B, _C_DONE_C = (tl.constexpr(v) for v in (_TICKET, _DONE_A, _DONE_B, _DONE_C))
+    _C_HIST1, _C_HIST2, _C_HEADER = tl.constexpr(_HIST1), tl.constexpr(_HIST2), tl.constexpr(_HEADER)
 
     @triton.jit
     def _sortable(x):
@@ -166,39 +198,54 @@ if triton is not None:
         return digit, need - tl.sum(tl.where(o_b > digit, b_h, 0))
 
     @triton.jit
+    def _shared(p):
+        """A load of data other programs of this launch wrote: past L1, which is not coherent across SMs."""
+        return tl.load(p, cache_modifier=".cg")
+
+    @triton.jit
     def _prefix16(p_ws, k):
         """The 16-bit prefix of the threshold (signed, as key >> 16), its digit 2 and the count still
         needed among keys with that prefix, from hist1 and hist2."""
         o_b = tl.arange(0, 256)
-        d1, need1 = _pick(tl.load(p_ws + o_b), k)
-        d2, need2 = _pick(tl.load(p_ws + 256 + o_b), need1)
+        d1, need1 = _pick(_shared(p_ws + _C_HIST1 + o_b), k)
+        d2, need2 = _pick(_shared(p_ws + _C_HIST2 + o_b), need1)
         return (d1 - 128) * 256 + d2, d2, need2
 
     @triton.jit
-    def _row_bounds(lengths_ptr, i_r, i_s, J, CHUNK):
-        n = tl.minimum(tl.maximum(tl.load(lengths_ptr + i_r), 0), J)
-        lo = i_s * CHUNK
-        return lo, tl.minimum(lo + CHUNK, n)
+    def _buffered(p_ws, d2, S, SPLITS: tl.constexpr):
+        """Candidates with the threshold's 16-bit prefix or above, per chunk [SPLITS] (0 past S), from suffix."""
+        o_s = tl.arange(0, SPLITS)
+        return tl.load(p_ws + _C_HEADER + o_s * 256 + d2, mask=o_s < S, other=0, cache_modifier=".cg")
 
     @triton.jit
-    def _hist1(scores_ptr, lengths_ptr, ws_ptr, J, W, CHUNK, BLOCK: tl.constexpr):
-        i_r, i_s = tl.program_id(0), tl.program_id(1)
-        lo, hi = _row_bounds(lengths_ptr, i_r, i_s, J, CHUNK)
-        p_row = scores_ptr + i_r.to(tl.int64) * J
+    def _signal(p_count):
+        """Publish this program's writes, then count it done (every thread's writes precede the barrier, the
+        release orders them before the increment for whoever acquires the count)."""
+        tl.debug_barrier()
+        tl.atomic_add(p_count, 1, sem="release")
+
+    @triton.jit
+    def _wait(p_count, target):
+        """Spin until `target` programs have signalled on p_count, acquiring their writes. A scalar atomic is one
+        request per program (one thread's, the result shared through shared memory): hundreds of programs can
+        poll one counter without flooding its L2 slice, as a load by every thread would."""
+        seen = tl.atomic_add(p_count, 0, sem="acquire")
+        while seen < target:
+            seen = tl.atomic_add(p_count, 0, sem="acquire")
+        tl.debug_barrier()
+
+    @triton.jit
+    def _phase_a(p_row, p_ws, lo, hi, BLOCK: tl.constexpr):
         b_h = tl.zeros([256], dtype=tl.int32)
         for start in range(lo, hi, BLOCK):
             o_c, b_key, m_c = _row_tile(p_row, start, hi, BLOCK)
             b_h += _histogram((b_key >> 24) + 128, m_c, BLOCK)
-        tl.atomic_add(ws_ptr + i_r.to(tl.int64) * W + tl.arange(0, 256), b_h, mask=b_h != 0, sem="relaxed")
+        tl.atomic_add(p_ws + _C_HIST1 + tl.arange(0, 256), b_h, mask=b_h != 0, sem="relaxed")
 
     @triton.jit
-    def _hist2(scores_ptr, lengths_ptr, ws_ptr, J, W, CHUNK, k, BLOCK: tl.constexpr):
-        i_r, i_s = tl.program_id(0), tl.program_id(1)
-        lo, hi = _row_bounds(lengths_ptr, i_r, i_s, J, CHUNK)
-        p_row = scores_ptr + i_r.to(tl.int64) * J
-        p_ws = ws_ptr + i_r.to(tl.int64) * W
+    def _phase_b(p_row, p_ws, i_s, lo, hi, k, BLOCK: tl.constexpr):
         o_b = tl.arange(0, 256)
-        d1, _ = _pick(tl.load(p_ws + o_b), k)
+        d1, _ = _pick(_shared(p_ws + _C_HIST1 + o_b), k)
         top = d1 - 128  # digit 1 as key >> 24
         b_above = tl.zeros([BLOCK], dtype=tl.int32)  # keys whose top digit is higher: all in the buffer
         b_h = tl.zeros([256], dtype=tl.int32)
@@ -206,24 +253,19 @@ if triton is not None:
             o_c, b_key, m_c = _row_tile(p_row, start, hi, BLOCK)
             b_above += (m_c & ((b_key >> 24) > top)).to(tl.int32)
             b_h += _histogram((b_key >> 16) & 255, m_c & ((b_key >> 24) == top), BLOCK)
-        tl.atomic_add(p_ws + 256 + o_b, b_h, mask=b_h != 0, sem="relaxed")
-        # this chunk's keys with key >> 16 >= (top, b), for each digit b that kernel 3 may choose
+        tl.atomic_add(p_ws + _C_HIST2 + o_b, b_h, mask=b_h != 0, sem="relaxed")
+        # this chunk's keys with key >> 16 >= (top, b), for each digit b that phase C may choose
         b_suffix = tl.sum(b_above) + tl.sum(b_h) - tl.cumsum(b_h, 0) + b_h
-        tl.store(p_ws + 512 + i_s * 256 + o_b, b_suffix)
+        tl.store(p_ws + _C_HEADER + i_s * 256 + o_b, b_suffix)
 
     @triton.jit
-    def _compact(scores_ptr, lengths_ptr, ws_ptr, J, W, CHUNK, S, CAP, k, BLOCK: tl.constexpr,
-                 SPLITS: tl.constexpr):
-        i_r, i_s = tl.program_id(0), tl.program_id(1)
-        lo, hi = _row_bounds(lengths_ptr, i_r, i_s, J, CHUNK)
-        p_row = scores_ptr + i_r.to(tl.int64) * J
-        p_ws = ws_ptr + i_r.to(tl.int64) * W
+    def _phase_c(p_row, p_ws, i_s, lo, hi, S, CAP, k, BLOCK: tl.constexpr, SPLITS: tl.constexpr):
         prefix, d2, _ = _prefix16(p_ws, k)
         o_s = tl.arange(0, SPLITS)
-        b_count = tl.load(p_ws + 512 + o_s * 256 + d2, mask=o_s < S, other=0)  # buffered keys per chunk
+        b_count = _buffered(p_ws, d2, S, SPLITS)
         base = tl.sum(tl.where(o_s < i_s, b_count, 0))
-        hi = tl.where(tl.sum(b_count) <= CAP, hi, lo)  # an overflowing row is read whole by kernel 4
-        p_keys = p_ws + 512 + S * 256
+        hi = tl.where(tl.sum(b_count) <= CAP, hi, lo)  # an overflowing row is read whole by phase D
+        p_keys = p_ws + _C_HEADER + S * 256
         written = tl.full((), 0, tl.int32)
         for start in range(lo, hi, BLOCK):
             o_c, b_key, m_c = _row_tile(p_row, start, hi, BLOCK)
@@ -241,56 +283,106 @@ if triton is not None:
         o_t = start + tl.arange(0, BLOCK)
         m_buf = o_t < buffer_end
         m_row = o_t < row_end
-        b_bkey = tl.load(p_keys + o_t, mask=m_buf, other=0)
-        b_bcol = tl.load(p_cols + o_t, mask=m_buf, other=0)
+        b_bkey = tl.load(p_keys + o_t, mask=m_buf, other=0, cache_modifier=".cg")
+        b_bcol = tl.load(p_cols + o_t, mask=m_buf, other=0, cache_modifier=".cg")
         b_x = tl.load(p_row + o_t, mask=m_row, other=float("-inf"))
         b_key = tl.where(m_buf, b_bkey, _sortable(b_x))
         return tl.where(m_buf, b_bcol, o_t), b_key, m_buf | (m_row & (b_x != float("-inf")))
 
     @triton.jit
-    def _select(scores_ptr, lengths_ptr, ws_ptr, out_ptr, J, W, S, CAP, k, BLOCK: tl.constexpr,
-                SPLITS: tl.constexpr):
+    def _threshold(b_key, m_c, prefix16, need2, BLOCK: tl.constexpr):
+        """Digits 3 and 4 of the threshold among candidates held in registers: (threshold key, ties needed)."""
+        d3, need3 = _pick(_histogram((b_key >> 8) & 255, m_c & ((b_key >> 16) == prefix16), BLOCK), need2)
+        prefix24 = prefix16 * 256 + d3
+        d4, need = _pick(_histogram(b_key & 255, m_c & ((b_key >> 8) == prefix24), BLOCK), need3)
+        return prefix24 * 256 + d4, need
+
+    @triton.jit
+    def _phase_d(p_row, p_ws, p_out, n, S, CAP, k, BLOCK: tl.constexpr, SPLITS: tl.constexpr,
+                 SELECT: tl.constexpr):
+        p_keys = p_ws + _C_HEADER + S * 256
+        p_cols = p_keys + CAP
+        prefix16, d2, need2 = _prefix16(p_ws, k)
+        total = tl.sum(_buffered(p_ws, d2, S, SPLITS))
+        written = tl.full((), 0, tl.int32)
+        if (total <= SELECT) & (total <= CAP):  # the usual case: every buffered candidate in registers at once
+            o_c, b_key, m_c = _candidates(p_row, p_keys, p_cols, 0, total, 0, SELECT)
+            threshold, need = _threshold(b_key, m_c, prefix16, need2, SELECT)
+            m_tie = m_c & (b_key == threshold)
+            m_pick = (m_c & (b_key > threshold)) | (m_tie & (tl.cumsum(m_tie.to(tl.int32), 0) <= need))
+            o_out = tl.cumsum(m_pick.to(tl.int32), 0) - 1
+            tl.store(p_out + o_out, o_c, mask=m_pick & (o_out < k))
+            written = tl.sum(m_pick.to(tl.int32))
+        else:  # a big buffer: three passes over it; an overflowed one: three passes over the row
+            buffer_end = tl.where(total <= CAP, total, 0)
+            row_end = tl.where(total <= CAP, 0, n)
+            end = buffer_end + row_end
+            b_h = tl.zeros([256], dtype=tl.int32)
+            for start in range(0, end, BLOCK):
+                o_c, b_key, m_c = _candidates(p_row, p_keys, p_cols, start, buffer_end, row_end, BLOCK)
+                b_h += _histogram((b_key >> 8) & 255, m_c & ((b_key >> 16) == prefix16), BLOCK)
+            d3, need3 = _pick(b_h, need2)
+            prefix24 = prefix16 * 256 + d3
+            b_h = tl.zeros([256], dtype=tl.int32)
+            for start in range(0, end, BLOCK):
+                o_c, b_key, m_c = _candidates(p_row, p_keys, p_cols, start, buffer_end, row_end, BLOCK)
+                b_h += _histogram(b_key & 255, m_c & ((b_key >> 8) == prefix24), BLOCK)
+            d4, need = _pick(b_h, need3)
+            threshold = prefix24 * 256 + d4
+            ties = tl.full((), 0, tl.int32)
+            for start in range(0, end, BLOCK):
+                o_c, b_key, m_c = _candidates(p_row, p_keys, p_cols, start, buffer_end, row_end, BLOCK)
+                m_tie = m_c & (b_key == threshold)
+                m_pick = (m_c & (b_key > threshold)) | (m_tie & (ties + tl.cumsum(m_tie.to(tl.int32), 0) <= need))
+                o_out = written + tl.cumsum(m_pick.to(tl.int32), 0) - 1
+                tl.store(p_out + o_out, o_c, mask=m_pick & (o_out < k))
+                ties += tl.sum(m_tie.to(tl.int32))
+                written += tl.sum(m_pick.to(tl.int32))
+        for start in range(0, k, BLOCK):
+            o_o = start + tl.arange(0, BLOCK)
+            tl.store(p_out + o_o, tl.full([BLOCK], -1, tl.int32), mask=(o_o >= written) & (o_o < k))
+
+    @triton.jit
+    def _topk_kernel(scores_ptr, lengths_ptr, ws_ptr, out_ptr, J, W, CHUNK, S, CAP, k, BLOCK: tl.constexpr,
+                     SPLITS: tl.constexpr, SELECT: tl.constexpr, PHASE: tl.constexpr):
+        """Row i_r. PHASE -1: one launch of 3S + 1 programs per row, the role from a ticket; 0..3: that phase
+        alone (grid (R, S), or (R, 1) for D), ordered by the launches."""
         i_r = tl.program_id(0)
         n = tl.minimum(tl.maximum(tl.load(lengths_ptr + i_r), 0), J)
         p_row = scores_ptr + i_r.to(tl.int64) * J
         p_ws = ws_ptr + i_r.to(tl.int64) * W
-        p_out = out_ptr + i_r.to(tl.int64) * k
-        p_keys = p_ws + 512 + S * 256
-        p_cols = p_keys + CAP
-        prefix16, d2, need2 = _prefix16(p_ws, k)
-        o_s = tl.arange(0, SPLITS)
-        total = tl.sum(tl.load(p_ws + 512 + o_s * 256 + d2, mask=o_s < S, other=0))
-        buffer_end = tl.where(total <= CAP, total, 0)
-        row_end = tl.where(total <= CAP, 0, n)
-        end = buffer_end + row_end
-        # digit 3 among keys with the 16-bit prefix
-        b_h = tl.zeros([256], dtype=tl.int32)
-        for start in range(0, end, BLOCK):
-            o_c, b_key, m_c = _candidates(p_row, p_keys, p_cols, start, buffer_end, row_end, BLOCK)
-            b_h += _histogram((b_key >> 8) & 255, m_c & ((b_key >> 16) == prefix16), BLOCK)
-        d3, need3 = _pick(b_h, need2)
-        prefix24 = prefix16 * 256 + d3
-        # digit 4 among keys with the 24-bit prefix
-        b_h = tl.zeros([256], dtype=tl.int32)
-        for start in range(0, end, BLOCK):
-            o_c, b_key, m_c = _candidates(p_row, p_keys, p_cols, start, buffer_end, row_end, BLOCK)
-            b_h += _histogram(b_key & 255, m_c & ((b_key >> 8) == prefix24), BLOCK)
-        d4, need = _pick(b_h, need3)
-        threshold = prefix24 * 256 + d4
-        # keys > threshold, then the first `need` keys == threshold, written in column order
-        ties = tl.full((), 0, tl.int32)
-        written = tl.full((), 0, tl.int32)
-        for start in range(0, end, BLOCK):
-            o_c, b_key, m_c = _candidates(p_row, p_keys, p_cols, start, buffer_end, row_end, BLOCK)
-            m_tie = m_c & (b_key == threshold)
-            m_pick = (m_c & (b_key > threshold)) | (m_tie & (ties + tl.cumsum(m_tie.to(tl.int32), 0) <= need))
-            o_out = written + tl.cumsum(m_pick.to(tl.int32), 0) - 1
-            tl.store(p_out + o_out, o_c, mask=m_pick & (o_out < k))
-            ties += tl.sum(m_tie.to(tl.int32))
-            written += tl.sum(m_pick.to(tl.int32))
-        for start in range(0, k, BLOCK):
-            o_o = start + tl.arange(0, BLOCK)
-            tl.store(p_out + o_o, tl.full([BLOCK], -1, tl.int32), mask=(o_o >= written) & (o_o < k))
-        # leave the histograms zero for the next call (this row's kernels 1-3 are done with them)
-        o_h = tl.arange(0, 512)
-        tl.store(p_ws + o_h, tl.zeros([512], dtype=tl.int32))
+        if PHASE < 0:
+            ticket = tl.atomic_add(p_ws + _C_TICKET, 1, sem="relaxed")
+            role = tl.minimum(ticket // S, 3)
+            i_s = ticket - role * S
+        else:
+            role = PHASE
+            i_s = tl.program_id(1)
+        lo = i_s * CHUNK
+        hi = tl.minimum(lo + CHUNK, n)
+        if role == 0:
+            _phase_a(p_row, p_ws, lo, hi, BLOCK)
+            if PHASE < 0:
+                _signal(p_ws + _C_DONE_A)
+        elif role == 1:
+            if PHASE < 0:
+                _wait(p_ws + _C_DONE_A, S)
+            _phase_b(p_row, p_ws, i_s, lo, hi, k, BLOCK)
+            if PHASE < 0:
+                _signal(p_ws + _C_DONE_B)
+        elif role == 2:
+            if PHASE < 0:
+                _wait(p_ws + _C_DONE_B, S)
+            _phase_c(p_row, p_ws, i_s, lo, hi, S, CAP, k, BLOCK, SPLITS)
+            if PHASE < 0:
+                _signal(p_ws + _C_DONE_C)
+        else:
+            if PHASE < 0:
+                _wait(p_ws + _C_DONE_A, S)  # all three: then every ticket is taken and no program touches
+                _wait(p_ws + _C_DONE_B, S)  # the row's workspace again, so it can be zeroed below
+                _wait(p_ws + _C_DONE_C, S)
+            _phase_d(p_row, p_ws, out_ptr + i_r.to(tl.int64) * k, n, S, CAP, k, BLOCK, SPLITS, SELECT)
+            # leave the counters and histograms zero for the next call
+            tl.debug_barrier()
+            o_h = tl.arange(0, 1024)
+            tl.store(p_ws + o_h, tl.zeros([1024], dtype=tl.int32), mask=o_h < _C_HEADER)

@@ -1,0 +1,258 @@
+"""Engine: token ids in, token ids out, for many requests at once over one paged cache.
+
+    engine = Engine.from_transformers(model, max_requests=8, max_tokens=65536)
+    outputs = engine.generate([[1, 2, 3], [4, 5]], SamplingParams(max_new_tokens=32))
+
+or online: `add_request(prompt, params) -> id`, `step() -> [StepOutput(id, new tokens, finished)]`,
+`abort(id)`, `output(id) -> RequestOutput`. Each step the scheduler picks the work, the runner computes
+the logits of each request's last new token, and the sampler picks the tokens.
+"""
+
+from __future__ import annotations
+
+import numbers
+import os
+import secrets
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from ..checks import positive_int
+from ..layout import IndexerFormat, KVFormat
+from ..manager import CacheManager, RequestError
+from ..memory.spec import DEFAULT_PAGE_TOKENS
+from .model import DSV4Model
+from .params import SamplingParams
+from .request import Request, RequestOutput, StepOutput
+from .runner import ModelRunner, default_graph_sizes
+from .sampler import sample
+from .scheduler import Scheduler
+
+__all__ = ["Engine", "EngineStats"]
+
+
+@dataclass
+class EngineStats:
+    """Counters since the engine was made. Prefill tokens include recomputed ones (after a preemption)."""
+
+    steps: int = 0
+    decode_steps: int = 0  # steps that only decoded (one token per request)
+    graph_steps: int = 0  # decode steps served by a DecodeStepGraph (replayed on CUDA)
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    preemptions: int = 0
+    prefill_seconds: float = 0.0  # wall time of steps holding any prefill chunk
+    decode_seconds: float = 0.0  # wall time of decode-only steps
+    tokens_in_prefill_steps: int = 0  # every token of those steps, decode tokens riding along included
+
+
+class Engine:
+    """Serves a `DSV4Model` over a `CacheManager` made for it.
+
+    Args:
+        model: the model (see `from_transformers`, `from_pretrained`).
+        max_requests, max_tokens, kv_format, indexer_format, page_tokens: the cache (`CacheManager`).
+        device: default the model's; the model is moved there (its per-token modules with it).
+        step_tokens: token budget of one step: decode tokens first, then prefill chunks.
+        max_seq_len: longest request (prompt + generated); default min(max_tokens, the model's positions), and
+            never more than the cache's blocks hold.
+        decode_graph_sizes: decode batch sizes served by a padded `DecodeStepGraph`; default: powers of two
+            up to max_requests when the attention runs on the Triton kernels on CUDA (then captured as CUDA
+            graphs), none otherwise. Given on a CPU, the padded steps run eagerly.
+    """
+
+    def __init__(self, model: DSV4Model, *, max_requests: int, max_tokens: int,
+                 kv_format: KVFormat | str = KVFormat.FP8, indexer_format: IndexerFormat | str = IndexerFormat.MXFP4,
+                 device: torch.device | str | None = None, page_tokens: int | None = None, step_tokens: int = 1024,
+                 max_seq_len: int | None = None, decode_graph_sizes: Sequence[int] | None = None):
+        if not isinstance(model, DSV4Model):
+            raise TypeError(f"model: expected a DSV4Model, got {type(model).__name__}")
+        if device is not None:
+            model.to(device)
+        self.model = model
+        geometry = model.geometry
+        max_tokens = positive_int("max_tokens", max_tokens)
+        max_seq_len = min(max_tokens, geometry.max_position) if max_seq_len is None else max_seq_len
+        self.cache = CacheManager(geometry, max_requests=max_requests, max_tokens=max_tokens, kv_format=kv_format,
+                                  indexer_format=indexer_format, device=model.device,
+                                  page_tokens=page_tokens or DEFAULT_PAGE_TOKENS, max_seq_len=max_seq_len)
+        # the longest request: what the cache's positions and all of its blocks can hold (so a request alone
+        # always fits, and the scheduler can always make progress with the oldest one)
+        self.max_seq_len = min(self.cache.max_seq_len, self.cache.num_blocks * self.cache.spec.page_tokens)
+        self.scheduler = Scheduler(self.cache, step_tokens=step_tokens)
+        kernels = all(layer.resolved_backend(self.cache.device) == "triton" for layer in model.attention_layers)
+        capture = self.cache.device.type == "cuda" and kernels
+        if decode_graph_sizes is None:
+            decode_graph_sizes = default_graph_sizes(self.cache.max_requests) if capture else ()
+        sizes = [positive_int("decode_graph_sizes", b) for b in decode_graph_sizes]
+        if any(b > self.cache.max_requests for b in sizes):
+            raise ValueError(f"decode_graph_sizes: {sizes} exceed max_requests {self.cache.max_requests}")
+        self.runner = ModelRunner(model, self.cache, graph_sizes=sizes, capture=capture and bool(sizes),
+                                  max_seq_len=self.max_seq_len)
+        self.backend = "Triton kernels" if kernels else "PyTorch reference"
+        self.stats = EngineStats()
+        self._requests: dict[int, Request] = {}
+        self._next_id = 0
+
+    # --- construction -------------------------------------------------------------------------------
+    @classmethod
+    def from_transformers(cls, model, *, max_requests: int, max_tokens: int, kv_format="fp8",
+                          indexer_format="mxfp4", device=None, page_tokens=None, step_tokens: int = 1024,
+                          **kwargs) -> "Engine":
+        """An engine over transformers' `DeepseekV4ForCausalLM`: its per-token modules are shared (not copied),
+        its attention layers are copied into `DSV4Attention` layers over the engine's cache."""
+        return cls(DSV4Model.from_transformers(model), max_requests=max_requests, max_tokens=max_tokens,
+                   kv_format=kv_format, indexer_format=indexer_format, device=device, page_tokens=page_tokens,
+                   step_tokens=step_tokens, **kwargs)
+
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike, *, max_requests: int, max_tokens: int,
+                        dtype: torch.dtype = torch.bfloat16, device=None, **kwargs) -> "Engine":
+        """An engine over a checkpoint folder (config.json + *.safetensors; transformers or official DeepSeek
+        names; FP8 128x128 block weights dequantized). Weights load in `dtype` (norms, hyper-connections, sinks
+        and biases in fp32), on `device` (default: CUDA when available)."""
+        from .checkpoint import load_pretrained
+
+        device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+        model = load_pretrained(path, dtype=dtype, device=device)
+        return cls(model, max_requests=max_requests, max_tokens=max_tokens, **kwargs)
+
+    # --- online API ---------------------------------------------------------------------------------
+    def add_request(self, prompt: Sequence[int], params: SamplingParams | None = None) -> int:
+        """Queue a request; returns its id. A bad prompt or params raise ValueError / TypeError and change nothing."""
+        prompt, params = self._check_prompt(prompt), self._check_params(params)
+        return self._add(prompt, params)
+
+    def step(self) -> list[StepOutput]:
+        """Run one step; returns the requests that got a token in it."""
+        scheduled = self.scheduler.schedule()
+        self.stats.preemptions += len(scheduled.preempted)
+        if not scheduled.batch:
+            return []
+        start = time.perf_counter()
+        batch = [(r.cache_id, r.tokens[r.num_computed:r.num_computed + n]) for r, n in scheduled.batch]
+        logits = self.runner.run(batch, decode=scheduled.is_decode)  # [len(batch), vocab]
+        rows, ready = [], []
+        for row, (request, n) in enumerate(scheduled.batch):
+            if request.pending == 1:
+                self.stats.decode_tokens += 1
+            else:
+                self.stats.prefill_tokens += n
+            request.num_computed += n
+            if request.pending == 0:  # its last token went in: the logits give the next one
+                rows.append(row)
+                ready.append(request)
+        tokens = sample(logits[rows], [r.params for r in ready], [r.generator for r in ready]) if rows else []
+        now = time.perf_counter()
+        outputs = []
+        for request, token in zip(ready, tokens):
+            request.tokens.append(token)
+            request.token_times.append(now)
+            reason = self._finish_reason(request, token)
+            if reason is not None:
+                self.scheduler.finish(request, reason)
+            outputs.append(StepOutput(request.id, (token,), reason is not None))
+        self._count_step(scheduled, now - start)
+        return outputs
+
+    def abort(self, request_id: int) -> None:
+        """Stop a request now (finish reason "abort"), releasing its cache. Aborting a finished request does nothing;
+        an unknown id raises RequestError."""
+        request = self._request(request_id)
+        if not request.finished:
+            self.scheduler.finish(request, "abort")
+
+    def output(self, request_id: int) -> RequestOutput:
+        """A request's output so far. Reading a finished request's output forgets the request."""
+        request = self._request(request_id)
+        if request.finished:
+            del self._requests[request_id]
+        return request.output()
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work
+
+    # --- offline API --------------------------------------------------------------------------------
+    def generate(self, prompts: Sequence[Sequence[int]],
+                 params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Serve every prompt to completion (with any requests already queued); outputs in prompt order. Every
+        prompt and params is checked before any is queued."""
+        if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
+            raise TypeError(f"prompts: expected a list of token id lists, got {type(prompts).__name__}")
+        if params is None or isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        elif len(params) != len(prompts):
+            raise ValueError(f"params: {len(params)} SamplingParams for {len(prompts)} prompts")
+        checked = [(self._check_prompt(p, f"prompts[{i}]"), self._check_params(q)) for i, (p, q)
+                   in enumerate(zip(prompts, params))]
+        ids = [self._add(prompt, q) for prompt, q in checked]
+        while not all(self._requests[i].finished for i in ids):
+            self.step()
+        return [self.output(i) for i in ids]
+
+    # --- internals ----------------------------------------------------------------------------------
+    def _add(self, prompt: tuple[int, ...], params: SamplingParams) -> int:
+        generator = None
+        if not params.greedy:
+            seed = params.seed if params.seed is not None else secrets.randbits(63)
+            generator = torch.Generator().manual_seed(seed)
+        request = Request(self._next_id, prompt, params, generator)
+        self._next_id += 1
+        self._requests[request.id] = request
+        self.scheduler.add(request)
+        return request.id
+
+    def _finish_reason(self, request: Request, token: int) -> str | None:
+        if token in request.params.stop_token_ids:
+            return "stop"
+        if request.num_generated >= request.params.max_new_tokens or request.num_tokens > self.max_seq_len:
+            return "length"  # the cache cannot take the next token past max_seq_len
+        return None
+
+    def _count_step(self, scheduled, seconds: float) -> None:
+        s = self.stats
+        s.steps += 1
+        if scheduled.is_decode:
+            s.decode_steps += 1
+            s.decode_seconds += seconds
+            s.graph_steps += self.runner.graph_for(len(scheduled.batch)) is not None
+        else:
+            s.prefill_seconds += seconds
+            s.tokens_in_prefill_steps += scheduled.num_tokens
+
+    def _request(self, request_id) -> Request:
+        request = self._requests.get(request_id) if isinstance(request_id, numbers.Integral) else None
+        if request is None:
+            raise RequestError(f"unknown request id {request_id!r} (never added, or its finished output was read)")
+        return request
+
+    def _check_params(self, params) -> SamplingParams:
+        if params is None:
+            return SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params: expected SamplingParams, got {type(params).__name__}")
+        return params
+
+    def _check_prompt(self, prompt, name: str = "prompt") -> tuple[int, ...]:
+        if isinstance(prompt, (torch.Tensor, np.ndarray)):  # 1-D integer arrays
+            tensor = torch.as_tensor(prompt)
+            if tensor.dim() != 1 or tensor.dtype.is_floating_point or tensor.dtype == torch.bool:
+                raise ValueError(f"{name}: expected a 1-D integer tensor, got {tensor.dtype} {list(tensor.shape)}")
+            prompt = tensor.tolist()
+        if isinstance(prompt, (str, bytes)) or not isinstance(prompt, Sequence):
+            raise TypeError(f"{name}: expected a sequence of token ids, got {type(prompt).__name__}")
+        if len(prompt) == 0:
+            raise ValueError(f"{name}: empty prompt")
+        vocab = self.model.embed_tokens.num_embeddings
+        bad = [(i, t) for i, t in enumerate(prompt)
+               if not isinstance(t, numbers.Integral) or isinstance(t, bool) or not 0 <= t < vocab]
+        if bad:
+            i, t = bad[0]
+            raise ValueError(f"{name}: {len(bad)} token ids outside the vocabulary [0, {vocab}), first {t!r} at {i}")
+        if len(prompt) > self.max_seq_len:
+            raise ValueError(f"{name}: {len(prompt)} tokens, the cache holds at most {self.max_seq_len} per request")
+        return tuple(int(t) for t in prompt)

@@ -1,0 +1,119 @@
+"""transformers' DeepseekV4ForCausalLM as the engine's reference: small configs, reproducible random weights of
+realistic scale, and its one-shot teacher-forced forward (the oracle of the engine's tokens).
+
+transformers is imported on use: the engine itself needs it only for the model it is given.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+
+import torch
+
+__all__ = ["tiny_config", "flash_config", "random_model", "with_dtype", "reference_logits"]
+
+
+def tiny_config(**overrides):
+    """Three layers, one of each kind (window, CSA ratio 4, HCA ratio 128), hash-routed then learned-routed MoE;
+    the tiny preset's attention sizes (index_head_dim >= the rope dims, as transformers' indexer needs)."""
+    from transformers import DeepseekV4Config
+
+    fields = dict(
+        vocab_size=512, hidden_size=128, moe_intermediate_size=64, num_hidden_layers=3, num_attention_heads=8,
+        head_dim=128, qk_rope_head_dim=64, q_lora_rank=64, o_groups=2, o_lora_rank=32, sliding_window=16,
+        index_n_heads=4, index_head_dim=64, index_topk=8, n_routed_experts=4, num_experts_per_tok=2,
+        layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"],
+        mlp_layer_types=["hash_moe", "moe", "moe"],
+        compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 128},
+        max_position_embeddings=65536, rope_theta=10000.0, compress_rope_theta=160000.0,
+        rope_scaling={"type": "yarn", "factor": 16, "original_max_position_embeddings": 4096, "beta_fast": 32,
+                      "beta_slow": 1})
+    fields.update(overrides)
+    config = DeepseekV4Config(**fields)
+    config._attn_implementation = "eager"
+    return config
+
+
+def flash_config(num_layers: int = 4, **overrides):
+    """V4-Flash's attention geometry (hidden 4096, 64 heads x 512, q_lora 1024, 8 x 1024 output groups, window 128,
+    indexer 64 x 128 top-512, CSA 4 / HCA 128, YaRN) and vocabulary, with `num_layers` layers of the pattern
+    window, CSA, HCA, CSA, ... and a reduced MoE: 8 routed experts of width 512, 2 per token, plus the shared one
+    (V4-Flash: 256 experts of 2048, 6 per token)."""
+    kinds = ["sliding_attention"] + [("compressed_sparse_attention", "heavily_compressed_attention")[i % 2]
+                                     for i in range(num_layers - 1)]
+    fields = dict(
+        vocab_size=129280, hidden_size=4096, moe_intermediate_size=512, num_hidden_layers=num_layers,
+        num_attention_heads=64, head_dim=512, qk_rope_head_dim=64, q_lora_rank=1024, o_groups=8, o_lora_rank=1024,
+        sliding_window=128, index_n_heads=64, index_head_dim=128, index_topk=512, n_routed_experts=8,
+        num_experts_per_tok=2, layer_types=kinds, mlp_layer_types=["hash_moe"] + ["moe"] * (num_layers - 1),
+        compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 128},
+        max_position_embeddings=1048576, rope_theta=10000.0, compress_rope_theta=160000.0,
+        rope_scaling={"type": "yarn", "factor": 16, "original_max_position_embeddings": 65536, "beta_fast": 32,
+                      "beta_slow": 1})
+    fields.update(overrides)
+    return tiny_config(**fields)
+
+
+def random_model(config, *, seed: int = 0, device: torch.device | str = "cpu"):
+    """A fp32 DeepseekV4ForCausalLM with reproducible random weights of realistic scale, every value
+    bf16-representable (so a bf16 copy holds exactly the same weights): linear and expert weights
+    N(0, 1/fan_in), embeddings N(0, 1), norm weights 1 + N(0, 0.1), hyper-connection bases N(0, 0.5) and scales
+    1 + N(0, 0.1), compressor position biases N(0, 0.5), sinks N(0, 1), router correction biases N(0, 0.1), and
+    hash routes drawn uniformly (distinct experts per token)."""
+    from transformers import DeepseekV4ForCausalLM
+
+    with torch.device(device):
+        model = DeepseekV4ForCausalLM(config).eval()
+    generator = torch.Generator(device=device).manual_seed(seed)
+    randn = functools.partial(torch.randn, generator=generator, device=device)
+    with torch.no_grad():
+        for name, param in sorted(model.named_parameters()):
+            shape = param.shape
+            if name.endswith("embed_tokens.weight"):
+                value = randn(shape)
+            elif name.endswith("norm.weight"):
+                value = 1 + 0.1 * randn(shape)
+            elif name.endswith(("position_bias", ".base", "hc_base")):
+                value = 0.5 * randn(shape)
+            elif name.endswith(("scale", "hc_scale")):
+                value = 1 + 0.1 * randn(shape)
+            elif name.endswith("sinks"):
+                value = randn(shape)
+            else:  # [..., out, in] weights: N(0, 1/in)
+                value = randn(shape) * shape[-1] ** -0.5
+            param.copy_(value.bfloat16().float())
+        for name, buffer in sorted(model.named_buffers()):
+            if name.endswith("e_score_correction_bias"):
+                buffer.copy_(0.1 * randn(buffer.shape))
+            elif name.endswith("tid2eid"):
+                vocab, k = buffer.shape
+                scores = torch.rand(vocab, config.n_routed_experts, generator=generator, device=device)
+                buffer.copy_(scores.argsort(-1)[:, :k])
+    return model
+
+
+def with_dtype(model, dtype: torch.dtype):
+    """A copy with parameters in `dtype` except those transformers keeps in fp32 (hyper-connections, norms, sinks,
+    biases); buffers (rotary tables, hash routes) untouched."""
+    keep = tuple(getattr(model, "_keep_in_fp32_modules_strict", ()) or ())
+    model = copy.deepcopy(model)
+    for name, param in model.named_parameters():
+        if not any(part in name.split(".") for part in keep):
+            param.data = param.data.to(dtype)
+    return model
+
+
+@torch.no_grad()
+def reference_logits(model, token_ids) -> torch.Tensor:
+    """transformers' one forward over a whole sequence, teacher-forced: fp32 logits [L, vocab], row t predicting
+    token t + 1. The sliding-window causal mask is passed explicitly (SPEC section 4: without a mask tensor its
+    CSA layers attend to every compressed entry)."""
+    ids = torch.as_tensor(token_ids, dtype=torch.long, device=model.lm_head.weight.device)[None]
+    length = ids.shape[1]
+    i = torch.arange(length, device=ids.device)
+    allowed = (i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < model.config.sliding_window)
+    dtype = model.model.embed_tokens.weight.dtype
+    mask = torch.where(allowed, 0.0, float("-inf")).to(dtype)[None, None]
+    out = model(input_ids=ids, attention_mask={"sliding_attention": mask}, use_cache=False)
+    return out.logits[0].float()

@@ -1,0 +1,90 @@
+"""A request's state (its token ids, how many the cache holds, its timings) and what the engine reports."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import torch
+
+from .params import SamplingParams
+
+__all__ = ["Status", "Request", "RequestOutput", "StepOutput"]
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"  # not in the cache: new, or preempted (its tokens are recomputed on readmission)
+    RUNNING = "running"  # holds a cache slot and blocks
+    FINISHED = "finished"
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """What a request produced. Times are seconds (host clock, `time.perf_counter`)."""
+
+    request_id: int
+    prompt_token_ids: tuple[int, ...]
+    token_ids: tuple[int, ...]  # the generated tokens (a stop token included)
+    finished: bool
+    finish_reason: str | None  # "stop" (a stop token), "length" (max_new_tokens or max_seq_len), "abort"; None while running
+    cached_tokens: int  # prompt tokens served from a prefix cache (0: there is none yet)
+    ttft: float | None  # time to first token, from add_request
+    itl: float | None  # mean time between consecutive tokens (None below two tokens)
+    preemptions: int  # times the request was evicted from the cache and recomputed
+
+
+class StepOutput(NamedTuple):
+    """One request's progress in one `Engine.step`."""
+
+    request_id: int
+    new_token_ids: tuple[int, ...]
+    finished: bool
+
+
+@dataclass(eq=False)
+class Request:
+    id: int
+    prompt: tuple[int, ...]
+    params: SamplingParams
+    generator: torch.Generator | None  # CPU; only sampled (temperature > 0) requests draw from it
+    arrival: float = field(default_factory=time.perf_counter)
+    tokens: list[int] = field(default_factory=list)  # prompt + generated: the sequence the cache must hold
+    status: Status = Status.WAITING
+    cache_id: int | None = None  # CacheManager request id while RUNNING
+    num_computed: int = 0  # leading tokens already in the cache
+    cached_tokens: int = 0
+    finish_reason: str | None = None
+    token_times: list[float] = field(default_factory=list)
+    preemptions: int = 0
+
+    def __post_init__(self):
+        if not self.tokens:
+            self.tokens = list(self.prompt)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.tokens) - len(self.prompt)
+
+    @property
+    def pending(self) -> int:
+        """Tokens to feed before the next one can be sampled: 1 while decoding, more during (re)prefill."""
+        return self.num_tokens - self.num_computed
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    def output(self) -> RequestOutput:
+        times = self.token_times
+        return RequestOutput(
+            request_id=self.id, prompt_token_ids=self.prompt, token_ids=tuple(self.tokens[len(self.prompt):]),
+            finished=self.finished, finish_reason=self.finish_reason, cached_tokens=self.cached_tokens,
+            ttft=times[0] - self.arrival if times else None,
+            itl=(times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else None,
+            preemptions=self.preemptions)

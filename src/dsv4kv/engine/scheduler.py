@@ -1,0 +1,136 @@
+"""Scheduler: which requests run in the next step, and how many tokens each. It touches no tensor.
+
+Continuous batching under a token budget (`step_tokens`) per step:
+
+1. every running request with one pending token (a decode) gets it, in admission order;
+2. running requests with several pending tokens (prompt, or recompute after preemption) get prefill
+   chunks in arrival order, while the budget lasts;
+3. waiting requests are admitted in arrival order while a cache slot is free, the budget is not spent
+   and the blocks for all their tokens are free, and get a first chunk.
+
+When a running request's tokens need more blocks than are free, the most recently admitted request is
+preempted: its slot and blocks go back to the cache, it returns to the waiting queue (by arrival), and
+when readmitted its prompt and generated tokens are recomputed, so its output is unchanged. A prefill
+chunk shrinks to the blocks that are free before it preempts anyone.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import deque
+from dataclasses import dataclass, field
+
+from ..checks import positive_int
+from ..manager import CacheManager
+from .request import Request, Status
+
+__all__ = ["Scheduler", "ScheduledStep"]
+
+
+@dataclass
+class ScheduledStep:
+    batch: list[tuple[Request, int]] = field(default_factory=list)  # (request, new tokens), decodes first
+    preempted: list[Request] = field(default_factory=list)
+    is_decode: bool = False  # every request feeds exactly its one pending token (a pure decode step)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.batch)
+
+
+class Scheduler:
+    """Queues and the step decision over `cache`'s slots and blocks (asked through its integer API)."""
+
+    def __init__(self, cache: CacheManager, *, step_tokens: int):
+        self.cache = cache
+        self.step_tokens = positive_int("step_tokens", step_tokens)
+        self.waiting: deque[Request] = deque()  # by arrival (request id)
+        self.running: list[Request] = []  # by admission
+
+    def add(self, request: Request) -> None:
+        request.status = Status.WAITING
+        # preempted requests go back to their arrival place, ahead of later arrivals
+        index = bisect.bisect([r.id for r in self.waiting], request.id)
+        self.waiting.insert(index, request)
+
+    def finish(self, request: Request, reason: str) -> None:
+        """Take a request out (finished or aborted): its cache slot and blocks are released."""
+        if request.status is Status.RUNNING:
+            self.cache.release(request.cache_id)
+            self.running.remove(request)
+        elif request.status is Status.WAITING:
+            self.waiting.remove(request)
+        request.cache_id = None
+        request.status = Status.FINISHED
+        request.finish_reason = reason
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledStep:
+        step = ScheduledStep()
+        chosen: dict[Request, int] = {}
+        budget, free = self.step_tokens, self.cache.num_free_blocks
+        decodes = [r for r in self.running if r.pending == 1]
+        prefills = sorted((r for r in self.running if r.pending > 1), key=lambda r: r.id)
+        for request in decodes + prefills:
+            if budget == 0:
+                break
+            if request.status is not Status.RUNNING:  # preempted earlier in this loop
+                continue
+            want = min(request.pending, budget)
+            while True:
+                n = self._fit(request, want, free)
+                if n == want or (n > 0 and request.pending > 1):
+                    break
+                victim = self.running[-1]
+                free += self._held(victim) + self._need(victim, chosen.get(victim, 0))
+                budget += chosen.pop(victim, 0)
+                self._preempt(victim)
+                step.preempted.append(victim)
+                if victim is request:
+                    break
+            if request.status is Status.RUNNING:
+                chosen[request] = n
+                budget -= n
+                free -= self._need(request, n)
+        while self.waiting and budget > 0 and len(self.running) < self.cache.max_requests:
+            request = self.waiting[0]
+            if self.cache.spec.blocks_for(request.num_tokens) > free:
+                break
+            cache_id = self.cache.admit()
+            if cache_id is None:  # every slot is held outside this scheduler
+                break
+            self.waiting.popleft()
+            request.cache_id, request.status, request.num_computed = cache_id, Status.RUNNING, 0
+            self.running.append(request)
+            n = min(request.pending, budget)
+            chosen[request] = n
+            budget -= n
+            free -= self._need(request, n)
+        step.batch = list(chosen.items())
+        step.is_decode = bool(step.batch) and all(n == 1 and r.pending == 1 for r, n in step.batch)
+        return step
+
+    # --- block arithmetic (the manager holds ceil(length / page_tokens) blocks per request) -------
+    def _held(self, request: Request) -> int:
+        return len(self.cache.blocks(request.cache_id))
+
+    def _need(self, request: Request, n: int) -> int:
+        """New blocks `request` takes to hold n more tokens."""
+        if n == 0:
+            return 0
+        return self.cache.spec.blocks_for(request.num_computed + n) - self._held(request)
+
+    def _fit(self, request: Request, n: int, free: int) -> int:
+        """The most tokens, up to n, whose new blocks fit in `free`."""
+        room = (self._held(request) + free) * self.cache.spec.page_tokens - request.num_computed
+        return max(0, min(n, room))
+
+    def _preempt(self, request: Request) -> None:
+        self.cache.release(request.cache_id)
+        self.running.remove(request)
+        request.cache_id, request.num_computed = None, 0
+        request.preemptions += 1
+        self.add(request)
