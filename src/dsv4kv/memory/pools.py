@@ -9,7 +9,6 @@ from typing import Sequence
 
 import torch
 
-from ..geometry import LayerKind
 from .spec import CacheSpec, LayerCacheSpec
 
 __all__ = ["LayerCache", "CachePools", "POISON_BYTE"]
