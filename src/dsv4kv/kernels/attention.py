@@ -98,7 +98,7 @@ def _config(rows: int, heads: int, max_keys: int, device: torch.device) -> _Conf
     little from splitting and would pay the merge): then as many splits as one wave holds, each keeping at least
     MIN_SPLIT_BLOCKS key blocks of the longest row; if even that leaves half the SMs idle, 16-head blocks. Off
     CUDA (the interpreter) always the single pass with 32-key blocks; tests force splits. V4-Flash decode on 132
-    SMs: CSA batch 1 (640 keys) -> 16 heads x 10 splits; HCA batch 1 at 1M -> 64 heads x 132 splits; batch 8 -> 10
+    SMs: CSA batch 1 (640 keys) -> 16 heads x 10 splits; HCA batch 1 at 1M -> 64 heads x 130 splits; batch 8 -> 10
     (CSA) / 16 (HCA) splits; batch 64 -> 64-key blocks, 2 splits; batch >= 67 -> 64-key blocks, no split.
     """
     block_h = max(16, min(BLOCK_H, triton.next_power_of_2(heads)))  # a tensor-core M of at least 16
