@@ -47,6 +47,18 @@ class EngineStats:
     prefill_seconds: float = 0.0  # wall time of steps holding any prefill chunk
     decode_seconds: float = 0.0  # wall time of decode-only steps
     tokens_in_prefill_steps: int = 0  # every token of those steps, decode tokens riding along included
+    # prefix caching (all 0 with it off): admissions with a cache lookup (readmissions after a preemption
+    # included), their tokens, those that hit, the tokens served from the cache (not prefilled), and evictions
+    prefix_queries: int = 0
+    prefix_query_tokens: int = 0
+    prefix_hits: int = 0
+    prefix_hit_tokens: int = 0
+    prefix_evicted_blocks: int = 0
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        """Tokens served from the prefix cache over tokens offered at admission (0.0 with caching off)."""
+        return self.prefix_hit_tokens / self.prefix_query_tokens if self.prefix_query_tokens else 0.0
 
 
 class Engine:
@@ -62,12 +74,17 @@ class Engine:
         decode_graph_sizes: decode batch sizes served by a padded `DecodeStepGraph`; default: powers of two
             up to max_requests when the attention runs on the Triton kernels on CUDA (then captured as CUDA
             graphs), none otherwise. Given on a CPU, the padded steps run eagerly.
+        prefix_caching: serve leading prompt blocks already in the cache (docs/prefix-caching.md): admission
+            maps the longest cached prefix in and only the rest is prefilled; `RequestOutput.cached_tokens` and
+            the `stats.prefix_*` counters report the hits. Needs the model's window <= page_tokens. Default off.
+        prefix_snapshots: boundary snapshots the prefix cache keeps (default max_requests; needs prefix_caching).
     """
 
     def __init__(self, model: DSV4Model, *, max_requests: int, max_tokens: int,
                  kv_format: KVFormat | str = KVFormat.FP8, indexer_format: IndexerFormat | str = IndexerFormat.MXFP4,
                  device: torch.device | str | None = None, page_tokens: int | None = None, step_tokens: int = 1024,
-                 max_seq_len: int | None = None, decode_graph_sizes: Sequence[int] | None = None):
+                 max_seq_len: int | None = None, decode_graph_sizes: Sequence[int] | None = None,
+                 prefix_caching: bool = False, prefix_snapshots: int | None = None):
         if not isinstance(model, DSV4Model):
             raise TypeError(f"model: expected a DSV4Model, got {type(model).__name__}")
         if device is not None:
@@ -78,7 +95,9 @@ class Engine:
         max_seq_len = min(max_tokens, geometry.max_position) if max_seq_len is None else max_seq_len
         self.cache = CacheManager(geometry, max_requests=max_requests, max_tokens=max_tokens, kv_format=kv_format,
                                   indexer_format=indexer_format, device=model.device,
-                                  page_tokens=page_tokens or DEFAULT_PAGE_TOKENS, max_seq_len=max_seq_len)
+                                  page_tokens=page_tokens or DEFAULT_PAGE_TOKENS, max_seq_len=max_seq_len,
+                                  prefix_caching=prefix_caching, prefix_snapshots=prefix_snapshots)
+        self.prefix_caching = prefix_caching
         # the longest request: what the cache's positions and all of its blocks can hold (so a request alone
         # always fits, and the scheduler can always make progress with the oldest one)
         self.max_seq_len = min(self.cache.max_seq_len, self.cache.num_blocks * self.cache.spec.page_tokens)
@@ -101,12 +120,12 @@ class Engine:
     @classmethod
     def from_transformers(cls, model, *, max_requests: int, max_tokens: int, kv_format="fp8",
                           indexer_format="mxfp4", device=None, page_tokens=None, step_tokens: int = 1024,
-                          **kwargs) -> "Engine":
+                          prefix_caching: bool = False, **kwargs) -> "Engine":
         """An engine over transformers' `DeepseekV4ForCausalLM`: its per-token modules are shared (not copied),
         its attention layers are copied into `DSV4Attention` layers over the engine's cache."""
         return cls(DSV4Model.from_transformers(model), max_requests=max_requests, max_tokens=max_tokens,
                    kv_format=kv_format, indexer_format=indexer_format, device=device, page_tokens=page_tokens,
-                   step_tokens=step_tokens, **kwargs)
+                   step_tokens=step_tokens, prefix_caching=prefix_caching, **kwargs)
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike, *, max_requests: int, max_tokens: int,
@@ -154,6 +173,8 @@ class Engine:
             reason = self._finish_reason(request, token)
             if reason is not None:
                 self.scheduler.finish(request, reason)
+            elif self.prefix_caching:  # the cache needs the id of every token it is fed, to publish full blocks
+                self.cache.append_tokens(request.cache_id, [token])
             outputs.append(StepOutput(request.id, (token,), reason is not None))
         self._count_step(scheduled, now - start)
         return outputs
@@ -216,6 +237,11 @@ class Engine:
     def _count_step(self, scheduled, seconds: float) -> None:
         s = self.stats
         s.steps += 1
+        prefix = self.cache.prefix_stats
+        if prefix is not None:
+            s.prefix_queries, s.prefix_query_tokens = prefix.queries, prefix.query_tokens
+            s.prefix_hits, s.prefix_hit_tokens = prefix.hits, prefix.hit_tokens
+            s.prefix_evicted_blocks = prefix.evicted_blocks
         if scheduled.is_decode:
             s.decode_steps += 1
             s.decode_seconds += seconds

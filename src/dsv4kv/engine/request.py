@@ -29,7 +29,7 @@ class RequestOutput:
     token_ids: tuple[int, ...]  # the generated tokens (a stop token included)
     finished: bool
     finish_reason: str | None  # "stop" (a stop token), "length" (max_new_tokens or max_seq_len), "abort"; None while running
-    cached_tokens: int  # prompt tokens served from a prefix cache (0: there is none yet)
+    cached_tokens: int  # tokens served from the prefix cache at its (last) admission; 0 with prefix caching off
     ttft: float | None  # time to first token, from add_request
     itl: float | None  # mean time between consecutive tokens (None below two tokens)
     preemptions: int  # times the request was evicted from the cache and recomputed
@@ -54,7 +54,7 @@ class Request:
     status: Status = Status.WAITING
     cache_id: int | None = None  # CacheManager request id while RUNNING
     num_computed: int = 0  # leading tokens already in the cache
-    cached_tokens: int = 0
+    cached_tokens: int = 0  # served from the prefix cache at the last admission (a multiple of page_tokens)
     finish_reason: str | None = None
     token_times: list[float] = field(default_factory=list)
     preemptions: int = 0

@@ -6,12 +6,17 @@ Continuous batching under a token budget (`step_tokens`) per step:
 2. running requests with several pending tokens (prompt, or recompute after preemption) get prefill
    chunks in arrival order, while the budget lasts;
 3. waiting requests are admitted in arrival order while a cache slot is free, the budget is not spent
-   and the blocks for all their tokens are free, and get a first chunk.
+   and the blocks for all their tokens are free (less a prefix hit's blocks that live requests hold), and get
+   a first chunk.
 
 When a running request's tokens need more blocks than are free, the most recently admitted request is
 preempted: its slot and blocks go back to the cache, it returns to the waiting queue (by arrival), and
 when readmitted its prompt and generated tokens are recomputed, so its output is unchanged. A prefill
 chunk shrinks to the blocks that are free before it preempts anyone.
+
+With prefix caching, admission maps the longest cached prefix of the request's tokens (whole blocks) into its
+cache and only the rest is fed; a preempted request readmitted so hits its own published blocks, so its
+recompute is mostly served from the cache.
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ from __future__ import annotations
 import bisect
 from collections import deque
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from ..checks import positive_int
 from ..manager import CacheManager
@@ -85,9 +92,11 @@ class Scheduler:
                 if n == want or (n > 0 and request.pending > 1):
                     break
                 victim = self.running[-1]
-                free += self._held(victim) + self._need(victim, chosen.get(victim, 0))
+                free += self._need(victim, chosen.get(victim, 0))
                 budget += chosen.pop(victim, 0)
+                before = self.cache.num_free_blocks
                 self._preempt(victim)
+                free += self.cache.num_free_blocks - before  # its blocks, less those other requests share
                 step.preempted.append(victim)
                 if victim is request:
                     break
@@ -97,13 +106,18 @@ class Scheduler:
                 free -= self._need(request, n)
         while self.waiting and budget > 0 and len(self.running) < self.cache.max_requests:
             request = self.waiting[0]
-            if self.cache.spec.blocks_for(request.num_tokens) > free:
+            if self._admission_blocks(request) > free:
                 break
-            cache_id = self.cache.admit()
+            before = self.cache.num_free_blocks
+            # with prefix caching the longest cached prefix of prompt + generated tokens is mapped in (a
+            # preempted request hits its own published blocks)
+            cache_id = self.cache.admit(request.tokens if self.cache.prefix is not None else None)
             if cache_id is None:  # every slot is held outside this scheduler
                 break
+            free += self.cache.num_free_blocks - before  # a hit takes unreferenced cached blocks out of the free ones
             self.waiting.popleft()
-            request.cache_id, request.status, request.num_computed = cache_id, Status.RUNNING, 0
+            request.cache_id, request.status = cache_id, Status.RUNNING
+            request.num_computed = request.cached_tokens = self.cache.cached_tokens(cache_id)
             self.running.append(request)
             n = min(request.pending, budget)
             chosen[request] = n
@@ -114,6 +128,17 @@ class Scheduler:
         return step
 
     # --- block arithmetic (the manager holds ceil(length / page_tokens) blocks per request) -------
+    def _admission_blocks(self, request: Request) -> int:
+        """Free blocks admitting `request` and holding all its tokens takes: blocks of a prefix hit that live
+        requests hold are shared, not taken (unreferenced cached ones are counted free, and are taken)."""
+        blocks = self.cache.spec.blocks_for(request.num_tokens)
+        if self.cache.prefix is None:
+            return blocks
+        ids = np.asarray(request.tokens, dtype=np.int64)
+        hit = self.cache.lookup(ids) // self.cache.spec.page_tokens  # (settles the last step's publications)
+        chain = self.cache.prefix.match(ids, hit)
+        return blocks - sum(1 for node in chain if self.cache.allocator.refcount(node.block) > 0)
+
     def _held(self, request: Request) -> int:
         return len(self.cache.blocks(request.cache_id))
 
