@@ -34,26 +34,14 @@ from dsv4kv import CacheManager
 from dsv4kv.engine import DSV4Model, Engine, SamplingParams
 from dsv4kv.engine.reference import flash_config, random_model, reference_logits, tiny_config, with_dtype
 
+from test_engine import one_thread, tiny_model  # noqa: F401  (one_thread: the module's autouse fixture)
+
 MARGIN = {"fp32": 0.05, "bf16": 0.25}  # oracle logits this close to its maximum count as tied with it
 PROMPTS = (250, 121, 251, 126, 100, 137)  # just under block boundaries: decode crosses into new blocks
 LATE = {3: 4, 4: 7, 5: 9}  # prompt index -> engine step before which it arrives
 NEW_TOKENS = 12
 SMALL_CACHE = dict(max_requests=4, max_tokens=384, page_tokens=128, step_tokens=64)  # 3 + 3 = 6 blocks
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """The tiny model's ops are too small to gain from a second thread, and spinning threads slow them several
-    times over when other processes share the cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@functools.lru_cache(maxsize=None)
-def tiny_model():
-    return random_model(tiny_config(), seed=0)
 
 
 def prompts(vocab: int, lengths=PROMPTS, seed: int = 1) -> list[list[int]]:
