@@ -188,6 +188,19 @@ class CacheManager:
         chain = self.prefix.match(ids, max(len(ids) - 1, 0) // self.spec.page_tokens)
         return self.prefix.hit_depth(chain) * self.spec.page_tokens
 
+    def admission_blocks(self, tokens) -> int:
+        """Free blocks that `admit(tokens)` and then holding all of `tokens` would take now: one per page of the
+        tokens, less the blocks of the prefix hit that live requests hold (shared, not taken; unreferenced cached
+        blocks are counted free, and are taken). No change to the cache."""
+        ids = self._token_ids("tokens", tokens)
+        blocks = self.spec.blocks_for(len(ids))
+        if self.prefix is None:
+            return blocks
+        self._settle(final=False)
+        chain = self.prefix.match(ids, max(len(ids) - 1, 0) // self.spec.page_tokens)
+        hit = chain[:self.prefix.hit_depth(chain)]
+        return blocks - sum(1 for node in hit if self.allocator.refcount(node.block) > 0)
+
     def append_tokens(self, rid: int, tokens) -> None:
         """Record the ids of tokens the request will be fed next (e.g. the one just sampled). Needed with prefix
         caching for requests admitted with token ids; checked and otherwise ignored without it."""

@@ -25,7 +25,6 @@ import bisect
 from collections import deque
 from dataclasses import dataclass, field
 
-import numpy as np
 
 from ..checks import positive_int
 from ..manager import CacheManager
@@ -106,7 +105,7 @@ class Scheduler:
                 free -= self._need(request, n)
         while self.waiting and budget > 0 and len(self.running) < self.cache.max_requests:
             request = self.waiting[0]
-            if self._admission_blocks(request) > free:
+            if self.cache.admission_blocks(request.tokens) > free:
                 break
             before = self.cache.num_free_blocks
             # with prefix caching the longest cached prefix of prompt + generated tokens is mapped in (a
@@ -128,17 +127,6 @@ class Scheduler:
         return step
 
     # --- block arithmetic (the manager holds ceil(length / page_tokens) blocks per request) -------
-    def _admission_blocks(self, request: Request) -> int:
-        """Free blocks admitting `request` and holding all its tokens takes: blocks of a prefix hit that live
-        requests hold are shared, not taken (unreferenced cached ones are counted free, and are taken)."""
-        blocks = self.cache.spec.blocks_for(request.num_tokens)
-        if self.cache.prefix is None:
-            return blocks
-        ids = np.asarray(request.tokens, dtype=np.int64)
-        hit = self.cache.lookup(ids) // self.cache.spec.page_tokens  # (settles the last step's publications)
-        chain = self.cache.prefix.match(ids, hit)
-        return blocks - sum(1 for node in chain if self.cache.allocator.refcount(node.block) > 0)
-
     def _held(self, request: Request) -> int:
         return len(self.cache.blocks(request.cache_id))
 
