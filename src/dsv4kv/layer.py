@@ -34,7 +34,7 @@ from .ops.indexer import indexer_topk
 from .backend import kernels_can_run
 from .ops.rope import apply_rope, rope_cos_sin
 from .plan import StepPlan
-from .weights import WeightError, layer_state_dict
+from .weights import check_state_keys, layer_state_dict
 
 __all__ = ["DSV4Attention", "Projected", "RMSNorm", "init_random_weights", "BACKENDS"]
 
@@ -168,12 +168,7 @@ class DSV4Attention(nn.Module):
         dequantized (see `dsv4kv.weights`). Missing or unexpected weights raise `WeightError`."""
         layer = cls(geometry, layer_index, dtype=dtype, device=device)
         weights = layer_state_dict(state, layer_index, dtype)
-        own = layer.state_dict()
-        missing, unexpected = sorted(set(own) - set(weights)), sorted(set(weights) - set(own))
-        wrong = [f"{k} {list(weights[k].shape)} (want {list(own[k].shape)})" for k in own
-                 if k in weights and weights[k].shape != own[k].shape]
-        if missing or unexpected or wrong:
-            raise WeightError(f"layer {layer_index}: missing {missing}, unexpected {unexpected}, wrong shape {wrong}")
+        check_state_keys(layer.state_dict(), weights, f"layer {layer_index}")
         layer.load_state_dict(weights, strict=True)
         return layer
 

@@ -20,7 +20,8 @@ import torch
 
 from . import quant
 
-__all__ = ["OFFICIAL_NAMES", "FP32_PARAMETERS", "WeightError", "layer_state_dict", "dequantize_block_fp8"]
+__all__ = ["OFFICIAL_NAMES", "FP32_PARAMETERS", "WeightError", "check_state_keys", "layer_state_dict",
+           "dequantize_block_fp8"]
 
 FP8_BLOCK = 128
 
@@ -57,6 +58,16 @@ _SCALE_SUFFIXES = (".scale", ".weight_scale_inv")
 # Kept in fp32 whatever the layer's dtype, as transformers (`_keep_in_fp32_modules_strict`) and the official
 # checkpoint keep them: norm weights, the sinks and the compressors' positional biases.
 FP32_PARAMETERS = ("norm.weight", "sinks", "position_bias")
+
+
+def check_state_keys(own: Mapping[str, torch.Tensor], weights: Mapping[str, torch.Tensor], what: str) -> None:
+    """Raise WeightError naming every missing, unexpected and wrongly shaped weight of `weights` against a
+    module's own state dict `own`."""
+    missing, unexpected = sorted(set(own) - set(weights)), sorted(set(weights) - set(own))
+    wrong = [f"{k} {list(weights[k].shape)} (want {list(own[k].shape)})" for k in own
+             if k in weights and weights[k].shape != own[k].shape]
+    if missing or unexpected or wrong:
+        raise WeightError(f"{what}: missing {missing}, unexpected {unexpected}, wrong shape {wrong}")
 
 
 def dequantize_block_fp8(weight: torch.Tensor, scale: torch.Tensor, block: int = FP8_BLOCK) -> torch.Tensor:

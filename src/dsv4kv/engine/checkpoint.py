@@ -21,7 +21,7 @@ from torch import nn
 
 from ..geometry import ModelGeometry
 from ..layer import DSV4Attention
-from ..weights import WeightError, dequantize_block_fp8
+from ..weights import WeightError, check_state_keys, dequantize_block_fp8
 from .model import DecoderBlock, DSV4Model
 
 __all__ = ["load_pretrained", "read_checkpoint", "normalize_names"]
@@ -136,11 +136,7 @@ def load_pretrained(path: str | os.PathLike, *, dtype: torch.dtype = torch.bfloa
 
 def _assign(module: nn.Module, weights: dict[str, torch.Tensor], prefix: str, dtype, device) -> None:
     own = module.state_dict()
-    missing, unexpected = sorted(set(own) - set(weights)), sorted(set(weights) - set(own))
-    wrong = [f"{k} {list(weights[k].shape)} (want {list(own[k].shape)})" for k in own
-             if k in weights and weights[k].shape != own[k].shape]
-    if missing or unexpected or wrong:
-        raise WeightError(f"{prefix}: missing {missing}, unexpected {unexpected}, wrong shape {wrong}")
+    check_state_keys(own, weights, prefix)
     cast = {}
     for key, value in weights.items():
         full = f"{prefix}.{key}"
