@@ -2,8 +2,9 @@
 
     python scripts/bench_variants.py [indexer] [attention] [insert] [topk]  > variants.txt
 
-(`attention` also times the kernel before split-KV when .base/attention_before.py holds it; `topk` times the
-kernel before issue 12, scripts/topk_radix4.py, beside the current one in its one- and four-launch forms.)
+(`attention` also times the kernel before split-KV when .base/attention_before.py holds it; `topk` times the current
+kernel in its four- and one-launch forms, and a previous kernels/topk.py when TOPK_BEFORE names a copy of it, e.g.
+`git show c499d52:src/dsv4kv/kernels/topk.py > .old/topk.py`, the kernel before issue 12.)
 
 Each variant is checked against the default's output before it is timed (a variant that disagrees is
 reported as such, never timed)."""
@@ -206,18 +207,6 @@ def insert():
         variants(f"compress_insert 8192 rows {key}", run, settings, apply)
 
 
-def _load_script(name: str):
-    """A module from a file beside this script (scripts/<name>.py), imported without touching sys.path."""
-    import importlib.util
-    import os
-
-    spec = importlib.util.spec_from_file_location(f"_bench_{name}", os.path.join(os.path.dirname(__file__),
-                                                                                 f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 TOPK_SHAPES = ((1, 262144, 512), (1, 1 << 20, 512), (64, 32768, 512), (8, 262144, 512), (1, 262144, 1024),
                (8192, 16384, 512))  # the issue's three targets, a mid batch, V4-Pro's k, a prefill chunk's rows
 
@@ -230,7 +219,15 @@ def topk():
     import dsv4kv.kernels.topk as T
     from dsv4kv.ops.indexer import topk_picks
 
-    old = _load_script("topk_radix4")
+    import importlib.util
+    import os
+
+    old = None
+    if os.environ.get("TOPK_BEFORE"):  # a previous kernels/topk.py, imported inside the package (relative imports)
+        spec = importlib.util.spec_from_file_location("dsv4kv.kernels._topk_before", os.environ["TOPK_BEFORE"])
+        old = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(old)
+    defaults = T.FUSED, T.PROGRAMS_PER_SM
     summary = []
     for rows, cols, k in TOPK_SHAPES:
         for kind in ("randn", "rising"):
@@ -243,7 +240,7 @@ def topk():
             lengths = torch.full((rows,), cols, dtype=torch.int32, device=DEVICE)
             want = topk_picks(scores, k).sort(dim=1).values.int()
             out = torch.empty(rows, k, dtype=torch.int32, device=DEVICE)
-            old_ws = old.topk_workspace(rows, cols, k, DEVICE)
+            old_ws = old.topk_workspace(rows, cols, k, DEVICE) if old is not None else None
             new_ws = {}
 
             def new(fused: bool, per_sm: int):
@@ -254,9 +251,11 @@ def topk():
                     return T.topk_indices(scores, lengths, k, out=out, workspace=new_ws[per_sm])
                 return run
 
-            runs = {"before (4 launches)": lambda: old.topk_indices(scores, lengths, k, out=out, workspace=old_ws),
-                    "phases (4 launches)": new(False, 2), "fused (1 launch)": new(True, 2),
+            runs = {"phases (4 launches)": new(False, 2), "fused (1 launch)": new(True, 2),
                     "fused-1/SM": new(True, 1), "fused-4/SM": new(True, 4)}
+            if old is not None:
+                runs = {"before (4 launches)": lambda: old.topk_indices(scores, lengths, k, out=out,
+                                                                        workspace=old_ws), **runs}
             label = f"topk {rows} x {cols} k={k} {kind}"
             times = {}
             for name, run in runs.items():
@@ -270,7 +269,7 @@ def topk():
                 t = time_cuda(run, device=DEVICE, runs=30)
                 times[name] = f"{t.median_us:.1f}"
                 print(f"{label} {name}: {t.median_us:.1f} us (p10 {t.p10_us:.1f}, p90 {t.p90_us:.1f})", flush=True)
-            T.FUSED, T.PROGRAMS_PER_SM = True, 2
+            T.FUSED, T.PROGRAMS_PER_SM = defaults
             summary.append(f"TOPK {rows:>5} x {cols:>7} k={k:<4} {kind:<6} " + "  ".join(
                 f"{name.split(' ')[0]} {value}" for name, value in times.items()))
             del scores, out, new_ws, old_ws
