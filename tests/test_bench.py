@@ -256,9 +256,9 @@ def test_a_near_tie_flip_passes_and_real_errors_are_refused():
 
 
 def test_input_check_gates_keys_and_query():
-    assert InputCheck(6, 680, 0.9999).passed
+    assert InputCheck(6, 680, 1.0).passed
     assert not InputCheck(7, 680, 1.0).passed  # > 1% of the new key bytes differ
-    assert not InputCheck(0, 680, 0.99).passed
+    assert not InputCheck(0, 680, 0.9999).passed  # the query is exact: one differing value fails
 
 
 def _tiny_csa_step(seed=0):

@@ -19,6 +19,11 @@ a flipped row also needs an oracle gap below its shift to matter. Measured here 
 the largest |engine - oracle| logit is 0.23, the smallest oracle top-2 gap 0.017, and every token is the
 oracle's argmax.
 
+On a GPU the engine serves bf16 weights (the Triton kernels, decode steps from CUDA graphs) and the oracle runs
+the same weights in fp32. bf16 arithmetic alone moves the logits: transformers' own bf16 forward misses the fp32
+argmax too, by as much as the engine does. So each GPU token is bounded by that forward's error at its position
+(`check_against_bf16_oracle`).
+
 Official mode (FP8 entries, MXFP4 indexer keys) is compared with exact mode position by position (the first
 difference in a request changes its context, so later positions of that request may differ too).
 """
@@ -36,7 +41,7 @@ from dsv4kv.engine.reference import flash_config, random_model, reference_logits
 
 from test_engine import one_thread, tiny_model  # noqa: F401  (one_thread: the module's autouse fixture)
 
-MARGIN = {"fp32": 0.05, "bf16": 0.25}  # oracle logits this close to its maximum count as tied with it
+MARGIN = 0.05  # oracle logits this close to its maximum count as tied with it
 PROMPTS = (250, 121, 251, 126, 100, 137)  # just under block boundaries: decode crosses into new blocks
 LATE = {3: 4, 4: 7, 5: 9}  # prompt index -> engine step before which it arrives
 NEW_TOKENS = 12
@@ -93,8 +98,8 @@ def test_greedy_tokens_are_the_oracle_argmax_exact_mode():
     token_lists, outputs, stats = exact_run()
     assert stats.preemptions >= 1 and any(o.preemptions for o in outputs), stats
     assert stats.steps >= len(PROMPTS) * 4 and stats.prefill_tokens > sum(PROMPTS)  # chunks, recompute
-    total, near = check_against_oracle(tiny_model(), token_lists, outputs, MARGIN["fp32"])
-    print(f"exact mode: {total} tokens, {near} at oracle near-ties (margin {MARGIN['fp32']}), "
+    total, near = check_against_oracle(tiny_model(), token_lists, outputs, MARGIN)
+    print(f"exact mode: {total} tokens, {near} at oracle near-ties (margin {MARGIN}), "
           f"{stats.preemptions} preemptions, {stats.steps} steps")
 
 
@@ -144,32 +149,67 @@ def check_official(model, token_lists, exact, cache: dict, late: dict) -> None:
 
 # --- on a GPU: bf16 weights, the attention on the Triton kernels, decode steps from CUDA graphs ------------
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+AGREEMENT_SLACK = 2  # tokens: the engine may miss the fp32 argmax this many times more often than transformers' bf16
+
+
+def check_against_bf16_oracle(served, oracle, token_lists, outputs) -> dict:
+    """The engine on bf16 weights against the fp32 oracle, bounded by transformers' own bf16 forward (`served`,
+    teacher-forced over the same tokens): a forward whose logits lie within d of the fp32 ones may pick a token up
+    to 2d below the fp32 best, so each token's gap is held to max(MARGIN, 2 d) with d the bf16 forward's
+    largest logit error at that position; and the engine may miss the fp32 argmax at most AGREEMENT_SLACK times
+    more often than the bf16 forward does. Measured on the H200 (2026-11-25): transformers' bf16 forward itself
+    misses the fp32 argmax on 2 of 72 (tiny) and 4 of 48 (V4-Flash geometry) tokens, by up to 1.37."""
+    figures = dict(tokens=0, engine_off=0, bf16_off=0, engine_gap=0.0, bf16_error=0.0)
+    for prompt, out in zip(token_lists, outputs):
+        assert len(out.token_ids) == NEW_TOKENS
+        sequence = list(prompt) + list(out.token_ids)
+        rows = slice(len(prompt) - 1, len(sequence) - 1)  # row k predicts token k
+        exact, bf16 = reference_logits(oracle, sequence)[rows].cpu(), reference_logits(served, sequence)[rows].cpu()
+        best = exact.max(-1).values
+        error = (bf16 - exact).abs().max(-1).values
+        tokens = torch.tensor(out.token_ids)
+        gap = best - exact.gather(1, tokens[:, None])[:, 0]
+        bound = torch.clamp(2 * error, min=MARGIN)
+        for k in (gap > bound).nonzero().flatten().tolist():
+            raise AssertionError(f"request {out.request_id} token {k}: {int(tokens[k])} is {float(gap[k]):.4f} below "
+                                 f"the fp32 oracle's argmax {int(exact[k].argmax())}, beyond 2 x transformers' bf16 "
+                                 f"error there ({float(error[k]):.4f})")
+        figures["tokens"] += len(tokens)
+        figures["engine_off"] += int((gap > 0).sum())
+        figures["bf16_off"] += int((bf16.argmax(-1) != exact.argmax(-1)).sum())
+        figures["engine_gap"] = max(figures["engine_gap"], float(gap.max()))
+        figures["bf16_error"] = max(figures["bf16_error"], float(error.max()))
+    assert figures["engine_off"] <= figures["bf16_off"] + AGREEMENT_SLACK, figures
+    return figures
 
 
 def gpu_check(config, lengths, late, cache: dict):
-    """Exact mode against the fp32 oracle, then official mode against exact mode, on bf16 weights and the kernels."""
-    # the oracle runs in fp32 on the served bf16 weights, so only the served model's bf16 arithmetic differs
+    """Exact mode against the fp32 oracle (bounded by transformers' own bf16 forward), then official mode against
+    exact mode, on bf16 weights and the kernels."""
     served = with_dtype(random_model(config, seed=0, device="cuda"), torch.bfloat16)
-    oracle = with_dtype(served, torch.float32)
+    oracle = with_dtype(served, torch.float32)  # the served weights, in fp32
     engine = Engine.from_transformers(served, kv_format="bf16", indexer_format="bf16", **cache)
     assert engine.backend == "Triton kernels"
     token_lists = prompts(config.vocab_size, lengths)
     exact = serve(engine, token_lists, late)
     assert engine.stats.graph_steps > 0, engine.stats
-    total, near = check_against_oracle(oracle, token_lists, exact, MARGIN["bf16"])
-    print(f"{config.num_hidden_layers} layers, hidden {config.hidden_size}, exact mode: {total} tokens within "
-          f"{MARGIN['bf16']} of the fp32 oracle's best, {near} at near ties; {engine.stats}")
+    figures = check_against_bf16_oracle(served, oracle, token_lists, exact)
+    print(f"{config.num_hidden_layers} layers, hidden {config.hidden_size}, exact mode: {figures}; {engine.stats}")
     check_official(served, token_lists, exact, cache, late)
 
 
+# On the GPU the indexer's top-k is wider than any row's compressed entries: in bf16 the CSA scores meet near ties
+# at the top-k boundary that fp32 does not, and a flipped pick moves logits by more than bf16 arithmetic does
+# (0.32 where transformers' bf16 forward was within 0.05, measured at index_topk 8). Selection near ties are
+# tested on the CPU in fp32 (above) and per layer (test_oracle.py).
 @cuda
 def test_on_cuda_tiny():
-    gpu_check(tiny_config(), PROMPTS, LATE, SMALL_CACHE)
+    gpu_check(tiny_config(index_topk=128), PROMPTS, LATE, SMALL_CACHE)  # <= 66 entries a row
 
 
 @cuda
 def test_on_cuda_flash_attention_geometry():
-    """V4-Flash attention geometry (4 layers: window, CSA, HCA, CSA) with a small MoE; one prompt past 512
-    compressed CSA entries so the indexer selects."""
+    """V4-Flash attention geometry (4 layers: window, CSA, HCA, CSA) with a small MoE; one prompt of 2600 tokens
+    (650 compressed CSA entries, all selected, see above)."""
     cache = dict(max_requests=4, max_tokens=8192, page_tokens=256, step_tokens=1024)
-    gpu_check(flash_config(4), (2600, 700, 1900, 129), {3: 3}, cache)
+    gpu_check(flash_config(4, index_topk=1024), (2600, 700, 1900, 129), {3: 3}, cache)  # <= 653 entries a row

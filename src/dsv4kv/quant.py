@@ -131,8 +131,19 @@ def hadamard_matrix(n: int, device: torch.device | str = "cpu") -> torch.Tensor:
 
 
 def hadamard_rotate(x: torch.Tensor) -> torch.Tensor:
-    """x [..., n] -> x @ H_n in fp32, summed in fp64 and rounded once, so the result does not depend on the
-    GEMM's summation order or precision mode on any device. Rotating queries and keys alike leaves their dot
-    products unchanged. The kernels' fp32 butterflies land on the same values but for rare last-bit differences;
-    the fp32 GEMM this replaced differed from them on ~5% of MXFP4 query values on the H200."""
-    return (x.double() @ hadamard_matrix(x.shape[-1], x.device).double()).float()
+    """x [..., n] -> x @ H_n in fp32 (n a power of two), as a fast Walsh-Hadamard butterfly: log2 n stages of
+    (a + b, a - b) over adjacent pairs, each stage's sums first, then its differences; then one product with the
+    matrix entry fl(n^-0.5), + 0.0 (a zero comes out +0). Every step is one IEEE fp32 operation, so the result is
+    the same bits on any device, and the kernels (`kernels.encode.hadamard_rows`) compute it in the same order:
+    bit for bit. The sums are exact while a row's nonzero bf16 values span less than 2^(16 - log2 n) in magnitude;
+    beyond, only the smallest values' low bits round away. Rotating queries and keys alike leaves their dot products
+    unchanged."""
+    n = x.shape[-1]
+    if n < 1 or n & (n - 1):
+        raise ValueError(f"x: expected a power-of-two last dim, got {n}")
+    y = x.float()
+    for _ in range(n.bit_length() - 1):
+        pairs = y.unflatten(-1, (n // 2, 2))
+        a, b = pairs[..., 0], pairs[..., 1]
+        y = torch.cat((a + b, a - b), dim=-1)
+    return y * float(hadamard_matrix(n)[0, 0]) + 0.0

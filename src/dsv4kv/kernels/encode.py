@@ -211,7 +211,7 @@ def hadamard_rows(x, LOG_D: tl.constexpr):
     (-1)^popcount(i & j) x[i]. Each stage applies (a + b, a - b) to the pairs of the lowest index bit and moves that
     bit to the top, so after log2 D stages every bit is done once and the order is back. Exact while a row's
     values span less than 2^(24 - 8 - LOG_D) in magnitude (bf16 inputs); else only the smallest values' low bits
-    round away: closer to the exact rotation than a GEMM of separately rounded products."""
+    round away. The order of `quant.hadamard_rotate`, so the two agree bit for bit."""
     R: tl.constexpr = x.shape[0]
     D: tl.constexpr = x.shape[1]
     for _ in tl.static_range(LOG_D):

@@ -7,22 +7,13 @@
   rounding, MXFP4 / FP8 round trip; plain float for bf16 keys); `indexer_query_and_weights` also writes the
   head weights `weights_proj(x).float() * scale` in the same launch.
 
-Numerics. RoPE is bit-exact: each pair is `even * cos - odd * sin`, `odd * cos + even * sin` with separately
-rounded fp32 products (the kernels compile with enable_fp_fusion=False, so no FMA), rounded to bf16 to nearest
-even on the integer bits (the interpreter's fp32 -> bf16 cast truncates, the GPU's rounds; see encode.py). The
-quantizers are bit-exact functions of the rotated bf16 values (encode.py's scale and e4m3 / e2m1 encoders,
-decoded back exactly).
-
-The Hadamard rotation is NOT bit-exact with the reference: `quant.hadamard_rotate` is an fp32 GEMM with the
-matrix +-fl(D^-0.5), summing 128 separately rounded products in the BLAS's own order (which differs between
-CPU and GPU). The kernel runs a fast Walsh-Hadamard butterfly in fp32 (log2 D stages of a + b, a - b: exact
-when a head's nonzero bf16 values span less than 2^9 in magnitude, else only the smallest values' low bits
-round away) and scales once, fl(fl(D^-0.5) * sum): closer to the exact rotation than the GEMM. After
-the bf16 rounding the two agree on ~99.985% of values (measured on the CPU: 1.3e-4 .. 1.7e-4 differ, on N(0, 1)
-rows and on rows spanning e^+-6); the others are mostly 1 bf16 ulp apart, and where a value nearly cancels
-they stay within the fp32 error bound of the two sums, 2^-16 * D^-0.5 * |x|_1. The quantized query then
-differs from the reference only where such a value moves an e2m1 / e4m3 code or a block's scale: measured
-0 .. 1e-5 of the output values (MXFP4 <= 4e-6, FP8 <= 1e-5).
+Numerics: bit for bit with the references, on the GPU as under the interpreter. RoPE: each pair is
+`even * cos - odd * sin`, `odd * cos + even * sin` with separately rounded fp32 products (the kernels compile with
+enable_fp_fusion=False, so no FMA), rounded to bf16 to nearest even on the integer bits (the interpreter's
+fp32 -> bf16 cast truncates, the GPU's rounds; see encode.py). The Hadamard rotation is the butterfly of
+`quant.hadamard_rotate` in the same order (`encode.rotate_keys`). The quantizers use encode.py's scale and
+e4m3 / e2m1 encoders and keep the value on the grid in fp32: no fp8 cast and decode back (with Triton 3.6 on the
+H200, the cast-and-decode form gave wrong values for the last num_warps heads of some tiles, docs/performance.md).
 
 Work split: one program per (row, block of BLOCK_H heads), single pass; rows in grid axis 0 (any N), head
 blocks in axis 1. `rope_rows` with out=x (in place, bf16) touches only the rope dims of each head.
@@ -37,7 +28,7 @@ import triton.language as tl
 from ..layout import EntryLayout
 from ..ops.common import require
 from .common import check_tensor
-from .encode import e2m1_bits, e4m3_bits, exp2_int, nan_amax, pow2_exponent, rotate_keys, round_bf16
+from .encode import e2m1_bits, e4m3_round, exp2_int, nan_amax, pow2_exponent, rotate_keys, round_bf16
 from .indexer import _BF16
 from .indexer import _format as _layout_format
 
@@ -96,15 +87,6 @@ def _rope_rows_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr,
 
 
 @triton.jit
-def _e4m3_value(code):
-    """float8_e4m3fn code (int32, never a NaN code here) -> fp32 value, exactly."""
-    mag = code & 0x7F
-    normal = ((((mag >> 3) + 120) << 23) | ((mag & 7) << 20)).to(tl.float32, bitcast=True)
-    value = tl.where(mag < 8, (mag & 7).to(tl.float32) * 0.001953125, normal)  # subnormal: m * 2^-9
-    return tl.where((code & 0x80) != 0, value * -1.0, value)  # -0 for code 0x80 (not 0 - x: +0)
-
-
-@triton.jit
 def _e2m1_value(code):
     """e2m1 code (int32 0..15, bit 3 = sign) -> fp32 value, exactly."""
     mag = code & 7
@@ -134,7 +116,7 @@ def _indexer_query_kernel(q_ptr, cos_ptr, sin_ptr, out_ptr, w_ptr, w_out_ptr, w_
         if FORMAT == 1:  # FP8 (indexer._FP8): one pow2 scale per head row (block = D)
             e, finite = pow2_exponent(nan_amax(b_r, 1), 8, 0x600000)  # 448 = 1.75 * 2^8
             b_q = tl.minimum(tl.maximum(b_r * exp2_int(-e)[:, None], -448.0), 448.0)
-            b_y = _e4m3_value(e4m3_bits(b_q)) * exp2_int(e)[:, None]
+            b_y = e4m3_round(b_q) * exp2_int(e)[:, None]  # the value on the e4m3 grid, -0 kept
             b_y = tl.where(finite[:, None], b_y, float("nan"))
         elif FORMAT == 2:  # MXFP4 (indexer._MXFP4): one pow2 scale per 32 values
             b_blk = tl.reshape(b_r, (BLOCK_H, D // 32, 32))
