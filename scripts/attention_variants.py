@@ -1,10 +1,10 @@
 """Times sparse-attention tile variants beside FlashMLA on the decode shapes of `dsv4kv bench flashmla` (GPU).
 
-    python scripts/attention_variants.py [--old path/to/attention.py] [--quick]  > variants.txt
+    python scripts/attention_variants.py [--old path/to/attention.py ...] [--quick]  > variants.txt
 
 Every variant is checked against the fp32 reference (`bench.flashmla.Case.reference`) before it is timed; one
-beyond the tolerance is reported and not timed. `--old` times a previous version of kernels/attention.py (a file)
-for a before / after figure. The table at the end gives each shape's best variant against FlashMLA."""
+beyond the tolerance is reported and not timed. Each `--old` times another version of kernels/attention.py (a file,
+named by its stem) for a before / after figure. The table at the end gives each shape's best variant against FlashMLA."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from dsv4kv.bench.timing import time_cuda
 DEVICE = torch.device("cuda", 0)
 KNOBS = ("BLOCK_N", "LARGE_BLOCK_N", "NUM_STAGES", "MIN_SPLIT_BLOCKS", "SMALL_BLOCK_H")
 VARIANTS = [dict(zip(KNOBS, v)) for v in [  # the defaults first
-    (32, 64, 1, 2, 16), (32, 32, 1, 2, 16), (32, 64, 2, 2, 16), (32, 64, 1, 1, 64)]]
+    (32, 64, 1, 2, 16), (32, 32, 1, 2, 16)]]
 
 
 def load_old(path: str):
@@ -34,7 +34,7 @@ def load_old(path: str):
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--old", default=None)
+    ap.add_argument("--old", action="append", default=[])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--runs", type=int, default=30)
     args = ap.parse_args()
@@ -42,7 +42,7 @@ def main() -> int:
     flash_mla, reason = _flash_mla()
     if flash_mla is None:
         print("FlashMLA:", reason)
-    old = load_old(args.old) if args.old else None
+    olds = {path.rsplit("/", 1)[-1].removesuffix(".py"): load_old(path) for path in args.old}
     default = {k: getattr(A, k) for k in KNOBS}
     table = []
     for kind, batch, context in (QUICK_SHAPES if args.quick else SHAPES):
@@ -55,15 +55,15 @@ def main() -> int:
             err = row_error(theirs()[:, 0], ref)
             row["flashmla"] = time_cuda(theirs, device=DEVICE, runs=args.runs).median_us
             print(f"{label} FlashMLA: {row['flashmla']:.1f} us, error {err:.2e}", flush=True)
-        if old is not None:
-            def run_old():
+        for name, old in olds.items():
+            def run_old(old=old):
                 return old.sparse_attention_paged(
                     case.q, case.plan, sinks=case.sinks, scale=case.scale, layout=case.ls.main, window=case.window,
                     window_pool=case.lc.window, step_kv=case.step_kv, entry_pool=case.lc.entries, ratio=case.ratio,
                     page_tokens=case.page_tokens, picks=case.picks, out=case.out, max_entries=case.visible)
             err = row_error(run_old(), ref)
-            row["old"] = time_cuda(run_old, device=DEVICE, runs=args.runs).median_us
-            print(f"{label} old kernel: {row['old']:.1f} us, error {err:.2e}", flush=True)
+            row[name] = time_cuda(run_old, device=DEVICE, runs=args.runs).median_us
+            print(f"{label} {name}: {row[name]:.1f} us, error {err:.2e}", flush=True)
         best = None
         for v in VARIANTS:
             for k, val in v.items():
@@ -91,12 +91,13 @@ def main() -> int:
         del case, ref
         torch.cuda.empty_cache()
     print("\nvariant = BLOCK_N/LARGE_BLOCK_N/NUM_STAGES/MIN_SPLIT_BLOCKS/SMALL_BLOCK_H")
-    print(f"{'shape':<14}{'FlashMLA':>10}{'old':>10}{'best':>10}  best variant   best/FlashMLA")
+    print(f"{'shape':<14}{'FlashMLA':>10}" + "".join(f"{name[-12:]:>13}" for name in olds)
+          + f"{'best':>10}  best variant   best/FlashMLA")
     for r in table:
         best = r["best"]
         fm = r.get("flashmla")
-        print(f"{r['shape']:<14}{fm or float('nan'):>10.1f}{r.get('old', float('nan')):>10.1f}"
-              f"{best[0] if best else float('nan'):>10.1f}  {best[1] if best else '-':<14} "
+        print(f"{r['shape']:<14}{fm or float('nan'):>10.1f}" + "".join(f"{r[name]:>13.1f}" for name in olds)
+              + f"{best[0] if best else float('nan'):>10.1f}  {best[1] if best else '-':<14} "
               f"{(best[0] / fm) if (best and fm) else float('nan'):.2f}")
     return 0
 

@@ -185,7 +185,7 @@ def test_indexer_query_flash_rotated_formats():
     rotated = quant.hadamard_rotate(apply_rope(q, positions, CSA.rope)).to(torch.bfloat16).float()
     blocks = rotated[1:].unflatten(-1, (4, 32))
     scaled = blocks / quant.pow2_scale(blocks.abs().amax(-1), quant.FP4_MAX).unsqueeze(-1)
-    assert torch.isin(scaled.abs(), torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])).sum() > 100
+    assert torch.isin(scaled.abs(), torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], device=scaled.device)).sum() > 100
     assert (blocks.abs().amax(-1) / quant.FP4_MAX).log2().frac().eq(0).sum() > 0
 
 

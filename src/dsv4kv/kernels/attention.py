@@ -142,10 +142,11 @@ def _dequant_fp8(b_code, b_exp):
 
 
 @triton.jit
-def _key_tile(p_data, p_scale, mask, D: tl.constexpr, NOPE: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Keys of the entries at data / scale row pointers [BLOCK_N] -> bf16 [BLOCK_N, D], exactly their decoded
-    values; 0 where ~mask. FP8 entries are decoded as [BLOCK_N, D / 64, 64] (one ue8m0 scale per 64 nope dims;
-    the rope chunks are the bf16 values after the nope bytes), then viewed as [BLOCK_N, D]."""
+def _load_keys(p_data, p_scale, mask, D: tl.constexpr, NOPE: tl.constexpr):
+    """Issues the loads of the keys at data / scale row pointers [BLOCK_N] (0 where ~mask): FP8 entries as e4m3
+    codes uint8 [BLOCK_N, D / 64, 64] (nope chunks; 0 in the rope chunks), ue8m0 codes uint8 [BLOCK_N, D / 64]
+    and the rope dims bf16 [BLOCK_N, D / 64, 64] (0 in the nope chunks); bf16 entries as the tile itself
+    [BLOCK_N, D] (the other two are unused stand-ins). Nothing waits on them here: `_decode_keys` uses them."""
     if NOPE > 0:
         C: tl.constexpr = D // 64
         o_c = tl.arange(0, C)
@@ -156,12 +157,22 @@ def _key_tile(p_data, p_scale, mask, D: tl.constexpr, NOPE: tl.constexpr, BLOCK_
         b_exp = tl.load(p_scale[:, None] + o_c[None, :], mask=mask[:, None] & m_nope[None, :], other=127)
         p_rope = (p_data + NOPE).to(tl.pointer_type(tl.bfloat16))  # data rows start at even bytes
         b_rope = tl.load(p_rope[:, None, None] + (o_d - NOPE), mask=m_row & (o_d >= NOPE), other=0.0)
-        b_k = tl.where(m_nope[None, :, None], _dequant_fp8(b_code, b_exp), b_rope)
-        b_k = tl.reshape(b_k, (BLOCK_N, D))
+        return b_code, b_exp, b_rope
     else:
         p_bf16 = p_data.to(tl.pointer_type(tl.bfloat16))
         b_k = tl.load(p_bf16[:, None] + tl.arange(0, D)[None, :], mask=mask[:, None], other=0.0)
-    return b_k
+        return b_k, mask, mask
+
+
+@triton.jit
+def _decode_keys(b_code, b_exp, b_rope, D: tl.constexpr, NOPE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The loads of `_load_keys` -> bf16 [BLOCK_N, D], exactly the keys' decoded values."""
+    if NOPE > 0:
+        m_nope = tl.arange(0, D // 64) < NOPE // 64
+        b_k = tl.where(m_nope[None, :, None], _dequant_fp8(b_code, b_exp), b_rope)
+        return tl.reshape(b_k, (BLOCK_N, D))
+    else:
+        return b_code
 
 
 @triton.jit
@@ -207,12 +218,13 @@ def _attend(b_q, b_q_lo, b_k, valid, unread, m_i, l_i, acc, qk_scale, Q_SPLIT: t
 
 
 @triton.jit
-def _row_blocks(pos, ratio, n_picks, splits, WINDOW: tl.constexpr, ENTRIES: tl.constexpr, BLOCK_N: tl.constexpr):
+def _row_blocks(pos, n_picks, splits, RATIO: tl.constexpr, WINDOW: tl.constexpr, ENTRIES: tl.constexpr,
+                BLOCK_N: tl.constexpr):
     """Keys and key blocks of a row at position `pos` (-1: padding, no keys): window keys, entry keys (HCA: the
     visible entries; CSA: the pick columns), window blocks, all blocks (window blocks first), blocks per split."""
     n_win = tl.minimum(pos + 1, WINDOW)  # positions max(0, pos - WINDOW + 1) .. pos
     if ENTRIES == 1:
-        n_ent = (pos + 1) // ratio
+        n_ent = (pos + 1) // RATIO
     elif ENTRIES == 2:
         n_ent = (pos >= 0).to(tl.int32) * n_picks
     else:
@@ -223,13 +235,67 @@ def _row_blocks(pos, ratio, n_picks, splits, WINDOW: tl.constexpr, ENTRIES: tl.c
 
 
 @triton.jit
+def _entry_ids(blk, p_picks_row, n_win_blocks, n_ent, ENTRIES: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Compressed entry indices of key block blk, int64 [BLOCK_N], -1 where none (window blocks, past the row's
+    entries, CSA's -1 picks). CSA reads them from the row's picks: the load is issued, not waited on."""
+    j = (blk - n_win_blocks) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m = (j >= 0) & (j < n_ent)
+    if ENTRIES == 2:
+        o_j = tl.load(p_picks_row + j, mask=m, other=-1).to(tl.int64)
+    else:
+        o_j = tl.where(m, j, -1).to(tl.int64)
+    return o_j
+
+
+@triton.jit
+def _entry_blocks(o_j, p_bt_row, ENT_PER_PAGE: tl.constexpr, ENTRIES: tl.constexpr):
+    """Cache blocks (int64 [BLOCK_N], -1 = none) holding entries o_j: loads of the request's block-table row."""
+    if ENTRIES != 0:
+        block = tl.load(p_bt_row + o_j // ENT_PER_PAGE, mask=o_j >= 0, other=-1).to(tl.int64)
+    else:
+        block = o_j
+    return block
+
+
+@triton.jit
+def _key_rows(blk, o_j, block, pos, n_win, n_win_blocks, start, q_lo, p_ring, p_step, step_entries, p_ent,
+              ent_page_bytes, ENT_PER_PAGE: tl.constexpr, WINDOW: tl.constexpr, DATA_BYTES: tl.constexpr,
+              SCALE_BYTES: tl.constexpr, ENTRIES: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Data / scale row pointers [BLOCK_N] of key block blk, which keys are valid, and which are `unread` (picks
+    without a block: their logits are NaN, as the reference's reads of slot -1 are). Window blocks come first:
+    window key i is position pos - n_win + 1 + i, before the step from the ring (not yet overwritten by this step's
+    append), the step's own from step_kv; entry blocks read the entry pages. Both address forms are computed and one
+    selected, so the loop has one body."""
+    o_n = tl.arange(0, BLOCK_N)
+    o_i = blk * BLOCK_N + o_n
+    is_win = o_i < n_win_blocks * BLOCK_N  # [BLOCK_N] (the interpreter mixes scalar and tensor bools badly)
+    at = pos - n_win + 1 + o_i
+    ring = at < start
+    valid = is_win & (o_i < n_win)
+    p_page = tl.where(ring, p_ring, p_step)
+    entry = tl.where(ring, at % WINDOW, q_lo + at - start).to(tl.int64)
+    per_page = tl.where(ring, WINDOW, step_entries)
+    unread = o_n < 0
+    if ENTRIES != 0:
+        ent_valid = o_j >= 0
+        # a pick without a block reads nothing (never a stray address) and turns the row NaN, as in the reference
+        unread = ent_valid & (block < 0)
+        p_page = tl.where(is_win, p_page, p_ent + block * ent_page_bytes)
+        entry = tl.where(is_win, entry, o_j % ENT_PER_PAGE)
+        per_page = tl.where(is_win, per_page, ENT_PER_PAGE)
+        valid = tl.where(is_win, valid, ent_valid)
+    p_data, p_scale = _rows(p_page, entry, per_page, DATA_BYTES, SCALE_BYTES)
+    return p_data, p_scale, valid, unread
+
+
+@triton.jit
 def _sparse_attention_kernel(
         p_q, p_sinks, p_out, p_ws,  # q [R, H, D], sinks fp32 [H], out fp32 [R, H, D], workspace fp32 [R, S, H, D+2]
         p_positions, p_token_request, p_request_slots, p_query_start, p_seq_lens, p_block_table, bt_stride,
         p_step, step_entries,  # this step's kv: one page of R entries
         p_win, win_page_bytes,  # the window ring: page = request slot, WINDOW entries
-        p_ent, ent_page_bytes, ent_per_page, ratio, page_tokens,  # compressed entries
-        p_picks, n_picks, qk_scale, H, splits,
+        p_ent, ent_page_bytes,  # compressed entries: ENT_PER_PAGE of ratio RATIO per page
+        p_picks, n_picks, qk_scale, H, splits, RATIO: tl.constexpr, ENT_PER_PAGE: tl.constexpr,
         WINDOW: tl.constexpr, D: tl.constexpr, NOPE: tl.constexpr, DATA_BYTES: tl.constexpr,
         SCALE_BYTES: tl.constexpr, ENTRIES: tl.constexpr, Q_SPLIT: tl.constexpr, DOT_F32: tl.constexpr,
         BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr):
@@ -246,7 +312,7 @@ def _sparse_attention_kernel(
     o_n = tl.arange(0, BLOCK_N)
 
     pos = tl.load(p_positions + i_t)
-    n_win, n_ent, n_win_blocks, n_blocks, per_split = _row_blocks(pos, ratio, n_picks, splits, WINDOW, ENTRIES,
+    n_win, n_ent, n_win_blocks, n_blocks, per_split = _row_blocks(pos, n_picks, splits, RATIO, WINDOW, ENTRIES,
                                                                   BLOCK_N)
     b_lo = i_s * per_split  # this split's blocks [b_lo, b_hi): all of them for the single pass
     b_hi = tl.minimum(b_lo + per_split, n_blocks)
@@ -279,41 +345,29 @@ def _sparse_attention_kernel(
     q_lo = tl.load(p_query_start + b)
     start = tl.load(p_seq_lens + b) - (tl.load(p_query_start + b + 1) - q_lo)  # history before the step
 
-    # One loop over the split's blocks, window blocks first. Window key i is position pos - n_win + 1 + i: before
-    # the step from the ring (not yet overwritten by this step's append), the step's own from step_kv. Entry block
-    # keys come from the entry pages. Both address forms are computed and selected (no branch), so the loop has one
-    # body that the compiler pipelines: the loads of the other form are masked off.
+    # One loop over the split's blocks, window blocks first. The key addresses are software-pipelined by hand: a
+    # block's entry pages are loaded one iteration ahead and its picks two ahead, so the dependent chain
+    # picks -> block table -> keys has a block's arithmetic in which to arrive. The keys themselves are loaded in
+    # the iteration: carried uint8 codes would take a register per byte.
     p_ring = p_win + slot.to(tl.int64) * win_page_bytes
+    p_bt_row = p_block_table + slot.to(tl.int64) * bt_stride
+    p_picks_row = p_picks + i_t.to(tl.int64) * n_picks
+    ids = _entry_ids(b_lo, p_picks_row, n_win_blocks, n_ent, ENTRIES, BLOCK_N)
+    p_data, p_scale, valid, unread = _key_rows(
+        b_lo, ids, _entry_blocks(ids, p_bt_row, ENT_PER_PAGE, ENTRIES), pos, n_win, n_win_blocks, start,
+        q_lo, p_ring, p_step, step_entries, p_ent, ent_page_bytes, ENT_PER_PAGE, WINDOW, DATA_BYTES, SCALE_BYTES,
+        ENTRIES, BLOCK_N)
+    ids_1 = _entry_ids(b_lo + 1, p_picks_row, n_win_blocks, n_ent, ENTRIES, BLOCK_N)
     for blk in range(b_lo, b_hi):
-        o_i = blk * BLOCK_N + o_n
-        is_win = o_i < n_win_blocks * BLOCK_N  # [BLOCK_N] (the interpreter mixes scalar and tensor bools badly)
-        at = pos - n_win + 1 + o_i
-        ring = at < start
-        valid = is_win & (o_i < n_win)
-        p_page = tl.where(ring, p_ring, p_step)
-        entry = tl.where(ring, at % WINDOW, q_lo + at - start).to(tl.int64)
-        per_page = tl.where(ring, WINDOW, step_entries)
-        unread = o_n < 0
-        if ENTRIES != 0:
-            j = (blk - n_win_blocks) * BLOCK_N + o_n
-            if ENTRIES == 1:
-                o_j = j.to(tl.int64)
-                ent_valid = (j >= 0) & (j < n_ent)
-            else:
-                o_j = tl.load(p_picks + i_t.to(tl.int64) * n_picks + j, mask=(j >= 0) & (j < n_ent),
-                              other=-1).to(tl.int64)
-                ent_valid = o_j >= 0
-            block = tl.load(p_block_table + slot.to(tl.int64) * bt_stride + (o_j * ratio) // page_tokens,
-                            mask=ent_valid, other=-1)
-            # a pick without a block reads nothing (never a stray address) and turns the row NaN, as in the reference
-            unread = ent_valid & (block < 0)
-            p_page = tl.where(is_win, p_page, p_ent + block.to(tl.int64) * ent_page_bytes)
-            entry = tl.where(is_win, entry, o_j % ent_per_page)
-            per_page = tl.where(is_win, per_page, ent_per_page)
-            valid = tl.where(is_win, valid, ent_valid)
-        p_data, p_scale = _rows(p_page, entry, per_page, DATA_BYTES, SCALE_BYTES)
-        b_k = _key_tile(p_data, p_scale, valid & ~unread, D, NOPE, BLOCK_N)
+        k_code, k_exp, k_rope = _load_keys(p_data, p_scale, valid & ~unread, D, NOPE)
+        blocks_1 = _entry_blocks(ids_1, p_bt_row, ENT_PER_PAGE, ENTRIES)
+        ids_2 = _entry_ids(blk + 2, p_picks_row, n_win_blocks, n_ent, ENTRIES, BLOCK_N)
+        b_k = _decode_keys(k_code, k_exp, k_rope, D, NOPE, BLOCK_N)
         m_i, l_i, acc = _attend(b_q_hi, b_q_lo, b_k, valid, unread, m_i, l_i, acc, qk_scale, Q_SPLIT, DOT_F32)
+        p_data, p_scale, valid, unread = _key_rows(
+            blk + 1, ids_1, blocks_1, pos, n_win, n_win_blocks, start, q_lo, p_ring, p_step, step_entries, p_ent,
+            ent_page_bytes, ENT_PER_PAGE, WINDOW, DATA_BYTES, SCALE_BYTES, ENTRIES, BLOCK_N)
+        ids_1 = ids_2
 
     # the epilogue's offsets are built here from the row's base pointer, so no [BLOCK_H, D] offset tensor stays
     # live across the key loops (it would hold as many registers as acc)
@@ -330,7 +384,7 @@ def _sparse_attention_kernel(
 
 
 @triton.jit
-def _merge_kernel(p_ws, p_sinks, p_out, p_positions, ratio, n_picks, H, splits, WINDOW: tl.constexpr,
+def _merge_kernel(p_ws, p_sinks, p_out, p_positions, n_picks, H, splits, RATIO: tl.constexpr, WINDOW: tl.constexpr,
                   D: tl.constexpr, ENTRIES: tl.constexpr, BLOCK_N: tl.constexpr, MERGE_S: tl.constexpr):
     """One program per (token row, head): merges the row's splits that hold keys (the first ceil(blocks /
     per_split)) with the sink, in fp32, into out [R, H, D]. Splits are read MERGE_S at a time: the loads of a chunk
@@ -338,7 +392,7 @@ def _merge_kernel(p_ws, p_sinks, p_out, p_positions, ratio, n_picks, H, splits, 
     i_t = tl.program_id(0)
     i_h = tl.program_id(1)
     o_d = tl.arange(0, D)
-    _, _, _, n_blocks, per_split = _row_blocks(tl.load(p_positions + i_t), ratio, n_picks, splits, WINDOW, ENTRIES,
+    _, _, _, n_blocks, per_split = _row_blocks(tl.load(p_positions + i_t), n_picks, splits, RATIO, WINDOW, ENTRIES,
                                                BLOCK_N)
     used = tl.cdiv(n_blocks, tl.maximum(per_split, 1))
 
@@ -476,16 +530,17 @@ def sparse_attention_paged(q: torch.Tensor, plan: StepPlan, *, sinks: torch.Tens
         plan.block_table, plan.block_table.shape[1],
         step_kv, rows,
         window_pool, window_pool.shape[1],
-        ent_pool, ent_pool.shape[1], per_page, max(ratio, 1), max(page_tokens, 1),
+        ent_pool, ent_pool.shape[1],
         picks if picks is not None else plan.positions, n_picks, float(scale) * _LOG2E, heads, config.splits,
+        RATIO=max(ratio, 1), ENT_PER_PAGE=per_page,  # fixed per layer: divisions by constants
         WINDOW=window, D=dim, NOPE=nope, DATA_BYTES=layout.data_bytes, SCALE_BYTES=scale_bytes, ENTRIES=mode,
         Q_SPLIT=q.dtype == torch.float32, DOT_F32=interpreted(), BLOCK_H=config.block_h, BLOCK_N=config.block_n,
         SPLIT=split, num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if split:
         _merge_kernel[(rows, heads)](
-            workspace, sinks, out, plan.positions, max(ratio, 1), n_picks, heads, config.splits,
-            WINDOW=window, D=dim, ENTRIES=mode, BLOCK_N=config.block_n, MERGE_S=MERGE_S,
+            workspace, sinks, out, plan.positions, n_picks, heads, config.splits,
+            RATIO=max(ratio, 1), WINDOW=window, D=dim, ENTRIES=mode, BLOCK_N=config.block_n, MERGE_S=MERGE_S,
             num_warps=MERGE_WARPS,
         )
     return out
