@@ -82,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="time the kernels, a decode step, prefill and scale on a GPU; write JSON "
                                          "and plots")
-    bench.add_argument("workloads", nargs="*", help="machine, topk, insert, decode, layer, prefill, scale, flashmla "
+    bench.add_argument("workloads", nargs="*", help="machine, topk, insert, decode, layer, prefill, scale, flashmla, chat "
                                                     "(default: all; --quick: a short subset)")
     bench.add_argument("--quick", action="store_true", help="fewer sizes (a few minutes)")
     bench.add_argument("--out", default="docs/bench", help="folder for the JSON and PNG files (default docs/bench)")
