@@ -33,7 +33,7 @@ class RequestOutput:
     cached_tokens: int  # tokens served from the prefix cache at its (last) admission; 0 with prefix caching off
     ttft: float | None  # time to first token, from add_request
     itl: float | None  # mean time between consecutive tokens (None below two tokens)
-    preemptions: int  # times the request was preempted (swapped out, or evicted and recomputed)
+    preemptions: int  # times the request was preempted (swapped out, or released and recomputed later)
 
 
 class StepOutput(NamedTuple):
