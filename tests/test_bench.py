@@ -3,6 +3,7 @@ one real GPU run of a small workload where a GPU exists. Speed itself is measure
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -332,3 +333,56 @@ def test_transformers_indexer_hooks_give_its_last_row():
     assert pick_gaps(picks, seen["scores"][None]).item() == 0
     for handle in seen["handles"]:
         handle.remove()
+
+
+def chat_on_cpu(monkeypatch, sizes) -> Report:
+    """The chat workload at `sizes` on the CPU (the tiny model in fp32, 128-token blocks)."""
+    from dsv4kv.bench import workloads
+
+    monkeypatch.setattr(workloads, "CHAT_QUICK", sizes)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the tiny model gains nothing from threads on a shared host
+    try:
+        report = Report(meta=dict(META))
+        workloads.chat(workloads.Context(device=torch.device("cpu"), report=report, quick=True, log=lambda _: None))
+    finally:
+        torch.set_num_threads(threads)
+    return report
+
+
+def test_chat_workload_serves_with_caching_off_and_on(monkeypatch):
+    """4 requests sharing a 256-token prompt (+ 32 tokens each): with caching on, the first computes the shared
+    blocks in the first step and the other three hit them; the greedy tokens are those of caching off."""
+    from dsv4kv.bench.workloads import ChatSizes
+
+    report = chat_on_cpu(monkeypatch, ChatSizes(shared=256, suffix=32, requests=4, new_tokens=6))
+    off, on = report.results
+    assert [r.params["prefix_caching"] for r in (off, on)] == [False, True]
+    assert off.passed and on.passed and on.check.endswith("4 of 4 requests")
+    assert (off.extra["cached_tokens"], off.extra["hit_rate"], off.extra["prefill_tokens"]) == (0, 0.0, 4 * 288)
+    assert (on.extra["cached_tokens"], on.extra["prefix_hits"]) == (3 * 256, 3)
+    assert on.extra["hit_rate"] == pytest.approx(3 * 256 / (4 * 288))
+    assert on.extra["prefill_tokens"] == 4 * 288 - 3 * 256
+    for r in (off, on):
+        assert r.extra["output_tokens"] == 24 and r.time_us > 0
+        assert 0 < r.extra["ttft_p50_ms"] <= r.extra["ttft_p90_ms"] and r.extra["tokens_per_s"] > 0
+    assert "chat" in report.table()
+
+
+def test_chat_workload_refuses_when_caching_changes_a_token(monkeypatch):
+    from dsv4kv.bench.workloads import ChatSizes
+    from dsv4kv.engine import Engine
+
+    generate = Engine.generate
+
+    def tampered(self, prompts, params=None):
+        outputs = generate(self, prompts, params)
+        if self.prefix_caching:  # as if a hit had changed the last request's last token
+            last = outputs[-1]
+            outputs[-1] = dataclasses.replace(last, token_ids=last.token_ids[:-1] + ((last.token_ids[-1] + 1) % 512,))
+        return outputs
+
+    monkeypatch.setattr(Engine, "generate", tampered)
+    report = chat_on_cpu(monkeypatch, ChatSizes(shared=128, suffix=16, requests=2, new_tokens=2))
+    assert all(r.refused and r.time_us is None and "ttft_p50_ms" not in r.extra for r in report.results)
+    assert "DIFFER from caching off in 1 of 2 requests (first: request 1)" in report.results[0].refused

@@ -16,7 +16,7 @@ from dsv4kv.engine import DSV4Model, Engine, SamplingParams
 from dsv4kv.engine.reference import random_model, tiny_config, with_dtype
 from dsv4kv.engine.request import Request, Status
 from dsv4kv.engine.sampler import sample
-from dsv4kv.engine.scheduler import Scheduler
+from dsv4kv.engine.scheduler import ScheduledStep, Scheduler
 
 EXACT = dict(kv_format="bf16", indexer_format="bf16")
 CACHE = dict(max_requests=4, max_tokens=1024, page_tokens=128, step_tokens=96, **EXACT)
@@ -185,7 +185,7 @@ def test_a_step_with_both_waiting_and_running_stays_in_arrival_order_after_preem
         scheduler.add(r)
     run_step(cache, scheduler.schedule())
     scheduler.add(requests[2])
-    scheduler._preempt(requests[1])
+    scheduler._preempt(requests[1], ScheduledStep())
     assert [r.id for r in scheduler.waiting] == [1, 2]  # the preempted request keeps its place by arrival
 
 

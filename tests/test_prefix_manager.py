@@ -333,7 +333,14 @@ def test_swap_in_shares_blocks_still_cached():
     d.feed(a, [300])
     b = d.admit(prompt)
     shared = d.cache.blocks(b)
+    with pytest.raises(RequestError, match="not swapped out"):
+        d.cache.swap_in_blocks(b)
     d.cache.swap_out(b)
+    assert d.cache.swap_in_blocks(b) == 0  # both blocks are cached and a holds them: shared, not taken
+    d.cache.release(a)
+    assert d.cache.swap_in_blocks(b) == 2  # cached but unreferenced: taken from the free queue
+    a = d.admit(prompt)
+    assert d.cache.swap_in_blocks(b) == 0
     assert d.cache.swap_in(b)
     assert d.cache.blocks(b) == shared and [d.cache.allocator.refcount(x) for x in shared] == [2, 2]
     d.check()
@@ -360,6 +367,7 @@ def test_swap_no_room_changes_nothing():
     state = (d.cache.num_free_blocks, d.cache.allocator.free_order(), d.cache.block_table.clone())
     answer = d.cache.swap_in(a)
     assert isinstance(answer, NoRoom) and (answer.resource, answer.needed, answer.free) == ("blocks", 2, 0)
+    assert d.cache.swap_in_blocks(a) == 2
     assert (d.cache.num_free_blocks, d.cache.allocator.free_order()) == state[:2]
     assert torch.equal(d.cache.block_table, state[2]) and d.cache.is_swapped(a)
     d.cache.release(fill[0])

@@ -82,8 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="time the kernels, a decode step, prefill and scale on a GPU; write JSON "
                                          "and plots")
-    bench.add_argument("workloads", nargs="*", help="machine, topk, insert, decode, layer, prefill, scale, flashmla "
-                                                    "(default: all; --quick: a short subset)")
+    bench.add_argument("workloads", nargs="*", help="machine, topk, insert, decode, layer, prefill, scale, flashmla, "
+                                                    "chat (default: all; --quick: a short subset)")
     bench.add_argument("--quick", action="store_true", help="fewer sizes (a few minutes)")
     bench.add_argument("--out", default="docs/bench", help="folder for the JSON and PNG files (default docs/bench)")
     bench.add_argument("--name", default=None, help="JSON file name without .json (default bench-<date>-<gpu>)")

@@ -22,7 +22,7 @@ from .engine.reference import flash_config, random_model, reference_logits, tiny
 from .manager import CacheManager
 from .memory.planner import format_bytes
 
-__all__ = ["Workload", "DemoResult", "run_demo", "default_workload", "render"]
+__all__ = ["Workload", "DemoResult", "run_demo", "default_workload", "demo_model", "render"]
 
 NEAR_TIE = 0.05  # transformers' top-2 logits closer than this count as a tie (docs/engine.md)
 
@@ -45,6 +45,17 @@ def default_workload(device: torch.device) -> Workload:
                         arrival_every=3, step_tokens=2048, max_requests=4, page_tokens=256, max_seq_len=8192)
     return Workload("tiny", prompts=(301, 77, 480, 150, 389, 45, 260, 413), new_tokens=24, arrival_every=3,
                     step_tokens=160, max_requests=4, page_tokens=128, max_seq_len=1024)
+
+
+def demo_model(name: str, device: torch.device | str, *, seed: int = 0):
+    """The demo's random model, `(oracle, served)`: transformers' DeepseekV4ForCausalLM in fp32 ("flash": V4-Flash's
+    attention geometry, 4 layers, reduced MoE; "tiny": the three-layer one) and the copy the engine serves: bf16 on
+    CUDA, the fp32 model itself elsewhere. Every weight is bf16-representable, so both hold the same values."""
+    device = torch.device(device)
+    config = flash_config(4) if name == "flash" else tiny_config()
+    oracle = random_model(config, seed=seed, device=device)
+    served = with_dtype(oracle, torch.bfloat16) if device.type == "cuda" else oracle
+    return oracle, served
 
 
 @dataclass
@@ -72,10 +83,9 @@ def run_demo(*, device: torch.device | str | None = None, workload: Workload | N
     device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
     workload = workload or default_workload(device)
     start = time.perf_counter()
-    config = flash_config(4) if workload.model == "flash" else tiny_config()
-    oracle = random_model(config, seed=seed, device=device)  # fp32, bf16-representable weights
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    served = with_dtype(oracle, dtype) if dtype != torch.float32 else oracle
+    oracle, served = demo_model(workload.model, device, seed=seed)
+    config = oracle.config
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # what demo_model serves
     engine = Engine.from_transformers(served, max_requests=workload.max_requests,
                                       max_tokens=workload.max_requests * workload.max_seq_len, kv_format=kv_format,
                                       indexer_format=indexer_format, page_tokens=workload.page_tokens,

@@ -254,6 +254,16 @@ class CacheManager:
         self._swap_used += nbytes
         return nbytes
 
+    def swap_in_blocks(self, rid: int) -> int:
+        """Free blocks `swap_in(rid)` would take now: its private blocks, and its cached ones that no live request
+        holds (those still held are shared again, not taken). No change to the cache."""
+        record = self._swapped.get(rid) if self._is_id(rid) else None
+        if record is None:
+            raise RequestError(f"swap_in_blocks: request {rid!r} is not swapped out")
+        self._settle(final=False)
+        alive = [node for node in record.block_nodes if node is not None and node.alive]
+        return len(record.block_nodes) - sum(1 for node in alive if self.allocator.refcount(node.block) > 0)
+
     def swap_in(self, rid: int) -> int | NoRoom:
         """Bring a swapped-out request back, bit for bit, into a free slot and blocks (blocks it shared that are
         still cached are shared again, not copied). Returns the bytes it holds, or `NoRoom` (nothing changed)

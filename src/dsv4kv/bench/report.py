@@ -16,7 +16,7 @@ __all__ = ["Result", "Report", "plot_report", "markdown"]
 
 # timings a workload may keep in `extra`: dropped with the time when the check fails
 _TIMING_KEYS = ("median_us", "p10_us", "p90_us", "runs", "speedup", "step_wall_us", "tokens_per_s", "chunk_us",
-                "with_step_tensors_us", "kernels_us")
+                "with_step_tensors_us", "kernels_us", "ttft_mean_ms", "ttft_p50_ms", "ttft_p90_ms", "total_s")
 
 
 @dataclass

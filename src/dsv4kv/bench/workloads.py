@@ -14,6 +14,8 @@ compares outputs with transformers, which needs a real history.
     prefill   a CSA layer over a 64K-token prompt in 8K chunks, against the indexer's FLOP floor
     scale     one request at 2^20 tokens through all 43 layers; the most concurrent 128K requests that fit
     flashmla  our sparse attention beside FlashMLA's on the same pages (skipped without `import flash_mla`)
+    chat      the engine over a shared 8K system prompt and 64 different 1K-token questions, prefix caching off and
+              on: time to first token, total time, output tokens/s, hit rate (the demo's V4-Flash-geometry model)
 """
 
 from __future__ import annotations
@@ -674,6 +676,91 @@ def scale(ctx: Context) -> None:
         run(f"{batch} concurrent requests at 131072 tokens, 43 layers", batch, context)
 
 
+# --- chat: the engine with prefix caching off and on -----------------------------------------------------------
+@dataclass(frozen=True)
+class ChatSizes:
+    shared: int  # system prompt tokens, the same for every request
+    suffix: int  # tokens after it, different for each request
+    requests: int  # all queued at once
+    new_tokens: int  # generated per request, greedy
+
+
+CHAT = ChatSizes(shared=8192, suffix=1024, requests=64, new_tokens=128)
+CHAT_QUICK = ChatSizes(shared=1024, suffix=64, requests=8, new_tokens=16)
+
+
+def chat(ctx: Context) -> None:
+    """Every request is queued at once and served to the end by one engine, with prefix caching off and then on.
+    The step budget is the shared prompt: with caching on, the first request computes it in the first step and
+    every later admission hits it. Greedy outputs with caching on must equal those with caching off, request by
+    request and token by token, or both figures are refused. On CUDA the model is the demo's (V4-Flash attention
+    geometry, 4 layers, bf16, Triton kernels, CUDA-graph decode steps); elsewhere the demo's tiny model in fp32."""
+    from ..demo import demo_model
+    from ..engine import Engine, SamplingParams
+
+    sizes = CHAT_QUICK if ctx.quick else CHAT
+    cuda = ctx.device.type == "cuda"
+    _, model = demo_model("flash" if cuda else "tiny", ctx.device, seed=0)
+    page_tokens = 1024 if cuda else 128
+    require(sizes.shared % page_tokens == 0, f"chat: the shared prompt ({sizes.shared}) is not whole blocks")
+    gen = torch.Generator().manual_seed(11)
+    vocab = model.config.vocab_size
+    system = torch.randint(0, vocab, (sizes.shared,), generator=gen).tolist()
+    prompts = [system + torch.randint(0, vocab, (sizes.suffix,), generator=gen).tolist()
+               for _ in range(sizes.requests)]
+    params = SamplingParams(max_new_tokens=sizes.new_tokens)
+    longest = sizes.shared + sizes.suffix + sizes.new_tokens
+    options = dict(max_requests=sizes.requests, max_tokens=sizes.requests * longest, max_seq_len=longest,
+                   page_tokens=page_tokens, step_tokens=sizes.shared)
+    # compile every kernel (prefill, a hit, decode steps) before timing: a few short requests, caching on
+    warm = Engine.from_transformers(model, prefix_caching=True, **options)
+    warm.generate([system[:page_tokens] + p[-8:] for p in prompts[:2]], SamplingParams(max_new_tokens=4))
+    del warm
+    runs = {}
+    for caching in (False, True):
+        ctx.log(f"chat: {sizes.requests} requests of {sizes.shared} shared + {sizes.suffix} tokens, "
+                f"{sizes.new_tokens} new, prefix caching {'on' if caching else 'off'}")
+        engine = Engine.from_transformers(model, prefix_caching=caching, **options)
+        start = time.perf_counter()
+        outputs = engine.generate(prompts, params)
+        if cuda:
+            torch.cuda.synchronize(ctx.device)
+        runs[caching] = (outputs, time.perf_counter() - start, engine.stats)
+        del engine
+        _free()
+    differ = [i for i, (a, b) in enumerate(zip(runs[False][0], runs[True][0])) if a.token_ids != b.token_ids]
+    passed = not differ
+    check = (f"greedy tokens with caching on equal caching off: {sizes.requests} of {sizes.requests} requests"
+             if passed else f"greedy tokens with caching on DIFFER from caching off in {len(differ)} of "
+                            f"{sizes.requests} requests (first: request {differ[0]})")
+    params_ = {"shared": sizes.shared, "suffix": sizes.suffix, "requests": sizes.requests,
+               "new_tokens": sizes.new_tokens, "page_tokens": page_tokens, "step_tokens": sizes.shared}
+    for caching in (False, True):
+        outputs, seconds, stats = runs[caching]
+        ttfts = sorted(o.ttft for o in outputs)
+        generated = sum(len(o.token_ids) for o in outputs)
+        extra = {"ttft_mean_ms": 1e3 * statistics.fmean(ttfts), "ttft_p50_ms": 1e3 * _quantile(ttfts, 0.5),
+                 "ttft_p90_ms": 1e3 * _quantile(ttfts, 0.9), "total_s": seconds,
+                 "tokens_per_s": generated / seconds, "output_tokens": generated,
+                 "prefill_tokens": stats.prefill_tokens, "steps": stats.steps, "preemptions": stats.preemptions,
+                 "hit_rate": stats.prefix_hit_rate, "cached_tokens": sum(o.cached_tokens for o in outputs),
+                 "prefix_hits": stats.prefix_hits, "model": "flash-4-layers bf16" if cuda else "tiny fp32"}
+        name = f"prefix caching {'on' if caching else 'off'}: {sizes.requests} x ({sizes.shared} + {sizes.suffix})"
+        ctx.report.add(Result("chat", name, {**params_, "prefix_caching": caching}, seconds * 1e6, check=check,
+                              passed=passed, extra=extra))
+        ctx.log(f"  caching {'on ' if caching else 'off'}: {seconds:.2f} s, TTFT mean {extra['ttft_mean_ms']:.0f} ms"
+                f" p50 {extra['ttft_p50_ms']:.0f} p90 {extra['ttft_p90_ms']:.0f}, {extra['tokens_per_s']:.1f} output "
+                f"tokens/s, hit rate {extra['hit_rate']:.3f}, {extra['cached_tokens']} cached tokens; {check}")
+
+
+def _quantile(ordered: list[float], q: float) -> float:
+    """The q-quantile of sorted values, linear between the two nearest."""
+    x = q * (len(ordered) - 1)
+    lo = int(x)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (x - lo)
+
+
 def _spec(g: ModelGeometry):
     from ..memory.spec import CacheSpec
 
@@ -687,6 +774,6 @@ def _pool_bytes(g: ModelGeometry, batch: int, context: int) -> int:
 
 WORKLOADS: dict[str, Callable[[Context], None]] = {
     "machine": machine, "topk": topk, "insert": insert, "decode": decode, "layer": layer_vs_transformers,
-    "prefill": prefill, "scale": scale, "flashmla": flashmla,
+    "prefill": prefill, "scale": scale, "flashmla": flashmla, "chat": chat,
 }
 QUICK = ("machine", "topk", "insert", "decode", "layer")

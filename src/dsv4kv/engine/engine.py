@@ -36,14 +36,18 @@ __all__ = ["Engine", "EngineStats"]
 
 @dataclass
 class EngineStats:
-    """Counters since the engine was made. Prefill tokens include recomputed ones (after a preemption)."""
+    """Counters since the engine was made. Prefill tokens include recomputed ones (after a preemption by recompute)."""
 
     steps: int = 0
     decode_steps: int = 0  # steps that only decoded (one token per request)
     graph_steps: int = 0  # decode steps served by a DecodeStepGraph (replayed on CUDA)
     prefill_tokens: int = 0
     decode_tokens: int = 0
-    preemptions: int = 0
+    preemptions: int = 0  # of both kinds: swap_preemptions + recompute_preemptions
+    swap_preemptions: int = 0  # swapped out to host memory (CacheManager.swap_out)
+    recompute_preemptions: int = 0  # released, recomputed on readmission (a swap refused by the host budget included)
+    swap_ins: int = 0  # swapped requests brought back
+    swap_bytes: int = 0  # bytes copied to host memory and back (each swap counts both ways)
     prefill_seconds: float = 0.0  # wall time of steps holding any prefill chunk
     decode_seconds: float = 0.0  # wall time of decode-only steps
     tokens_in_prefill_steps: int = 0  # every token of those steps, decode tokens riding along included
@@ -78,13 +82,19 @@ class Engine:
             maps the longest cached prefix in and only the rest is prefilled; `RequestOutput.cached_tokens` and
             the `stats.prefix_*` counters report the hits. Needs the model's window <= page_tokens. Default off.
         prefix_snapshots: boundary snapshots the prefix cache keeps (default max_requests; needs prefix_caching).
+        preemption: how a request is preempted when the cache runs out of blocks: "recompute" (default: release
+            it, recompute prompt + generated tokens on readmission), "swap" (its cache state to host memory and
+            back, bit for bit: `CacheManager.swap_out` / `swap_in`) or "auto" (recompute when at most page_tokens
+            of its tokens would be prefilled again, swap otherwise). A swap the host budget cannot take recomputes.
+        swap_bytes: host memory swapped-out requests may hold (default: no limit; needs a preemption that swaps).
     """
 
     def __init__(self, model: DSV4Model, *, max_requests: int, max_tokens: int,
                  kv_format: KVFormat | str = KVFormat.FP8, indexer_format: IndexerFormat | str = IndexerFormat.MXFP4,
                  device: torch.device | str | None = None, page_tokens: int | None = None, step_tokens: int = 1024,
                  max_seq_len: int | None = None, decode_graph_sizes: Sequence[int] | None = None,
-                 prefix_caching: bool = False, prefix_snapshots: int | None = None):
+                 prefix_caching: bool = False, prefix_snapshots: int | None = None, preemption: str = "recompute",
+                 swap_bytes: int | None = None):
         if not isinstance(model, DSV4Model):
             raise TypeError(f"model: expected a DSV4Model, got {type(model).__name__}")
         if device is not None:
@@ -93,15 +103,18 @@ class Engine:
         geometry = model.geometry
         max_tokens = positive_int("max_tokens", max_tokens)
         max_seq_len = min(max_tokens, geometry.max_position) if max_seq_len is None else max_seq_len
+        if swap_bytes is not None and preemption == "recompute":
+            raise ValueError("swap_bytes: given with preemption='recompute' (nothing is swapped)")
         self.cache = CacheManager(geometry, max_requests=max_requests, max_tokens=max_tokens, kv_format=kv_format,
                                   indexer_format=indexer_format, device=model.device,
                                   page_tokens=page_tokens or DEFAULT_PAGE_TOKENS, max_seq_len=max_seq_len,
-                                  prefix_caching=prefix_caching, prefix_snapshots=prefix_snapshots)
+                                  prefix_caching=prefix_caching, prefix_snapshots=prefix_snapshots,
+                                  swap_bytes=swap_bytes)
         self.prefix_caching = prefix_caching
         # the longest request: what the cache's positions and all of its blocks can hold (so a request alone
         # always fits, and the scheduler can always make progress with the oldest one)
         self.max_seq_len = min(self.cache.max_seq_len, self.cache.num_blocks * self.cache.spec.page_tokens)
-        self.scheduler = Scheduler(self.cache, step_tokens=step_tokens)
+        self.scheduler = Scheduler(self.cache, step_tokens=step_tokens, preemption=preemption)
         kernels = all(layer.resolved_backend(self.cache.device) == "triton" for layer in model.attention_layers)
         capture = self.cache.device.type == "cuda" and kernels
         if decode_graph_sizes is None:
@@ -148,7 +161,12 @@ class Engine:
     def step(self) -> list[StepOutput]:
         """Run one step; returns the requests that got a token in it."""
         scheduled = self.scheduler.schedule()
-        self.stats.preemptions += len(scheduled.preempted)
+        s = self.stats
+        s.preemptions += len(scheduled.preempted)
+        s.swap_preemptions += len(scheduled.swapped_out)
+        s.recompute_preemptions += len(scheduled.preempted) - len(scheduled.swapped_out)
+        s.swap_ins += len(scheduled.swapped_in)
+        s.swap_bytes += scheduled.swap_bytes
         if not scheduled.batch:
             return []
         start = time.perf_counter()

@@ -17,6 +17,7 @@ __all__ = ["Status", "Request", "RequestOutput", "StepOutput"]
 class Status(enum.Enum):
     WAITING = "waiting"  # not in the cache: new, or preempted (its tokens are recomputed on readmission)
     RUNNING = "running"  # holds a cache slot and blocks
+    SWAPPED = "swapped"  # preempted by swap: its cache state is in host memory, its cache id kept
     FINISHED = "finished"
 
 
@@ -32,7 +33,7 @@ class RequestOutput:
     cached_tokens: int  # tokens served from the prefix cache at its (last) admission; 0 with prefix caching off
     ttft: float | None  # time to first token, from add_request
     itl: float | None  # mean time between consecutive tokens (None below two tokens)
-    preemptions: int  # times the request was evicted from the cache and recomputed
+    preemptions: int  # times the request was preempted (swapped out, or released and recomputed later)
 
 
 class StepOutput(NamedTuple):
@@ -52,7 +53,7 @@ class Request:
     arrival: float = field(default_factory=time.perf_counter)
     tokens: list[int] = field(default_factory=list)  # prompt + generated: the sequence the cache must hold
     status: Status = Status.WAITING
-    cache_id: int | None = None  # CacheManager request id while RUNNING
+    cache_id: int | None = None  # CacheManager request id while RUNNING or SWAPPED
     num_computed: int = 0  # leading tokens already in the cache
     cached_tokens: int = 0  # served from the prefix cache at the last admission (a multiple of page_tokens)
     finish_reason: str | None = None

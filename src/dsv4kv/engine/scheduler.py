@@ -10,9 +10,18 @@ Continuous batching under a token budget (`step_tokens`) per step:
    a first chunk.
 
 When a running request's tokens need more blocks than are free, the most recently admitted request is
-preempted: its slot and blocks go back to the cache, it returns to the waiting queue (by arrival), and
-when readmitted its prompt and generated tokens are recomputed, so its output is unchanged. A prefill
-chunk shrinks to the blocks that are free before it preempts anyone.
+preempted, by recompute or by swap (`preemption`):
+
+- recompute: its slot and blocks go back to the cache, it returns to the waiting queue (by arrival), and when
+  readmitted its prompt and generated tokens are recomputed, so its output is unchanged;
+- swap: `CacheManager.swap_out` copies its blocks, window ring and compressor state to host memory and frees
+  them; it keeps its cache id and its computed tokens, and `swap_in` brings it back bit for bit;
+- auto: recompute when at most `page_tokens` of its tokens would be prefilled again (a short request, or one
+  whose tokens are cached but for the last partial block), swap otherwise.
+
+A swap the host budget (`swap_bytes`) cannot take falls back to recompute. Swapped requests come back, oldest
+first, before any waiting request is admitted, each once a slot and the blocks for all its tokens are free. A
+prefill chunk shrinks to the blocks that are free before it preempts anyone.
 
 With prefix caching, admission maps the longest cached prefix of the request's tokens (whole blocks) into its
 cache and only the rest is fed; a preempted request readmitted so hits its own published blocks, so its
@@ -30,13 +39,18 @@ from ..checks import positive_int
 from ..manager import CacheManager
 from .request import Request, Status
 
-__all__ = ["Scheduler", "ScheduledStep"]
+__all__ = ["Scheduler", "ScheduledStep", "PREEMPTION"]
+
+PREEMPTION = ("recompute", "swap", "auto")
 
 
 @dataclass
 class ScheduledStep:
     batch: list[tuple[Request, int]] = field(default_factory=list)  # (request, new tokens), decodes first
-    preempted: list[Request] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)  # by either kind
+    swapped_out: list[Request] = field(default_factory=list)  # those of `preempted` swapped to host memory
+    swapped_in: list[Request] = field(default_factory=list)  # swapped requests brought back in this step
+    swap_bytes: int = 0  # bytes copied to and from host memory in this step
     is_decode: bool = False  # every request feeds exactly its one pending token (a pure decode step)
 
     @property
@@ -47,11 +61,15 @@ class ScheduledStep:
 class Scheduler:
     """Queues and the step decision over `cache`'s slots and blocks (asked through its integer API)."""
 
-    def __init__(self, cache: CacheManager, *, step_tokens: int):
+    def __init__(self, cache: CacheManager, *, step_tokens: int, preemption: str = "recompute"):
+        if preemption not in PREEMPTION:
+            raise ValueError(f"preemption: expected one of {', '.join(PREEMPTION)}, got {preemption!r}")
         self.cache = cache
         self.step_tokens = positive_int("step_tokens", step_tokens)
+        self.preemption = preemption
         self.waiting: deque[Request] = deque()  # by arrival (request id)
         self.running: list[Request] = []  # by admission
+        self.swapped: list[Request] = []  # in host memory, by arrival (request id)
 
     def add(self, request: Request) -> None:
         request.status = Status.WAITING
@@ -60,10 +78,13 @@ class Scheduler:
         self.waiting.insert(index, request)
 
     def finish(self, request: Request, reason: str) -> None:
-        """Take a request out (finished or aborted): its cache slot and blocks are released."""
+        """Take a request out (finished or aborted): its cache slot and blocks (or its host copy) are released."""
         if request.status is Status.RUNNING:
             self.cache.release(request.cache_id)
             self.running.remove(request)
+        elif request.status is Status.SWAPPED:
+            self.cache.release(request.cache_id)  # drops the host copy
+            self.swapped.remove(request)
         elif request.status is Status.WAITING:
             self.waiting.remove(request)
         request.cache_id = None
@@ -72,7 +93,7 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.swapped)
 
     def schedule(self) -> ScheduledStep:
         step = ScheduledStep()
@@ -94,16 +115,36 @@ class Scheduler:
                 free += self._need(victim, chosen.get(victim, 0))
                 budget += chosen.pop(victim, 0)
                 before = self.cache.num_free_blocks
-                self._preempt(victim)
+                self._preempt(victim, step)
                 free += self.cache.num_free_blocks - before  # its blocks, less those other requests share
-                step.preempted.append(victim)
                 if victim is request:
                     break
             if request.status is Status.RUNNING:
                 chosen[request] = n
                 budget -= n
                 free -= self._need(request, n)
-        while self.waiting and budget > 0 and len(self.running) < self.cache.max_requests:
+        # swapped requests come back first, oldest first; none is admitted while one of them waits for room
+        while self.swapped and budget > 0 and len(self.running) < self.cache.max_requests:
+            request = self.swapped[0]
+            spec = self.cache.spec
+            taken = self.cache.swap_in_blocks(request.cache_id)
+            if taken + spec.blocks_for(request.num_tokens) - spec.blocks_for(request.num_computed) > free:
+                break
+            before = self.cache.num_free_blocks
+            moved = self.cache.swap_in(request.cache_id)
+            if not moved:  # NoRoom: every slot is held outside this scheduler
+                break
+            free += self.cache.num_free_blocks - before
+            self.swapped.pop(0)
+            request.status = Status.RUNNING
+            self.running.append(request)
+            step.swapped_in.append(request)
+            step.swap_bytes += moved
+            n = min(request.pending, budget)
+            chosen[request] = n
+            budget -= n
+            free -= self._need(request, n)
+        while not self.swapped and self.waiting and budget > 0 and len(self.running) < self.cache.max_requests:
             request = self.waiting[0]
             if self.cache.admission_blocks(request.tokens) > free:
                 break
@@ -141,9 +182,25 @@ class Scheduler:
         room = (self._held(request) + free) * self.cache.spec.page_tokens - request.num_computed
         return max(0, min(n, room))
 
-    def _preempt(self, request: Request) -> None:
-        self.cache.release(request.cache_id)
+    def _preempt(self, request: Request, step: ScheduledStep) -> None:
         self.running.remove(request)
-        request.cache_id, request.num_computed = None, 0
         request.preemptions += 1
+        step.preempted.append(request)
+        if self._swaps(request):
+            moved = self.cache.swap_out(request.cache_id)
+            if moved:  # not NoRoom (host budget short): then recompute
+                request.status = Status.SWAPPED
+                bisect.insort(self.swapped, request, key=lambda r: r.id)
+                step.swapped_out.append(request)
+                step.swap_bytes += moved
+                return
+        self.cache.release(request.cache_id)
+        request.cache_id, request.num_computed = None, 0
         self.add(request)
+
+    def _swaps(self, request: Request) -> bool:
+        """Whether the policy swaps `request` out rather than recomputing it later."""
+        if self.preemption != "auto":
+            return self.preemption == "swap"
+        cached = self.cache.lookup(request.tokens) if self.cache.prefix is not None else 0
+        return request.num_tokens - cached > self.cache.spec.page_tokens
