@@ -358,7 +358,9 @@ def indexer_scores_paged(q: torch.Tensor, weights: torch.Tensor, plan, key_pool:
         layout: `dsv4kv.layout.indexer_layout("mxfp4" | "fp8" | "bf16", D)`.
         ratio: the layer's compression ratio; page_tokens: original tokens per block (a multiple of ratio).
         out: optional fp32 [R, J] contiguous, overwritten entirely (for CUDA-graph capture).
-        max_entries: J when `out` is not given; default block_table.shape[1] * page_tokens // ratio.
+        max_entries: J when `out` is not given; default block_table.shape[1] * page_tokens // ratio. Triton
+            specializes the kernels on J (== 1, a multiple of 16): a caller whose J changes from call to call keeps
+            one compiled kernel by rounding it up to a multiple of 16 (the columns past visible(t) cost nothing).
         stack_rows: True = the stacked (prefill) kernel, False = the row (decode) kernel, None = the stacked
             one when the plan's requests average at least two rows (`plan.num_tokens`, `plan.request_ids`:
             host facts, so a captured graph replays correctly whatever the later plans hold).

@@ -125,7 +125,8 @@ def topk_indices(scores: torch.Tensor, lengths: torch.Tensor, k: int, *, out: to
                  workspace: torch.Tensor | None = None) -> torch.Tensor:
     """Top-k columns of each row -> int32 [R, k]: ascending column order, -1 past min(k, candidates).
 
-    scores: fp32 [R, J] contiguous; lengths: int32 [R], row r's candidates are columns < lengths[r]
+    scores: fp32 [R, J] contiguous (Triton specializes on J == 1 / a multiple of 16: a J that changes from call to
+    call is best rounded up to a multiple of 16); lengths: int32 [R], row r's candidates are columns < lengths[r]
     (clamped to [0, J]) with a score other than -inf; k: 1..2048; out: int32 [R, k] (allocated when None);
     workspace: from `topk_workspace(R, J, k, device)` (allocated when None), counters and histograms zero on
     entry (every call leaves them so).
