@@ -22,7 +22,8 @@ from .engine.reference import flash_config, random_model, reference_logits, tiny
 from .manager import CacheManager
 from .memory.planner import format_bytes
 
-__all__ = ["Workload", "DemoResult", "run_demo", "default_workload", "demo_model", "render"]
+__all__ = ["Workload", "DemoResult", "DemoSetup", "build", "serve", "run_demo", "default_workload", "demo_model",
+           "render"]
 
 NEAR_TIE = 0.05  # transformers' top-2 logits closer than this count as a tie (docs/engine.md)
 
@@ -78,11 +79,22 @@ class DemoResult:
     compared: int = 0
 
 
-def run_demo(*, device: torch.device | str | None = None, workload: Workload | None = None, kv_format: str = "fp8",
-             indexer_format: str = "mxfp4", seed: int = 0, progress: bool = True, compare: bool = True) -> DemoResult:
+@dataclass
+class DemoSetup:
+    """What `build` makes: the engine, the fp32 model it serves a copy of (the oracle), and the prompts."""
+
+    engine: Engine
+    oracle: torch.nn.Module
+    prompts: list[list[int]]
+    device: torch.device
+    dtype: torch.dtype
+
+
+def build(*, device: torch.device | str | None = None, workload: Workload | None = None, kv_format: str = "fp8",
+          indexer_format: str = "mxfp4", seed: int = 0) -> DemoSetup:
+    """The demo's model (tiny on a CPU, V4-Flash attention geometry in bf16 on a GPU), its engine and prompts."""
     device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
     workload = workload or default_workload(device)
-    start = time.perf_counter()
     oracle, served = demo_model(workload.model, device, seed=seed)
     config = oracle.config
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # what demo_model serves
@@ -90,10 +102,20 @@ def run_demo(*, device: torch.device | str | None = None, workload: Workload | N
                                       max_tokens=workload.max_requests * workload.max_seq_len, kv_format=kv_format,
                                       indexer_format=indexer_format, page_tokens=workload.page_tokens,
                                       step_tokens=workload.step_tokens, max_seq_len=workload.max_seq_len)
-    result = DemoResult(workload, str(device), str(dtype).replace("torch.", ""), kv_format, indexer_format,
-                        backend=engine.backend, graphs=any(g.capture for g in engine.runner.graphs.values()))
     g = torch.Generator().manual_seed(seed + 1)
     prompts = [torch.randint(0, config.vocab_size, (n,), generator=g).tolist() for n in workload.prompts]
+    return DemoSetup(engine, oracle, prompts, device, dtype)
+
+
+def run_demo(*, device: torch.device | str | None = None, workload: Workload | None = None, kv_format: str = "fp8",
+             indexer_format: str = "mxfp4", seed: int = 0, progress: bool = True, compare: bool = True) -> DemoResult:
+    device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+    workload = workload or default_workload(device)
+    start = time.perf_counter()
+    setup = build(device=device, workload=workload, kv_format=kv_format, indexer_format=indexer_format, seed=seed)
+    engine, oracle, prompts, dtype = setup.engine, setup.oracle, setup.prompts, setup.dtype
+    result = DemoResult(workload, str(device), str(dtype).replace("torch.", ""), kv_format, indexer_format,
+                        backend=engine.backend, graphs=any(g.capture for g in engine.runner.graphs.values()))
     result.setup_seconds = time.perf_counter() - start
 
     params = SamplingParams(max_new_tokens=workload.new_tokens)
@@ -101,12 +123,8 @@ def run_demo(*, device: torch.device | str | None = None, workload: Workload | N
     total = sum(workload.prompts) + workload.new_tokens * len(prompts)
     with _progress(progress) as bar:
         task = bar.add_task("serving", total=total) if bar else None
-        start, steps = time.perf_counter(), 0
-        while len(ids) < len(prompts) or engine.has_unfinished:
-            if len(ids) < len(prompts) and steps % workload.arrival_every == 0:
-                ids.append(engine.add_request(prompts[len(ids)], params))
-            engine.step()
-            steps += 1
+        start = time.perf_counter()
+        for steps in serve(engine, prompts, params, workload.arrival_every, ids):
             if engine.cache.tokens_held > result.peak_tokens:
                 result.peak_tokens, result.memory = engine.cache.tokens_held, memory_by_kind(engine.cache)
             if bar:
@@ -131,6 +149,21 @@ def run_demo(*, device: torch.device | str | None = None, workload: Workload | N
             result.near_ties += int(((chosen != best) & (best - chosen <= NEAR_TIE)).sum())
             result.compared += len(tokens)
     return result
+
+
+def serve(engine: Engine, prompts: list[list[int]], params: SamplingParams, arrival_every: int,
+          ids: list[int] | None = None):
+    """Serve `prompts` to completion, one arriving every `arrival_every` steps (the first before step 1); yields
+    the number of steps run after each one. Request ids are appended to `ids` as the requests arrive."""
+    ids = [] if ids is None else ids
+    added, steps = 0, 0
+    while added < len(prompts) or engine.has_unfinished:
+        if added < len(prompts) and steps % arrival_every == 0:
+            ids.append(engine.add_request(prompts[added], params))
+            added += 1
+        engine.step()
+        steps += 1
+        yield steps
 
 
 def memory_by_kind(cache: CacheManager) -> dict[str, tuple[int, int, int]]:

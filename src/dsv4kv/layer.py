@@ -318,6 +318,9 @@ class DSV4Attention(nn.Module):
 
         state_rows, picks = [], None
         entries = max(plan.max_seq_len // spec.ratio, 1) if spec.compressed else None  # per-row bound, host-known
+        # the score rows' width: a multiple of 16, so the indexer and top-k kernels see the same alignment class at
+        # every step (Triton compiles a variant per class of an int argument; the eager steps' bound moves)
+        columns = -(-entries // 16) * 16 if spec.compressed else None
         if spec.compressed:
             csa = spec.kind is LayerKind.CSA
             entry_cos_sin = plan.derived(("entry rope", spec.rope, spec.ratio),
@@ -341,12 +344,12 @@ class DSV4Attention(nn.Module):
                 q_index, weights = indexer_query_and_weights(p.index_q, p.index_weights, *cos_sin, index_layout,
                                                              scale=g.index_n_heads ** -0.5)
                 scores = indexer_scores_paged(q_index, weights, plan, layer_cache.index_keys, index_layout,
-                                              ratio=spec.ratio, page_tokens=page_tokens, max_entries=entries)
+                                              ratio=spec.ratio, page_tokens=page_tokens, max_entries=columns)
                 visible = plan.derived(("visible", spec.ratio),
                                        lambda: torch.clamp((positions + 1) // spec.ratio, min=0).to(torch.int32))
                 # top-k leaves its workspace zeroed, so one serves every CSA layer of the step
-                workspace = plan.derived(("topk workspace", entries, g.index_topk),
-                                         lambda: topk_workspace(rows, entries, g.index_topk, q.device))
+                workspace = plan.derived(("topk workspace", columns, g.index_topk),
+                                         lambda: topk_workspace(rows, columns, g.index_topk, q.device))
                 picks = topk_indices(scores, visible, g.index_topk, workspace=workspace)
         out = sparse_attention_paged(q, plan, sinks=self.sinks, scale=g.head_dim ** -0.5, layout=main, window=g.window,
                                      window_pool=layer_cache.window, step_kv=step_kv,

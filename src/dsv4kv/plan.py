@@ -105,8 +105,13 @@ class StepPlan:
                 f"rows={self.positions.shape[0]}, new entries {{{entries}}}, device={self.positions.device})")
 
 
+FIELD_ALIGN = 16  # int32s: every field starts on a 64-byte boundary
+
+
 class _Fields:
-    """Offsets of each field in the flat int32 buffer, for given capacities."""
+    """Offsets of each field in the flat int32 buffer, for given capacities. Each field starts on a multiple of
+    FIELD_ALIGN: Triton specializes a kernel on whether each pointer is 16-byte aligned, so fields packed back to
+    back would move in and out of alignment with the step's token count and cost a compilation per variant."""
 
     def __init__(self, tokens: int, requests: int, entries: dict[int, int], snapshots: bool = False):
         self.tokens, self.requests, self.entries = tokens, requests, dict(entries)
@@ -120,7 +125,7 @@ class _Fields:
         start = 0
         for name, size in sizes:
             self.offsets[name] = (start, size)
-            start += size
+            start += -(-size // FIELD_ALIGN) * FIELD_ALIGN
         self.total = start
 
     def view(self, buffer, name):

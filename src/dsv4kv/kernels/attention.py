@@ -288,7 +288,9 @@ def _key_rows(blk, o_j, block, pos, n_win, n_win_blocks, start, q_lo, p_ring, p_
     return p_data, p_scale, valid, unread
 
 
-@triton.jit
+# The step's row count and the split count change from step to step (eager steps) and between graph sizes: plain
+# runtime ints, so Triton neither compiles a variant per value class (== 1, % 16) nor bakes them in.
+@triton.jit(do_not_specialize=["step_entries", "splits"])
 def _sparse_attention_kernel(
         p_q, p_sinks, p_out, p_ws,  # q [R, H, D], sinks fp32 [H], out fp32 [R, H, D], workspace fp32 [R, S, H, D+2]
         p_positions, p_token_request, p_request_slots, p_query_start, p_seq_lens, p_block_table, bt_stride,
@@ -383,7 +385,7 @@ def _sparse_attention_kernel(
         tl.store(p_out + (i_t.to(tl.int64) * H + i_h * BLOCK_H) * D + o_hd, acc / l_i[:, None], mask=m_h[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["splits"])
 def _merge_kernel(p_ws, p_sinks, p_out, p_positions, n_picks, H, splits, RATIO: tl.constexpr, WINDOW: tl.constexpr,
                   D: tl.constexpr, ENTRIES: tl.constexpr, BLOCK_N: tl.constexpr, MERGE_S: tl.constexpr):
     """One program per (token row, head): merges the row's splits that hold keys (the first ceil(blocks /

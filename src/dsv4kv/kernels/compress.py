@@ -69,7 +69,7 @@ def _compress_tile(overlap: bool, main: bool, span: int, count: int) -> tuple[in
     return program_rows(count, block_e), chunk, warps
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["count"])  # entries completing this step: one compilation for all
 def _compress_kernel(kv_rows_ptr, logit_rows_ptr, state_kv_ptr, state_logit_ptr, norm_ptr, cos_ptr, sin_ptr,
                      slots_ptr, request_ptr, index_ptr, request_slots_ptr, query_start_ptr, seq_lens_ptr,
                      pool_ptr, count, page_bytes, entries, h_scale, eps,

@@ -27,7 +27,7 @@ Two kernels compute the same function; the wrapper picks one from host facts onl
 the request count; `stack_rows=` overrides), so a captured CUDA graph replays either correctly over any
 later plan. Both split each MMA into two K = D/2 halves (a byte's low / high nibbles for MXFP4).
 
-Row kernel (decode: about one row per request). Grid (row, chunk of BLOCK_J * ITERS entries): a program
+Row kernel (decode: about one row per request). Grid (row, chunk of BLOCK_J * iters entries): a program
 loads q[t] ([H, D] = [64, 128] for V4, as bf16 q^T) and the head weights once, then per iteration decodes
 [BLOCK_J, D] keys in registers and runs a [BLOCK_J, D] x [D, H] MMA (the keys are the A operand so the
 decoded registers feed it directly). Decode (R small, J up to 2^18) gets its parallelism from the chunks.
@@ -39,7 +39,7 @@ are zero), and ReLU, the head weights and the sum over heads are applied per row
 view of the accumulator. Rows are in request order, so a block holds one request except at a chunk
 boundary; a block holding k requests runs k segments in a device-side loop (no host sync; any row order
 works), each over the entries its rows see. Per key value the decode (~6 CUDA-core ops) is shared by
-BLOCK_T * H MMA columns instead of H, and q is loaded once per segment for up to BLOCK_T x BLOCK_J * ITERS
+BLOCK_T * H MMA columns instead of H, and q is loaded once per segment for up to BLOCK_T x BLOCK_J * iters
 (row, entry) pairs. The products and their fp32 accumulation are those of the row kernel (equal results
 up to summation order: bit-identical in most scores under the interpreter).
 
@@ -166,13 +166,13 @@ def _indexer_scores_kernel(
     block_table_ptr,  # int32 [max_requests, table_stride]
     pool_ptr,  # uint8 [pages, PAGE_BYTES]
     out_ptr,  # fp32 [R, num_entries]
-    num_heads, num_entries, table_stride, score_scale,
+    num_heads, num_entries, table_stride, score_scale, chunk,
     FORMAT: tl.constexpr, RATIO: tl.constexpr, D: tl.constexpr, P: tl.constexpr, PAGE_BYTES: tl.constexpr,
     DATA_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_J: tl.constexpr, ITERS: tl.constexpr, FILL_J: tl.constexpr, DOT: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_J: tl.constexpr, FILL_J: tl.constexpr, DOT: tl.constexpr,
     FILL: tl.constexpr,
 ):
-    """The row kernel: one token row, one chunk of BLOCK_J * ITERS entries."""
+    """The row kernel: one token row, one chunk of `chunk` entries (a multiple of BLOCK_J)."""
     i_t, i_c = tl.program_id(0), tl.program_id(1)
     t = i_t.to(tl.int64)
     position = tl.load(positions_ptr + i_t)
@@ -180,8 +180,8 @@ def _indexer_scores_kernel(
     slot = tl.load(request_slots_ptr + request, mask=request >= 0, other=-1)
     visible = tl.where((position >= 0) & (slot >= 0), (position + 1) // RATIO, 0)
     visible = tl.minimum(visible, num_entries)
-    chunk_lo = i_c * (BLOCK_J * ITERS)
-    chunk_hi = tl.minimum(chunk_lo + BLOCK_J * ITERS, num_entries)
+    chunk_lo = i_c * chunk
+    chunk_hi = tl.minimum(chunk_lo + chunk, num_entries)
     p_out = out_ptr + t * num_entries
 
     if chunk_lo < visible:  # chunks wholly past visible(t) (and padding rows) never load q
@@ -209,7 +209,7 @@ def _indexer_scores_kernel(
                  mask=(o_f >= fill_lo) & (o_f < chunk_hi), cache_modifier=".cs")
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows"])  # a step's token count: one compilation for all
 def _indexer_scores_stacked_kernel(
     q_ptr,  # fp32 [R, H, D]
     w_ptr,  # fp32 [R, H]
@@ -217,13 +217,13 @@ def _indexer_scores_stacked_kernel(
     block_table_ptr,  # int32 [max_requests, table_stride]
     pool_ptr,  # uint8 [pages, PAGE_BYTES]
     out_ptr,  # fp32 [R, num_entries]
-    num_rows, num_heads, num_entries, table_stride, score_scale,
+    num_rows, num_heads, num_entries, table_stride, score_scale, chunk,
     FORMAT: tl.constexpr, RATIO: tl.constexpr, D: tl.constexpr, P: tl.constexpr, PAGE_BYTES: tl.constexpr,
     DATA_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr, BLOCK_T: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_J: tl.constexpr, ITERS: tl.constexpr, FILL_J: tl.constexpr, DOT: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_J: tl.constexpr, FILL_J: tl.constexpr, DOT: tl.constexpr,
     FILL: tl.constexpr,
 ):
-    """The stacked kernel: BLOCK_T consecutive token rows, one chunk of BLOCK_J * ITERS entries."""
+    """The stacked kernel: BLOCK_T consecutive token rows, one chunk of `chunk` entries (a multiple of BLOCK_J)."""
     i_b, i_c = tl.program_id(0), tl.program_id(1)
     o_t = i_b * BLOCK_T + tl.arange(0, BLOCK_T)
     m_t = o_t < num_rows
@@ -232,8 +232,8 @@ def _indexer_scores_stacked_kernel(
     slot = tl.load(request_slots_ptr + request, mask=request >= 0, other=-1)
     visible = tl.where((position >= 0) & (slot >= 0), (position + 1) // RATIO, 0)
     visible = tl.minimum(visible, num_entries)  # [BLOCK_T]
-    chunk_lo = i_c * (BLOCK_J * ITERS)
-    chunk_hi = tl.minimum(chunk_lo + BLOCK_J * ITERS, num_entries)
+    chunk_lo = i_c * chunk
+    chunk_hi = tl.minimum(chunk_lo + chunk, num_entries)
     p_out = out_ptr + o_t.to(tl.int64) * num_entries  # [BLOCK_T]
 
     o_h = tl.arange(0, BLOCK_H)
@@ -358,7 +358,9 @@ def indexer_scores_paged(q: torch.Tensor, weights: torch.Tensor, plan, key_pool:
         layout: `dsv4kv.layout.indexer_layout("mxfp4" | "fp8" | "bf16", D)`.
         ratio: the layer's compression ratio; page_tokens: original tokens per block (a multiple of ratio).
         out: optional fp32 [R, J] contiguous, overwritten entirely (for CUDA-graph capture).
-        max_entries: J when `out` is not given; default block_table.shape[1] * page_tokens // ratio.
+        max_entries: J when `out` is not given; default block_table.shape[1] * page_tokens // ratio. Triton
+            specializes the kernels on J (== 1, a multiple of 16): a caller whose J changes from call to call keeps
+            one compiled kernel by rounding it up to a multiple of 16 (the columns past visible(t) cost nothing).
         stack_rows: True = the stacked (prefill) kernel, False = the row (decode) kernel, None = the stacked
             one when the plan's requests average at least two rows (`plan.num_tokens`, `plan.request_ids`:
             host facts, so a captured graph replays correctly whatever the later plans hold).
@@ -413,15 +415,18 @@ def indexer_scores_paged(q: torch.Tensor, weights: torch.Tensor, plan, key_pool:
     args = (q, weights, plan.positions, plan.token_request, plan.request_slots, plan.block_table, key_pool, out)
     if _stacked(plan) if stack_rows is None else stack_rows:
         block_t, block_j, iters, num_warps, num_stages = _stack_config(rows, entries, block_h, device)
-        chunk = block_j * iters
+        chunk = block_j * iters  # a runtime int (a multiple of 16 for Triton): no compilation per chunk size
         grid = (triton.cdiv(rows, block_t), triton.cdiv(entries, chunk))
         _indexer_scores_stacked_kernel[grid](
-            *args, rows, heads, entries, plan.block_table.stride(0), dim ** -0.5, **common, BLOCK_T=block_t,
-            BLOCK_J=block_j, ITERS=iters, FILL_J=min(chunk, max(block_j, _FILL_ELEMS // block_t)),
+            *args, rows, heads, entries, plan.block_table.stride(0), dim ** -0.5, chunk, **common, BLOCK_T=block_t,
+            BLOCK_J=block_j, FILL_J=min(chunk, max(block_j, _FILL_ELEMS // block_t)) if fill else block_j,
             num_warps=num_warps, num_stages=num_stages)
     else:
         block_j, iters, num_warps = _config(rows, entries, device)
-        grid = (rows, triton.cdiv(entries, block_j * iters))
-        _indexer_scores_kernel[grid](*args, heads, entries, plan.block_table.stride(0), dim ** -0.5, **common,
-                                     BLOCK_J=block_j, ITERS=iters, FILL_J=block_j * iters, num_warps=num_warps)
+        chunk = block_j * iters
+        grid = (rows, triton.cdiv(entries, chunk))
+        # FILL_J (the chunk, a tile shape) matters only with fill: without, one kernel serves every chunk size
+        _indexer_scores_kernel[grid](*args, heads, entries, plan.block_table.stride(0), dim ** -0.5, chunk,
+                                     **common, BLOCK_J=block_j, FILL_J=chunk if fill else block_j,
+                                     num_warps=num_warps)
     return out

@@ -85,14 +85,18 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+def _programs(device: torch.device) -> int:
+    """Programs per phase the split aims for; also the most splits a row can get."""
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return PROGRAMS_PER_SM * _sm_count(index)
+    return _CPU_PROGRAMS
+
+
 def _split(rows: int, cols: int, device: torch.device) -> tuple[int, int, int]:
     """(splits S, chunk columns, tile columns) for a [rows, cols] problem: about two programs per SM per phase."""
     block = _BLOCK["cuda" if device.type == "cuda" else "cpu"]
-    if device.type == "cuda":
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        programs = PROGRAMS_PER_SM * _sm_count(index)
-    else:
-        programs = _CPU_PROGRAMS
+    programs = _programs(device)
     splits = max(1, min(-(-programs // max(rows, 1)), -(-cols // block)))
     chunk = max(1, -(-(-(-cols // splits)) // block)) * block
     return max(1, -(-cols // chunk)), chunk, block
@@ -121,7 +125,8 @@ def topk_indices(scores: torch.Tensor, lengths: torch.Tensor, k: int, *, out: to
                  workspace: torch.Tensor | None = None) -> torch.Tensor:
     """Top-k columns of each row -> int32 [R, k]: ascending column order, -1 past min(k, candidates).
 
-    scores: fp32 [R, J] contiguous; lengths: int32 [R], row r's candidates are columns < lengths[r]
+    scores: fp32 [R, J] contiguous (Triton specializes on J == 1 / a multiple of 16: a J that changes from call to
+    call is best rounded up to a multiple of 16); lengths: int32 [R], row r's candidates are columns < lengths[r]
     (clamped to [0, J]) with a score other than -inf; k: 1..2048; out: int32 [R, k] (allocated when None);
     workspace: from `topk_workspace(R, J, k, device)` (allocated when None), counters and histograms zero on
     entry (every call leaves them so).
@@ -150,7 +155,9 @@ def topk_indices(scores: torch.Tensor, lengths: torch.Tensor, k: int, *, out: to
     capacity = (width - _HEADER - _BINS * splits) // 2
     select = _select_block(k, device)
     args = (scores, lengths, workspace, out, cols, width, chunk, splits, capacity, k)
-    meta = dict(BLOCK=block, SPLITS=triton.next_power_of_2(splits), SELECT=select,
+    # SPLITS (the width of the per-chunk count vector) is the device's bound, not this call's S, and S is a plain
+    # runtime int (do_not_specialize): S follows the row count, so it would otherwise compile a kernel per step shape
+    meta = dict(BLOCK=block, SPLITS=triton.next_power_of_2(_programs(device)), SELECT=select,
                 num_warps=4 if select <= 1024 else 8)
     if FUSED:
         _topk_kernel[(rows, 3 * splits + 1)](*args, PHASE=-1, **meta)
@@ -342,7 +349,7 @@ if triton is not None:
             o_o = start + tl.arange(0, BLOCK)
             tl.store(p_out + o_o, tl.full([BLOCK], -1, tl.int32), mask=(o_o >= written) & (o_o < k))
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["S"])
     def _topk_kernel(scores_ptr, lengths_ptr, ws_ptr, out_ptr, J, W, CHUNK, S, CAP, k, BLOCK: tl.constexpr,
                      SPLITS: tl.constexpr, SELECT: tl.constexpr, PHASE: tl.constexpr):
         """Row i_r. PHASE -1: one launch of 3S + 1 programs per row, the role from a ticket; 0..3: that phase

@@ -45,7 +45,8 @@ def check_main_layout(layout: EntryLayout, rope: RopeSpec) -> None:
 KV_INSERT_TILE = (16, 4)
 
 
-@triton.jit
+# n, page_bytes and entries follow the step's row count (the engine encodes a step's kv into a page of its own)
+@triton.jit(do_not_specialize=["n", "page_bytes", "entries"])
 def _kv_insert_kernel(kv_ptr, cos_ptr, sin_ptr, slots_ptr, pool_ptr, n, page_bytes, entries,
                       NB: tl.constexpr, FP8: tl.constexpr, DATA_BYTES: tl.constexpr,
                       SCALE_BYTES: tl.constexpr, BLOCK_R: tl.constexpr):
@@ -97,7 +98,7 @@ def kv_insert(kv: torch.Tensor, positions: torch.Tensor, rope: RopeSpec, layout:
         enable_fp_fusion=False, num_warps=warps)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["src_page_bytes", "src_entries"])  # the step page: the step's row count
 def _copy_entries_kernel(src_ptr, src_page_bytes, src_entries, dst_ptr, dst_page_bytes, dst_entries, slots_ptr,
                          DATA_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
