@@ -692,15 +692,21 @@ CHAT_QUICK = ChatSizes(shared=1024, suffix=64, requests=8, new_tokens=16)
 def chat(ctx: Context) -> None:
     """Every request is queued at once and served to the end by one engine, with prefix caching off and then on.
     The step budget is the shared prompt: with caching on, the first request computes it in the first step and
-    every later admission hits it. Greedy outputs with caching on must equal those with caching off, request by
-    request and token by token, or both figures are refused. On CUDA the model is the demo's (V4-Flash attention
-    geometry, 4 layers, bf16, Triton kernels, CUDA-graph decode steps); elsewhere the demo's tiny model in fp32."""
+    every later admission hits it. On CUDA the model is the demo's (V4-Flash attention geometry, 4 layers, bf16,
+    Triton kernels, CUDA-graph decode steps); elsewhere the demo's tiny model in fp32.
+
+    The check: greedy outputs with caching on against caching off, request by request. A hit is bit-identical only
+    to the same step shapes (tests/test_engine_prefix.py), and here the two runs compute the shared prompt in
+    different steps; in fp32 (CPU) they agree anyway, in bf16 a near tie may fork. So a request whose tokens differ
+    passes only where the fork is a near tie by the fp32 oracle (`engine.reference.fork`: within twice the bf16
+    model's own logit error), and any other fork refuses both figures."""
     from ..demo import demo_model
     from ..engine import Engine, SamplingParams
+    from ..engine.reference import fork
 
     sizes = CHAT_QUICK if ctx.quick else CHAT
     cuda = ctx.device.type == "cuda"
-    _, model = demo_model("flash" if cuda else "tiny", ctx.device, seed=0)
+    oracle, model = demo_model("flash" if cuda else "tiny", ctx.device, seed=0)
     page_tokens = 1024 if cuda else 128
     require(sizes.shared % page_tokens == 0, f"chat: the shared prompt ({sizes.shared}) is not whole blocks")
     gen = torch.Generator().manual_seed(11)
@@ -728,11 +734,16 @@ def chat(ctx: Context) -> None:
         runs[caching] = (outputs, time.perf_counter() - start, engine.stats)
         del engine
         _free()
-    differ = [i for i, (a, b) in enumerate(zip(runs[False][0], runs[True][0])) if a.token_ids != b.token_ids]
-    passed = not differ
-    check = (f"greedy tokens with caching on equal caching off: {sizes.requests} of {sizes.requests} requests"
-             if passed else f"greedy tokens with caching on DIFFER from caching off in {len(differ)} of "
-                            f"{sizes.requests} requests (first: request {differ[0]})")
+    forks = {i: fork(oracle, model, prompts[i], a.token_ids, b.token_ids)
+             for i, (a, b) in enumerate(zip(runs[False][0], runs[True][0])) if a.token_ids != b.token_ids}
+    wrong = [i for i, f in forks.items() if not f.near_tie]
+    passed = not wrong
+    check = f"greedy tokens with caching on equal caching off in {sizes.requests - len(forks)} of {sizes.requests} requests"
+    if forks:
+        worst = max(forks.values(), key=lambda f: f.gap / f.bound)
+        check += (f"; {len(forks) - len(wrong)} fork at a near tie by the fp32 oracle, {len(wrong)} beyond one "
+                  f"(worst: gap {worst.gap:.3f} against a bound of {worst.bound:.3f}, at generated token "
+                  f"{worst.position})")
     params_ = {"shared": sizes.shared, "suffix": sizes.suffix, "requests": sizes.requests,
                "new_tokens": sizes.new_tokens, "page_tokens": page_tokens, "step_tokens": sizes.shared}
     for caching in (False, True):

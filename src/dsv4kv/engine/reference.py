@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import copy
 import functools
+from dataclasses import dataclass
 
 import torch
 
-__all__ = ["tiny_config", "flash_config", "random_model", "with_dtype", "reference_logits"]
+__all__ = ["tiny_config", "flash_config", "random_model", "with_dtype", "reference_logits", "Fork", "fork"]
 
 
 def tiny_config(**overrides):
@@ -105,15 +106,48 @@ def with_dtype(model, dtype: torch.dtype):
 
 
 @torch.no_grad()
-def reference_logits(model, token_ids) -> torch.Tensor:
+def reference_logits(model, token_ids, last: int = 0) -> torch.Tensor:
     """transformers' one forward over a whole sequence, teacher-forced: fp32 logits [L, vocab], row t predicting
-    token t + 1. The sliding-window causal mask is passed explicitly (SPEC section 4: without a mask tensor its
-    CSA layers attend to every compressed entry)."""
+    token t + 1 (`last` > 0: only the last that many rows). The sliding-window causal mask is passed explicitly
+    (SPEC section 4: without a mask tensor its CSA layers attend to every compressed entry)."""
     ids = torch.as_tensor(token_ids, dtype=torch.long, device=model.lm_head.weight.device)[None]
     length = ids.shape[1]
     i = torch.arange(length, device=ids.device)
     allowed = (i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < model.config.sliding_window)
     dtype = model.model.embed_tokens.weight.dtype
     mask = torch.where(allowed, 0.0, float("-inf")).to(dtype)[None, None]
-    out = model(input_ids=ids, attention_mask={"sliding_attention": mask}, use_cache=False)
+    out = model(input_ids=ids, attention_mask={"sliding_attention": mask}, use_cache=False, logits_to_keep=last)
     return out.logits[0].float()
+
+
+@dataclass
+class Fork:
+    """Where two greedy continuations of one prompt first differ, judged by the fp32 oracle."""
+
+    position: int  # index of the first differing generated token
+    gap: float  # |oracle logit of one token - of the other| at that position
+    bound: float  # max(margin, 2 d): d = the bf16 model's largest logit error on positions 0 .. position
+
+    @property
+    def near_tie(self) -> bool:
+        return self.gap <= self.bound
+
+
+def fork(oracle, served, prompt: list[int], a: list[int], b: list[int], margin: float = 0.05) -> Fork | None:
+    """Two greedy continuations a, b of `prompt` that were computed in bf16 along different paths (other step
+    shapes, a cache hit instead of a prefill): None if equal, else where they first differ, k, and whether that is
+    a near tie. Teacher-forced over prompt + a[:k], the fp32 `oracle` scores both tokens at k; they count as tied
+    when within max(margin, 2 d), d being the largest |bf16 - fp32| logit error of `served` (the bf16 model) over the
+    generated positions 0..k: two bf16 computations that round differently may each be off by d, so either may
+    pick a token up to 2 d below the other's. A fork beyond that is a computation error, not rounding."""
+    k = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+    if k is None:
+        if len(a) != len(b):
+            raise ValueError(f"continuations of different lengths ({len(a)}, {len(b)}) agree up to the shorter")
+        return None
+    sequence = list(prompt) + list(a[:k])
+    exact = reference_logits(oracle, sequence, last=k + 1)
+    bf16 = reference_logits(served, sequence, last=k + 1)
+    d = float((bf16 - exact).abs().max())
+    gap = abs(float(exact[-1, a[k]] - exact[-1, b[k]]))
+    return Fork(k, gap, max(margin, 2 * d))

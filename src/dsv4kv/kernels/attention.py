@@ -347,29 +347,19 @@ def _sparse_attention_kernel(
     q_lo = tl.load(p_query_start + b)
     start = tl.load(p_seq_lens + b) - (tl.load(p_query_start + b + 1) - q_lo)  # history before the step
 
-    # One loop over the split's blocks, window blocks first. The key addresses are software-pipelined by hand: a
-    # block's entry pages are loaded one iteration ahead and its picks two ahead, so the dependent chain
-    # picks -> block table -> keys has a block's arithmetic in which to arrive. The keys themselves are loaded in
-    # the iteration: carried uint8 codes would take a register per byte.
+    # One loop over the split's blocks, window blocks first (both address forms in one body, `_key_rows`).
     p_ring = p_win + slot.to(tl.int64) * win_page_bytes
     p_bt_row = p_block_table + slot.to(tl.int64) * bt_stride
     p_picks_row = p_picks + i_t.to(tl.int64) * n_picks
-    ids = _entry_ids(b_lo, p_picks_row, n_win_blocks, n_ent, ENTRIES, BLOCK_N)
-    p_data, p_scale, valid, unread = _key_rows(
-        b_lo, ids, _entry_blocks(ids, p_bt_row, ENT_PER_PAGE, ENTRIES), pos, n_win, n_win_blocks, start,
-        q_lo, p_ring, p_step, step_entries, p_ent, ent_page_bytes, ENT_PER_PAGE, WINDOW, DATA_BYTES, SCALE_BYTES,
-        ENTRIES, BLOCK_N)
-    ids_1 = _entry_ids(b_lo + 1, p_picks_row, n_win_blocks, n_ent, ENTRIES, BLOCK_N)
     for blk in range(b_lo, b_hi):
+        ids = _entry_ids(blk, p_picks_row, n_win_blocks, n_ent, ENTRIES, BLOCK_N)
+        p_data, p_scale, valid, unread = _key_rows(
+            blk, ids, _entry_blocks(ids, p_bt_row, ENT_PER_PAGE, ENTRIES), pos, n_win, n_win_blocks, start, q_lo,
+            p_ring, p_step, step_entries, p_ent, ent_page_bytes, ENT_PER_PAGE, WINDOW, DATA_BYTES, SCALE_BYTES,
+            ENTRIES, BLOCK_N)
         k_code, k_exp, k_rope = _load_keys(p_data, p_scale, valid & ~unread, D, NOPE)
-        blocks_1 = _entry_blocks(ids_1, p_bt_row, ENT_PER_PAGE, ENTRIES)
-        ids_2 = _entry_ids(blk + 2, p_picks_row, n_win_blocks, n_ent, ENTRIES, BLOCK_N)
         b_k = _decode_keys(k_code, k_exp, k_rope, D, NOPE, BLOCK_N)
         m_i, l_i, acc = _attend(b_q_hi, b_q_lo, b_k, valid, unread, m_i, l_i, acc, qk_scale, Q_SPLIT, DOT_F32)
-        p_data, p_scale, valid, unread = _key_rows(
-            blk + 1, ids_1, blocks_1, pos, n_win, n_win_blocks, start, q_lo, p_ring, p_step, step_entries, p_ent,
-            ent_page_bytes, ENT_PER_PAGE, WINDOW, DATA_BYTES, SCALE_BYTES, ENTRIES, BLOCK_N)
-        ids_1 = ids_2
 
     # the epilogue's offsets are built here from the row's base pointer, so no [BLOCK_H, D] offset tensor stays
     # live across the key loops (it would hold as many registers as acc)
