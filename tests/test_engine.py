@@ -86,6 +86,22 @@ def test_sampling_follows_the_distribution_within_top_k_and_top_p():
     assert counts[3:].sum() == 0 and counts[2] > 0
 
 
+def test_a_sampled_row_does_not_depend_on_the_other_rows():
+    """Rows are sampled together (one softmax, sort and search over the batch); each row's token equals the one it
+    gets alone, for mixed temperatures, top-k, top-p and greedy rows, with generators seeded alike."""
+    logits = torch.randn(7, 1009, generator=torch.Generator().manual_seed(2)) * 3
+    params = [SamplingParams(temperature=0.7, seed=1), SamplingParams(), SamplingParams(temperature=1.3, top_k=5),
+              SamplingParams(temperature=1.0, top_p=0.9), SamplingParams(temperature=0.2, top_k=40, top_p=0.5),
+              SamplingParams(temperature=2.0), SamplingParams(temperature=1.0, top_k=1009, top_p=0.999)]
+    for trial in range(20):
+        seeds = [100 * trial + r for r in range(len(params))]
+        together = sample(logits, params, [torch.Generator().manual_seed(s) for s in seeds])
+        alone = [sample(logits[r:r + 1], params[r:r + 1], [torch.Generator().manual_seed(seeds[r])])[0]
+                 for r in range(len(params))]
+        assert together == alone
+        assert together[1] == int(logits[1].argmax())
+
+
 def test_sampler_refuses_half_precision_logits():
     with pytest.raises(ValueError, match="float32"):
         sample(torch.zeros(1, 8, dtype=torch.bfloat16), [SamplingParams()], [None])
