@@ -152,7 +152,8 @@ def _git(cwd, *args):
 @pytest.mark.skipif(shutil.which("git") is None, reason="git is not installed")
 def test_commit_stamp_trusts_only_the_projects_own_checkout(tmp_path, monkeypatch):
     """A copy of the project without .git inside another repository is stamped "unknown", not with that
-    repository's commit; the project's own checkout is stamped with its commit; DSV4KV_COMMIT overrides both."""
+    repository's commit; the project's own checkout is stamped with its commit, "+dirty" once a tracked file
+    differs from it; DSV4KV_COMMIT overrides both."""
     monkeypatch.delenv("DSV4KV_COMMIT", raising=False)
     outer = tmp_path / "outer"
     copy = outer / "vendor" / "dsv4kv"
@@ -167,6 +168,8 @@ def test_commit_stamp_trusts_only_the_projects_own_checkout(tmp_path, monkeypatc
     _git(copy, "commit", "-q", "-m", "own")
     assert source_commit(str(copy)) == _git(copy, "rev-parse", "--short", "HEAD") != _git(outer, "rev-parse", "--short",
                                                                                           "HEAD")
+    (copy / "pyproject.toml").write_text("[project]\nname = 'dsv4kv-edited'\n")  # what runs is not HEAD
+    assert source_commit(str(copy)) == _git(copy, "rev-parse", "--short", "HEAD") + "+dirty"
     assert source_commit(str(tmp_path / "nowhere")) == "unknown"
     monkeypatch.setenv("DSV4KV_COMMIT", "abc1234")
     assert source_commit(str(copy)) == "abc1234"

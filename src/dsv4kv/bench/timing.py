@@ -103,16 +103,18 @@ def _git(root: str, *args: str) -> str:
 
 
 def source_commit(root: str = _PROJECT_ROOT) -> str:
-    """The commit of the checkout at `root`, or "unknown". Git is trusted only when `root` is itself the top
-    of a work tree: a copy of the project without .git inside another repository (or an installed package
-    inside one) would otherwise be stamped with that repository's commit. DSV4KV_COMMIT overrides git."""
+    """The commit of the checkout at `root`, "<commit>+dirty" when tracked files differ from it (what ran is not
+    that commit), or "unknown". Git is trusted only when `root` is itself the top of a work tree: a copy of the
+    project without .git inside another repository (or an installed package inside one) would otherwise be
+    stamped with that repository's commit. DSV4KV_COMMIT overrides git."""
     if os.environ.get("DSV4KV_COMMIT"):
         return os.environ["DSV4KV_COMMIT"]
     try:
         top = _git(root, "rev-parse", "--show-toplevel")
         if os.path.realpath(top) != os.path.realpath(root):
             return "unknown"
-        return _git(root, "rev-parse", "--short", "HEAD")
+        head = _git(root, "rev-parse", "--short", "HEAD")
+        return head + "+dirty" if _git(root, "status", "--porcelain", "--untracked-files=no") else head
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
 
