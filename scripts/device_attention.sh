@@ -9,5 +9,5 @@ nvidia-smi -L | tee $OUT/machine.txt
 python3 -c "import torch, triton, flash_mla; print('torch', torch.__version__, 'triton', triton.__version__, 'flash_mla', flash_mla.__version__)" | tee -a $OUT/machine.txt
 case "${1:-variants}" in
   variants) python3 scripts/attention_variants.py ${OLD:+--old $OLD} ${QUICK:+--quick} 2>&1 | tee $OUT/variants.txt ;;
-  tests) python3 -m pytest tests/test_kernel_attention.py -q -x -s 2>&1 | tee $OUT/pytest-attention.txt ;;
+  tests) python3 -m pytest tests/test_kernel_attention.py -o addopts="" -q -x -s 2>&1 | tee $OUT/pytest-attention.txt ;;
 esac

@@ -142,11 +142,10 @@ def _dequant_fp8(b_code, b_exp):
 
 
 @triton.jit
-def _load_keys(p_data, p_scale, mask, D: tl.constexpr, NOPE: tl.constexpr):
-    """Issues the loads of the keys at data / scale row pointers [BLOCK_N] (0 where ~mask): FP8 entries as e4m3
-    codes uint8 [BLOCK_N, D / 64, 64] (nope chunks; 0 in the rope chunks), ue8m0 codes uint8 [BLOCK_N, D / 64]
-    and the rope dims bf16 [BLOCK_N, D / 64, 64] (0 in the nope chunks); bf16 entries as the tile itself
-    [BLOCK_N, D] (the other two are unused stand-ins). Nothing waits on them here: `_decode_keys` uses them."""
+def _key_tile(p_data, p_scale, mask, D: tl.constexpr, NOPE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Keys of the entries at data / scale row pointers [BLOCK_N] -> bf16 [BLOCK_N, D], exactly their decoded
+    values; 0 where ~mask. FP8 entries are decoded as [BLOCK_N, D / 64, 64] (one ue8m0 scale per 64 nope dims;
+    the rope chunks are the bf16 values after the nope bytes), then viewed as [BLOCK_N, D]."""
     if NOPE > 0:
         C: tl.constexpr = D // 64
         o_c = tl.arange(0, C)
@@ -157,22 +156,12 @@ def _load_keys(p_data, p_scale, mask, D: tl.constexpr, NOPE: tl.constexpr):
         b_exp = tl.load(p_scale[:, None] + o_c[None, :], mask=mask[:, None] & m_nope[None, :], other=127)
         p_rope = (p_data + NOPE).to(tl.pointer_type(tl.bfloat16))  # data rows start at even bytes
         b_rope = tl.load(p_rope[:, None, None] + (o_d - NOPE), mask=m_row & (o_d >= NOPE), other=0.0)
-        return b_code, b_exp, b_rope
+        b_k = tl.where(m_nope[None, :, None], _dequant_fp8(b_code, b_exp), b_rope)
+        b_k = tl.reshape(b_k, (BLOCK_N, D))
     else:
         p_bf16 = p_data.to(tl.pointer_type(tl.bfloat16))
         b_k = tl.load(p_bf16[:, None] + tl.arange(0, D)[None, :], mask=mask[:, None], other=0.0)
-        return b_k, mask, mask
-
-
-@triton.jit
-def _decode_keys(b_code, b_exp, b_rope, D: tl.constexpr, NOPE: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The loads of `_load_keys` -> bf16 [BLOCK_N, D], exactly the keys' decoded values."""
-    if NOPE > 0:
-        m_nope = tl.arange(0, D // 64) < NOPE // 64
-        b_k = tl.where(m_nope[None, :, None], _dequant_fp8(b_code, b_exp), b_rope)
-        return tl.reshape(b_k, (BLOCK_N, D))
-    else:
-        return b_code
+    return b_k
 
 
 @triton.jit
@@ -237,7 +226,7 @@ def _row_blocks(pos, n_picks, splits, RATIO: tl.constexpr, WINDOW: tl.constexpr,
 @triton.jit
 def _entry_ids(blk, p_picks_row, n_win_blocks, n_ent, ENTRIES: tl.constexpr, BLOCK_N: tl.constexpr):
     """Compressed entry indices of key block blk, int64 [BLOCK_N], -1 where none (window blocks, past the row's
-    entries, CSA's -1 picks). CSA reads them from the row's picks: the load is issued, not waited on."""
+    entries, CSA's -1 picks); CSA reads them from the row's picks."""
     j = (blk - n_win_blocks) * BLOCK_N + tl.arange(0, BLOCK_N)
     m = (j >= 0) & (j < n_ent)
     if ENTRIES == 2:
@@ -311,7 +300,6 @@ def _sparse_attention_kernel(
     o_h = i_h * BLOCK_H + tl.arange(0, BLOCK_H)
     m_h = o_h < H
     o_d = tl.arange(0, D)
-    o_n = tl.arange(0, BLOCK_N)
 
     pos = tl.load(p_positions + i_t)
     n_win, n_ent, n_win_blocks, n_blocks, per_split = _row_blocks(pos, n_picks, splits, RATIO, WINDOW, ENTRIES,
@@ -357,8 +345,7 @@ def _sparse_attention_kernel(
             blk, ids, _entry_blocks(ids, p_bt_row, ENT_PER_PAGE, ENTRIES), pos, n_win, n_win_blocks, start, q_lo,
             p_ring, p_step, step_entries, p_ent, ent_page_bytes, ENT_PER_PAGE, WINDOW, DATA_BYTES, SCALE_BYTES,
             ENTRIES, BLOCK_N)
-        k_code, k_exp, k_rope = _load_keys(p_data, p_scale, valid & ~unread, D, NOPE)
-        b_k = _decode_keys(k_code, k_exp, k_rope, D, NOPE, BLOCK_N)
+        b_k = _key_tile(p_data, p_scale, valid & ~unread, D, NOPE, BLOCK_N)
         m_i, l_i, acc = _attend(b_q_hi, b_q_lo, b_k, valid, unread, m_i, l_i, acc, qk_scale, Q_SPLIT, DOT_F32)
 
     # the epilogue's offsets are built here from the row's base pointer, so no [BLOCK_H, D] offset tensor stays
