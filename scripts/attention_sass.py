@@ -25,15 +25,17 @@ from triton.backends.compiler import GPUTarget
 
 POINTERS = {"p_q": "*bf16", "p_sinks": "*fp32", "p_out": "*fp32", "p_ws": "*fp32", "p_positions": "*i32",
             "p_token_request": "*i32", "p_request_slots": "*i32", "p_query_start": "*i32", "p_seq_lens": "*i32",
-            "p_block_table": "*i32", "p_step": "*u8", "p_win": "*u8", "p_ent": "*u8", "p_picks": "*i32"}
+            "p_block_table": "*i32", "p_step": "*u8", "p_win": "*u8", "p_ent": "*u8", "p_picks": "*i32",
+            "p_scratch": "*fp32"}
 DIVISIBLE_BY_16 = {"win_page_bytes", "ent_page_bytes", "n_picks", "H", "bt_stride", "ent_per_page", "page_tokens"}
 TILES = [(64, 64, 8), (64, 32, 8), (16, 32, 4)]  # (BLOCK_H, BLOCK_N, num_warps) of `attention._config`
 
 
-def compile_kernel(kernel, block_h: int, block_n: int, warps: int, csa: bool):
-    """The kernel compiled for sm_90a (runtime ints as i32; constexprs of a V4-Flash CSA or HCA launch)."""
+def compile_kernel(kernel, block_h: int, block_n: int, warps: int, csa: bool, scratch: bool):
+    """The kernel compiled for sm_90a (runtime ints as i32; constexprs of a V4-Flash CSA or HCA launch; scratch:
+    the logits through memory, `attention.QK_SCRATCH`)."""
     consts = dict(RATIO=4 if csa else 128, ENT_PER_PAGE=256 if csa else 8, WINDOW=128, D=512, NOPE=448,
-                  DATA_BYTES=576, SCALE_BYTES=8, ENTRIES=2 if csa else 1, Q_SPLIT=False, DOT_F32=False,
+                  QK_SCRATCH=scratch, DATA_BYTES=576, SCALE_BYTES=8, ENTRIES=2 if csa else 1, Q_SPLIT=False, DOT_F32=False,
                   BLOCK_H=block_h, BLOCK_N=block_n, SPLIT=False)
     names = kernel.arg_names
     signature = {n: "constexpr" if n in consts else POINTERS.get(n, "fp32" if n == "qk_scale" else "i32")
@@ -64,11 +66,12 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--module", default="dsv4kv.kernels.attention")
     ap.add_argument("--mix", type=int, default=0, help="also print the loop's N most frequent opcodes")
+    ap.add_argument("--scratch", action="store_true", help="the logits through memory (attention.QK_SCRATCH)")
     args = ap.parse_args()
     kernel = importlib.import_module(args.module)._sparse_attention_kernel
     for csa in (True, False):
         for block_h, block_n, warps in TILES:
-            compiled = compile_kernel(kernel, block_h, block_n, warps, csa)
+            compiled = compile_kernel(kernel, block_h, block_n, warps, csa, args.scratch)
             with tempfile.TemporaryDirectory() as tmp:
                 ptx, cubin = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.cubin")
                 open(ptx, "w").write(compiled.asm["ptx"])

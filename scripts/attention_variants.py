@@ -20,9 +20,9 @@ from dsv4kv.bench.flashmla import ATTENTION_TOL, QUICK_SHAPES, SHAPES, Case, _fl
 from dsv4kv.bench.timing import time_cuda
 
 DEVICE = torch.device("cuda", 0)
-KNOBS = ("BLOCK_N", "LARGE_BLOCK_N", "NUM_STAGES", "MIN_SPLIT_BLOCKS", "SMALL_BLOCK_H")
+KNOBS = ("BLOCK_N", "LARGE_BLOCK_N", "NUM_STAGES", "MIN_SPLIT_BLOCKS", "SMALL_BLOCK_H", "QK_SCRATCH")
 VARIANTS = [dict(zip(KNOBS, v)) for v in [  # the defaults first
-    (32, 64, 1, 2, 16), (32, 128, 1, 2, 16)]]
+    (32, 64, 1, 2, 16, False), (32, 64, 1, 2, 16, True), (32, 128, 1, 2, 16, True)]]
 
 
 def load_old(path: str):
@@ -90,7 +90,7 @@ def main() -> int:
         table.append(row)
         del case, ref
         torch.cuda.empty_cache()
-    print("\nvariant = BLOCK_N/LARGE_BLOCK_N/NUM_STAGES/MIN_SPLIT_BLOCKS/SMALL_BLOCK_H")
+    print("\nvariant = " + "/".join(KNOBS))
     print(f"{'shape':<14}{'FlashMLA':>10}" + "".join(f"{name[-12:]:>13}" for name in olds)
           + f"{'best':>10}  best variant   best/FlashMLA")
     for r in table:

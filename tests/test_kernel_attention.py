@@ -223,6 +223,17 @@ def test_tile_variants_match_reference(monkeypatch, kv_format, kind, block_h, bl
     assert max(errors.values()) < TOL, errors
 
 
+@pytest.mark.parametrize("kv_format,kind,block_h,splits", [("fp8", "csa", 64, (1, 3)), ("bf16", "hca", 16, (1,))])
+def test_logits_through_scratch_match_reference(monkeypatch, kv_format, kind, block_h, splits):
+    """QK_SCRATCH (the logits of each block through a per-program scratch row, off by default until timed): the
+    same outputs within the tolerance, split or not."""
+    monkeypatch.setattr(attention, "QK_SCRATCH", True)
+    choose = attention._config
+    monkeypatch.setattr(attention, "_config", lambda *a: choose(*a)._replace(block_h=block_h))
+    errors = run_scenario(kv_format, kind, torch.bfloat16, seed=9, splits=splits)
+    assert max(errors.values()) < TOL, errors
+
+
 def test_padding_only_and_keyless_rows_are_zeros_and_out_is_optional():
     """A fresh request's first token (window of one key) next to rows of padding; without `out=` the op allocates."""
     cache = CacheManager(TINY, max_requests=2, max_tokens=300, kv_format="fp8", indexer_format="bf16",

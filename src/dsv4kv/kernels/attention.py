@@ -68,6 +68,13 @@ NUM_STAGES = 1  # 2 stages were slower at every decode shape (more registers, sp
 # dominate its work.
 MIN_SPLIT_BLOCKS = 2
 MERGE_S = 16  # splits a merge program reads at once
+# Round-trip each block's logits through a per-program scratch row in global memory (L2). Triton lays out a dot
+# whose result feeds another dot with all warps along M (rows per warp, for the softmax): with 64 heads over 8
+# warps both warpgroups then compute the whole QK^T. Through memory, QK^T is no longer "chained" and gets the
+# [4, 2] layout: half the QK^T wgmma per warp, 64-key loop 1,679 -> 1,130 SASS instructions, spills 32 -> 0 B
+# (scripts/attention_sass.py), at the price of a 16 KB store, a load and two barriers per block. Off until timed
+# on the GPU (scripts/attention_variants.py toggles it).
+QK_SCRATCH = False
 MERGE_WARPS = 4
 
 _WINDOW_ONLY, _ALL_VISIBLE, _PICKS = 0, 1, 2  # which compressed entries a row attends to
@@ -186,15 +193,23 @@ def _round_bf16(x, DOT_F32: tl.constexpr):
 
 
 @triton.jit
-def _attend(b_q, b_q_lo, b_k, valid, unread, m_i, l_i, acc, qk_scale, Q_SPLIT: tl.constexpr, DOT_F32: tl.constexpr):
+def _attend(b_q, b_q_lo, b_k, valid, unread, m_i, l_i, acc, qk_scale, p_scratch, Q_SPLIT: tl.constexpr,
+            DOT_F32: tl.constexpr, QK_SCRATCH: tl.constexpr):
     """One block of keys b_k bf16 [BLOCK_N, D] (valid [BLOCK_N]; `unread`: picks without a block, whose logits
     are NaN as the reference's reads of slot -1 are) into the running max m_i, sum l_i [BLOCK_H] and
     acc fp32 [BLOCK_H, D] (log2 domain), for bf16 queries b_q [BLOCK_H, D] (Q_SPLIT: b_q + b_q_lo, the two bf16 parts
-    of an fp32 q). The key tile is the B operand of both products (V = K); the weights enter the second in bf16."""
+    of an fp32 q). The key tile is the B operand of both products (V = K); the weights enter the second in bf16.
+    QK_SCRATCH: the logits pass through fp32 [BLOCK_H, BLOCK_N] at p_scratch (module constant QK_SCRATCH)."""
     b_kt = tl.trans(b_k)
     b_s = _dot(b_q, b_kt, tl.zeros([b_q.shape[0], b_k.shape[0]], tl.float32), DOT_F32)
     if Q_SPLIT:
         b_s = _dot(b_q_lo, b_kt, b_s, DOT_F32)
+    if QK_SCRATCH:
+        o_s = tl.arange(0, b_q.shape[0])[:, None] * b_k.shape[0] + tl.arange(0, b_k.shape[0])[None, :]
+        tl.store(p_scratch + o_s, b_s)
+        tl.debug_barrier()  # every warp's logits are written before any warp reads a row
+        b_s = tl.load(p_scratch + o_s)
+        tl.debug_barrier()  # ... and read before the next block overwrites them
     b_s = tl.where(valid[None, :], b_s * qk_scale, float("-inf"))  # [BLOCK_H, BLOCK_N]
     b_s = tl.where(unread[None, :], float("nan"), b_s)
     m_new = tl.maximum(m_i, tl.max(b_s, 1))  # finite: m_i starts at the sink
@@ -286,10 +301,11 @@ def _sparse_attention_kernel(
         p_step, step_entries,  # this step's kv: one page of R entries
         p_win, win_page_bytes,  # the window ring: page = request slot, WINDOW entries
         p_ent, ent_page_bytes,  # compressed entries: ENT_PER_PAGE of ratio RATIO per page
-        p_picks, n_picks, qk_scale, H, splits, RATIO: tl.constexpr, ENT_PER_PAGE: tl.constexpr,
+        p_picks, n_picks, qk_scale, H, splits, p_scratch,  # scratch: fp32 [programs, BLOCK_H * BLOCK_N]
+        RATIO: tl.constexpr, ENT_PER_PAGE: tl.constexpr,
         WINDOW: tl.constexpr, D: tl.constexpr, NOPE: tl.constexpr, DATA_BYTES: tl.constexpr,
         SCALE_BYTES: tl.constexpr, ENTRIES: tl.constexpr, Q_SPLIT: tl.constexpr, DOT_F32: tl.constexpr,
-        BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr):
+        BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, QK_SCRATCH: tl.constexpr):
     """One program per (token row, head block, key split); pools are uint8 pointers. SPLIT: write split
     program_id(2)'s partial softmax to the workspace; else (splits = 1) the row's normalized output. The heads
     of the block are the M dimension of both products, so each key tile is read and decoded once per head
@@ -339,6 +355,8 @@ def _sparse_attention_kernel(
     p_ring = p_win + slot.to(tl.int64) * win_page_bytes
     p_bt_row = p_block_table + slot.to(tl.int64) * bt_stride
     p_picks_row = p_picks + i_t.to(tl.int64) * n_picks
+    program = (i_t.to(tl.int64) * tl.num_programs(1) + i_h) * tl.num_programs(2) + i_s
+    p_scratch_row = p_scratch + program * BLOCK_H * BLOCK_N
     for blk in range(b_lo, b_hi):
         ids = _entry_ids(blk, p_picks_row, n_win_blocks, n_ent, ENTRIES, BLOCK_N)
         p_data, p_scale, valid, unread = _key_rows(
@@ -346,7 +364,8 @@ def _sparse_attention_kernel(
             p_ring, p_step, step_entries, p_ent, ent_page_bytes, ENT_PER_PAGE, WINDOW, DATA_BYTES, SCALE_BYTES,
             ENTRIES, BLOCK_N)
         b_k = _key_tile(p_data, p_scale, valid & ~unread, D, NOPE, BLOCK_N)
-        m_i, l_i, acc = _attend(b_q_hi, b_q_lo, b_k, valid, unread, m_i, l_i, acc, qk_scale, Q_SPLIT, DOT_F32)
+        m_i, l_i, acc = _attend(b_q_hi, b_q_lo, b_k, valid, unread, m_i, l_i, acc, qk_scale, p_scratch_row, Q_SPLIT,
+                                DOT_F32, QK_SCRATCH)
 
     # the epilogue's offsets are built here from the row's base pointer, so no [BLOCK_H, D] offset tensor stays
     # live across the key loops (it would hold as many registers as acc)
@@ -426,7 +445,8 @@ def sparse_attention_paged(q: torch.Tensor, plan: StepPlan, *, sinks: torch.Tens
         picks: int32 / int64 [R, K] entry indices (-1 = none) for CSA; None with an entry pool = every
             visible entry (HCA).
         out: optional fp32 [R, H, D] to write (nothing is allocated then, unless the split path needs a workspace
-            and none is given: CUDA-graph capturable either way, torch's graph pool serves the allocation).
+            and none is given, or QK_SCRATCH is on: CUDA-graph capturable either way, torch's graph pool serves
+            the allocation).
         max_entries: HCA: a host bound on any row's visible entries (e.g. plan.max_seq_len // ratio), used only to
             choose the split count (a row with more entries is still exact); default block_table.shape[1] *
             page_tokens // ratio. Ignored for CSA (K picks) and window-only layers.
@@ -503,6 +523,10 @@ def sparse_attention_paged(q: torch.Tensor, plan: StepPlan, *, sinks: torch.Tens
     if split and workspace is None:
         workspace = torch.empty((rows, config.splits, heads, dim + 2), dtype=torch.float32, device=device)
     grid = (rows, triton.cdiv(heads, config.block_h), config.splits)
+    scratch = out  # an unused stand-in pointer unless QK_SCRATCH
+    if QK_SCRATCH:
+        scratch = torch.empty(grid[0] * grid[1] * grid[2] * config.block_h * config.block_n, dtype=torch.float32,
+                              device=device)
     _sparse_attention_kernel[grid](
         q, sinks, out, workspace if split else out,
         plan.positions, plan.token_request, plan.request_slots, plan.query_start, plan.seq_lens,
@@ -510,11 +534,11 @@ def sparse_attention_paged(q: torch.Tensor, plan: StepPlan, *, sinks: torch.Tens
         step_kv, rows,
         window_pool, window_pool.shape[1],
         ent_pool, ent_pool.shape[1],
-        picks if picks is not None else plan.positions, n_picks, float(scale) * _LOG2E, heads, config.splits,
+        picks if picks is not None else plan.positions, n_picks, float(scale) * _LOG2E, heads, config.splits, scratch,
         RATIO=max(ratio, 1), ENT_PER_PAGE=per_page,  # fixed per layer: divisions by constants
         WINDOW=window, D=dim, NOPE=nope, DATA_BYTES=layout.data_bytes, SCALE_BYTES=scale_bytes, ENTRIES=mode,
         Q_SPLIT=q.dtype == torch.float32, DOT_F32=interpreted(), BLOCK_H=config.block_h, BLOCK_N=config.block_n,
-        SPLIT=split, num_warps=config.num_warps, num_stages=config.num_stages,
+        SPLIT=split, QK_SCRATCH=QK_SCRATCH, num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if split:
         _merge_kernel[(rows, heads)](
