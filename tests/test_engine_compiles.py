@@ -20,6 +20,8 @@ from dsv4kv.kernels import attention as attention_module
 from dsv4kv.kernels import topk as topk_module
 from dsv4kv.kernels.specialization import record_launches
 
+from test_engine import one_thread  # noqa: F401  (the module's autouse fixture: torch on one thread)
+
 pytest.importorskip("triton")
 
 FORMATS = {"official": dict(kv_format="fp8", indexer_format="mxfp4"),
@@ -27,14 +29,6 @@ FORMATS = {"official": dict(kv_format="fp8", indexer_format="mxfp4"),
 # one key per kernel and layer variant: attention and its launches per layer kind (window, CSA, HCA), the
 # compressor per (CSA main, CSA indexer, HCA), append_state per ring shape, top-k per phase, rope forward / inverse
 BOUND = 24
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @functools.lru_cache(maxsize=None)

@@ -81,13 +81,15 @@ class DemoResult:
 
 @dataclass
 class DemoSetup:
-    """What `build` makes: the engine, the fp32 model it serves a copy of (the oracle), and the prompts."""
+    """What `build` makes: the engine, the fp32 model it serves a copy of (the oracle), the prompts, and the
+    workload and device they were made for."""
 
     engine: Engine
     oracle: torch.nn.Module
     prompts: list[list[int]]
+    workload: Workload
     device: torch.device
-    dtype: torch.dtype
+    dtype: torch.dtype  # of the served model
 
 
 def build(*, device: torch.device | str | None = None, workload: Workload | None = None, kv_format: str = "fp8",
@@ -96,24 +98,21 @@ def build(*, device: torch.device | str | None = None, workload: Workload | None
     device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
     workload = workload or default_workload(device)
     oracle, served = demo_model(workload.model, device, seed=seed)
-    config = oracle.config
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # what demo_model serves
     engine = Engine.from_transformers(served, max_requests=workload.max_requests,
                                       max_tokens=workload.max_requests * workload.max_seq_len, kv_format=kv_format,
                                       indexer_format=indexer_format, page_tokens=workload.page_tokens,
                                       step_tokens=workload.step_tokens, max_seq_len=workload.max_seq_len)
     g = torch.Generator().manual_seed(seed + 1)
-    prompts = [torch.randint(0, config.vocab_size, (n,), generator=g).tolist() for n in workload.prompts]
-    return DemoSetup(engine, oracle, prompts, device, dtype)
+    prompts = [torch.randint(0, oracle.config.vocab_size, (n,), generator=g).tolist() for n in workload.prompts]
+    return DemoSetup(engine, oracle, prompts, workload, device, served.lm_head.weight.dtype)
 
 
 def run_demo(*, device: torch.device | str | None = None, workload: Workload | None = None, kv_format: str = "fp8",
              indexer_format: str = "mxfp4", seed: int = 0, progress: bool = True, compare: bool = True) -> DemoResult:
-    device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
-    workload = workload or default_workload(device)
     start = time.perf_counter()
     setup = build(device=device, workload=workload, kv_format=kv_format, indexer_format=indexer_format, seed=seed)
     engine, oracle, prompts, dtype = setup.engine, setup.oracle, setup.prompts, setup.dtype
+    workload, device = setup.workload, setup.device
     result = DemoResult(workload, str(device), str(dtype).replace("torch.", ""), kv_format, indexer_format,
                         backend=engine.backend, graphs=any(g.capture for g in engine.runner.graphs.values()))
     result.setup_seconds = time.perf_counter() - start

@@ -139,11 +139,10 @@ def hadamard_rotate(x: torch.Tensor) -> torch.Tensor:
     beyond, only the smallest values' low bits round away. Rotating queries and keys alike leaves their dot products
     unchanged."""
     n = x.shape[-1]
-    if n < 1 or n & (n - 1):
-        raise ValueError(f"x: expected a power-of-two last dim, got {n}")
+    scale = float(hadamard_matrix(n)[0, 0])  # fl(n^-0.5); raises ValueError unless n is a power of two
     y = x.float()
     for _ in range(n.bit_length() - 1):
         pairs = y.unflatten(-1, (n // 2, 2))
         a, b = pairs[..., 0], pairs[..., 1]
         y = torch.cat((a + b, a - b), dim=-1)
-    return y * float(hadamard_matrix(n)[0, 0]) + 0.0
+    return y * scale + 0.0
