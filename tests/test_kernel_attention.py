@@ -223,13 +223,15 @@ def test_tile_variants_match_reference(monkeypatch, kv_format, kind, block_h, bl
     assert max(errors.values()) < TOL, errors
 
 
-@pytest.mark.parametrize("kv_format,kind,block_h,splits", [("fp8", "csa", 64, (1, 3)), ("bf16", "hca", 16, (1,))])
-def test_logits_through_scratch_match_reference(monkeypatch, kv_format, kind, block_h, splits):
-    """QK_SCRATCH (the logits of each block through a per-program scratch row, off by default until timed): the
-    same outputs within the tolerance, split or not."""
-    monkeypatch.setattr(attention, "QK_SCRATCH", True)
+@pytest.mark.parametrize("qk_scratch", [True, False])
+@pytest.mark.parametrize("kv_format,kind,splits", [("fp8", "csa", (1, 3)), ("bf16", "hca", (1,))])
+def test_logits_with_and_without_scratch_match_reference(monkeypatch, qk_scratch, kv_format, kind, splits):
+    """64-head programs (8 warps, where QK_SCRATCH applies; the tiny model's heads would pick 16) with each block's
+    logits through the scratch row (the default) and straight from the dot: the same outputs within the tolerance,
+    split or not."""
+    monkeypatch.setattr(attention, "QK_SCRATCH", qk_scratch)
     choose = attention._config
-    monkeypatch.setattr(attention, "_config", lambda *a: choose(*a)._replace(block_h=block_h))
+    monkeypatch.setattr(attention, "_config", lambda *a: choose(*a)._replace(block_h=64, num_warps=8))
     errors = run_scenario(kv_format, kind, torch.bfloat16, seed=9, splits=splits)
     assert max(errors.values()) < TOL, errors
 

@@ -68,13 +68,14 @@ NUM_STAGES = 1  # 2 stages were slower at every decode shape (more registers, sp
 # dominate its work.
 MIN_SPLIT_BLOCKS = 2
 MERGE_S = 16  # splits a merge program reads at once
-# Round-trip each block's logits through a per-program scratch row in global memory (L2). Triton lays out a dot
-# whose result feeds another dot with all warps along M (rows per warp, for the softmax): with 64 heads over 8
-# warps both warpgroups then compute the whole QK^T. Through memory, QK^T is no longer "chained" and gets the
-# [4, 2] layout: half the QK^T wgmma per warp, 64-key loop 1,679 -> 1,130 SASS instructions, spills 32 -> 0 B
-# (scripts/attention_sass.py), at the price of a 16 KB store, a load and two barriers per block. Off until timed
-# on the GPU (scripts/attention_variants.py toggles it).
-QK_SCRATCH = False
+# Round-trip each block's logits through a per-program scratch row in global memory (L2) where a program has two
+# warpgroups (8 warps). Triton lays out a dot whose result feeds another dot with all warps along M (rows per warp,
+# for the softmax): with 64 heads over 8 warps both warpgroups then compute the whole QK^T. Through memory, QK^T is
+# no longer "chained" and gets the [4, 2] layout: half the QK^T wgmma per warp, 64-key loop 1,679 -> 1,130 SASS
+# instructions, spills 32 -> 0 B (scripts/attention_sass.py), for a 16 KB store, a load and two barriers per block.
+# H100, 2026-11-25 (docs/bench/attention-variants-4-h100.txt): 3-7% faster from batch 8 up and at HCA batch 1; the
+# 4-warp programs (16 heads) have one warpgroup and nothing to gain.
+QK_SCRATCH = True
 MERGE_WARPS = 4
 
 _WINDOW_ONLY, _ALL_VISIBLE, _PICKS = 0, 1, 2  # which compressed entries a row attends to
@@ -445,8 +446,8 @@ def sparse_attention_paged(q: torch.Tensor, plan: StepPlan, *, sinks: torch.Tens
         picks: int32 / int64 [R, K] entry indices (-1 = none) for CSA; None with an entry pool = every
             visible entry (HCA).
         out: optional fp32 [R, H, D] to write (nothing is allocated then, unless the split path needs a workspace
-            and none is given, or QK_SCRATCH is on: CUDA-graph capturable either way, torch's graph pool serves
-            the allocation).
+            and none is given, and the logits' scratch rows of 8-warp programs (QK_SCRATCH): CUDA-graph capturable,
+            torch's graph pool serves the allocations).
         max_entries: HCA: a host bound on any row's visible entries (e.g. plan.max_seq_len // ratio), used only to
             choose the split count (a row with more entries is still exact); default block_table.shape[1] *
             page_tokens // ratio. Ignored for CSA (K picks) and window-only layers.
@@ -523,8 +524,9 @@ def sparse_attention_paged(q: torch.Tensor, plan: StepPlan, *, sinks: torch.Tens
     if split and workspace is None:
         workspace = torch.empty((rows, config.splits, heads, dim + 2), dtype=torch.float32, device=device)
     grid = (rows, triton.cdiv(heads, config.block_h), config.splits)
-    scratch = out  # an unused stand-in pointer unless QK_SCRATCH
-    if QK_SCRATCH:
+    qk_scratch = QK_SCRATCH and config.num_warps == 8  # two warpgroups: see QK_SCRATCH
+    scratch = out  # an unused stand-in pointer unless qk_scratch
+    if qk_scratch:
         scratch = torch.empty(grid[0] * grid[1] * grid[2] * config.block_h * config.block_n, dtype=torch.float32,
                               device=device)
     _sparse_attention_kernel[grid](
@@ -538,7 +540,7 @@ def sparse_attention_paged(q: torch.Tensor, plan: StepPlan, *, sinks: torch.Tens
         RATIO=max(ratio, 1), ENT_PER_PAGE=per_page,  # fixed per layer: divisions by constants
         WINDOW=window, D=dim, NOPE=nope, DATA_BYTES=layout.data_bytes, SCALE_BYTES=scale_bytes, ENTRIES=mode,
         Q_SPLIT=q.dtype == torch.float32, DOT_F32=interpreted(), BLOCK_H=config.block_h, BLOCK_N=config.block_n,
-        SPLIT=split, QK_SCRATCH=QK_SCRATCH, num_warps=config.num_warps, num_stages=config.num_stages,
+        SPLIT=split, QK_SCRATCH=qk_scratch, num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if split:
         _merge_kernel[(rows, heads)](
