@@ -149,7 +149,8 @@ def check_official(model, token_lists, exact, cache: dict, late: dict) -> None:
 
 def test_fork_judges_where_two_continuations_part_by_the_oracle():
     """`reference.fork` (the chat bench's check): the first differing token, the oracle's gap between the two
-    tokens there, and a near tie only within max(margin, 2 x the bf16 model's error); served = oracle here (d = 0)."""
+    tokens there, and a near tie only within max(margin, 2 x the bf16 model's error); served = oracle here (d = 0)
+    and no engine."""
     model = tiny_model()
     prompt = prompts(model.config.vocab_size, (37,))[0]
     logits = reference_logits(model, prompt)[-1]
@@ -163,6 +164,26 @@ def test_fork_judges_where_two_continuations_part_by_the_oracle():
     assert not fork(model, model, prompt, a, b, margin=gap / 2).near_tie
     with pytest.raises(ValueError, match="different lengths"):
         fork(model, model, prompt, a, a + b)
+
+
+def test_fork_bound_takes_the_engines_own_error():
+    """Given an engine (here official mode: FP8 entries, MXFP4 indexer keys), d is also that engine's own logit error
+    at the fork, teacher-forced: a top-2 pair 0.027 apart is a near tie within 2 x its error (measured 0.059) though
+    not within the margin, and the oracle's worst token is still far beyond it. The engine serves again afterwards."""
+    model = tiny_model()
+    prompt = prompts(model.config.vocab_size, (37,))[0]
+    exact = reference_logits(model, prompt)[-1]
+    top2 = exact.topk(2)
+    a, b, worst = [int(top2.indices[0])], [int(top2.indices[1])], [int(exact.argmin())]
+    gap = float(top2.values[0] - top2.values[1])
+    engine = Engine.from_transformers(model, kv_format="fp8", indexer_format="mxfp4", **SMALL_CACHE)
+    alone = fork(model, model, prompt, a, b, margin=gap / 2)
+    assert alone.engine_error is None and alone.bf16_error == 0 and not alone.near_tie
+    found = fork(model, model, prompt, a, b, margin=gap / 2, engine=engine)
+    error = float((engine.next_token_logits([prompt])[0] - exact).abs().max())
+    assert found.engine_error == pytest.approx(error, abs=1e-5) and found.bound == pytest.approx(2 * error, abs=1e-5)
+    assert found.near_tie
+    assert not fork(model, model, prompt, a, worst, engine=engine).near_tie
 
 
 # --- on a GPU: bf16 weights, the attention on the Triton kernels, decode steps from CUDA graphs ------------

@@ -7,7 +7,7 @@
     checkpoint.py a checkpoint folder -> DSV4Model (transformers or official names, FP8 block weights)
     runner.py     one step -> logits; decode steps through padded (CUDA-graph) steps
     sampler.py    greedy / temperature, top-k, top-p with per-request generators
-    engine.py     Engine: generate, add_request / step / abort / output
+    engine.py     Engine: generate, add_request / step / abort / output, next_token_logits
     reference.py  transformers' model as the reference: small configs, random weights, one-shot forward
 """
 

@@ -5,7 +5,8 @@
 
 or online: `add_request(prompt, params) -> id`, `step() -> [StepOutput(id, new tokens, finished)]`,
 `abort(id)`, `output(id) -> RequestOutput`. Each step the scheduler picks the work, the runner computes
-the logits of each request's last new token, and the sampler picks the tokens.
+the logits of each request's last new token, and the sampler picks the tokens. `next_token_logits(prompts)`
+returns the logits themselves: what this engine (its formats, kernels and step budget) computes after each prompt.
 """
 
 from __future__ import annotations
@@ -182,6 +183,8 @@ class Engine:
             if request.pending == 0:  # its last token went in: the logits give the next one
                 rows.append(row)
                 ready.append(request)
+                if request.keep_logits:  # a copy: the row is a view of the step's (or a decode graph's) logits
+                    request.logits = logits[row].clone()
         tokens = sample(logits[rows], [r.params for r in ready], [r.generator for r in ready]) if rows else []
         now = time.perf_counter()
         outputs = []
@@ -220,26 +223,41 @@ class Engine:
                  params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
         """Serve every prompt to completion (with any requests already queued); outputs in prompt order. Every
         prompt and params is checked before any is queued."""
-        if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
-            raise TypeError(f"prompts: expected a list of token id lists, got {type(prompts).__name__}")
+        prompts = self._check_prompts(prompts)
         if params is None or isinstance(params, SamplingParams):
             params = [params] * len(prompts)
         elif len(params) != len(prompts):
             raise ValueError(f"params: {len(params)} SamplingParams for {len(prompts)} prompts")
-        checked = [(self._check_prompt(p, f"prompts[{i}]"), self._check_params(q)) for i, (p, q)
-                   in enumerate(zip(prompts, params))]
-        ids = [self._add(prompt, q) for prompt, q in checked]
+        params = [self._check_params(q) for q in params]
+        ids = [self._add(prompt, q) for prompt, q in zip(prompts, params)]
         while not all(self._requests[i].finished for i in ids):
             self.step()
         return [self.output(i) for i in ids]
 
+    def next_token_logits(self, prompts: Sequence[Sequence[int]]) -> torch.Tensor:
+        """Teacher-forced: the fp32 logits [len(prompts), vocab] this engine computes for the token after each
+        prompt, on the engine's device. Each prompt is served as a request of one greedy token through the
+        scheduler, so its prefill takes the engine's path (its formats, kernels, step budget, chunks; with prefix
+        caching on, its hits) and counts in `stats`; the requests are finished and forgotten on return. Refused
+        (RuntimeError) while other requests are in flight: they would share the steps, and their step outputs would
+        be consumed here. Prompts are checked as `generate` checks them, before any is queued."""
+        prompts = self._check_prompts(prompts)
+        if self.has_unfinished:
+            raise RuntimeError("next_token_logits: other requests are in flight; finish or abort them first")
+        params = SamplingParams(max_new_tokens=1)
+        ids = [self._add(prompt, params, keep_logits=True) for prompt in prompts]
+        while self.has_unfinished:
+            self.step()
+        rows = [self._requests.pop(i).logits for i in ids]
+        return torch.stack(rows) if rows else torch.empty(0, self.model.vocab_size, device=self.cache.device)
+
     # --- internals ----------------------------------------------------------------------------------
-    def _add(self, prompt: tuple[int, ...], params: SamplingParams) -> int:
+    def _add(self, prompt: tuple[int, ...], params: SamplingParams, keep_logits: bool = False) -> int:
         generator = None
         if not params.greedy:
             seed = params.seed if params.seed is not None else secrets.randbits(63)
             generator = torch.Generator().manual_seed(seed)
-        request = Request(self._next_id, prompt, params, generator)
+        request = Request(self._next_id, prompt, params, generator, keep_logits=keep_logits)
         self._next_id += 1
         self._requests[request.id] = request
         self.scheduler.add(request)
@@ -280,6 +298,11 @@ class Engine:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params: expected SamplingParams, got {type(params).__name__}")
         return params
+
+    def _check_prompts(self, prompts) -> list[tuple[int, ...]]:
+        if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
+            raise TypeError(f"prompts: expected a list of token id lists, got {type(prompts).__name__}")
+        return [self._check_prompt(p, f"prompts[{i}]") for i, p in enumerate(prompts)]
 
     def _check_prompt(self, prompt, name: str = "prompt") -> tuple[int, ...]:
         if isinstance(prompt, (torch.Tensor, np.ndarray)):  # 1-D integer arrays

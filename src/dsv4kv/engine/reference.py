@@ -126,20 +126,28 @@ class Fork:
 
     position: int  # index of the first differing generated token
     gap: float  # |oracle logit of one token - of the other| at that position
-    bound: float  # max(margin, 2 d): d = the bf16 model's largest logit error on positions 0 .. position
+    bound: float  # max(margin, 2 d), d = max(bf16_error, engine_error)
+    bf16_error: float  # the bf16 model's largest |logit - oracle's| on generated positions 0 .. position
+    engine_error: float | None = None  # the given engine's largest |logit - oracle's| at the position (None: no engine)
 
     @property
     def near_tie(self) -> bool:
         return self.gap <= self.bound
 
 
-def fork(oracle, served, prompt: list[int], a: list[int], b: list[int], margin: float = 0.05) -> Fork | None:
+def fork(oracle, served, prompt: list[int], a: list[int], b: list[int], margin: float = 0.05, *,
+         engine=None) -> Fork | None:
     """Two greedy continuations a, b of `prompt` that were computed in bf16 along different paths (other step
     shapes, a cache hit instead of a prefill): None if equal, else where they first differ, k, and whether that is
     a near tie. Teacher-forced over prompt + a[:k], the fp32 `oracle` scores both tokens at k; they count as tied
-    when within max(margin, 2 d), d being the largest |bf16 - fp32| logit error of `served` (the bf16 model) over the
-    generated positions 0..k: two bf16 computations that round differently may each be off by d, so either may
-    pick a token up to 2 d below the other's. A fork beyond that is a computation error, not rounding."""
+    when within max(margin, 2 d): two computations that each lie within d of the oracle may each pick a token up to
+    2 d below the other's. A fork beyond that is a computation error, not rounding.
+
+    d is the largest |logit - oracle's| of `served` (transformers' bf16 model) over the generated positions 0..k,
+    and, given an `engine`, of that engine's own logits at k (`Engine.next_token_logits`, teacher-forced over the
+    same tokens). An engine with quantized cache formats (FP8 entries, MXFP4 indexer keys) errs by more than bf16
+    rounding, which `served` does not have. Pass an engine that is not the path under test (a cold one with
+    caching off, judging a cache hit): its error bounds honest rounding, and a wrong hit lands beyond it."""
     k = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
     if k is None:
         if len(a) != len(b):
@@ -147,7 +155,10 @@ def fork(oracle, served, prompt: list[int], a: list[int], b: list[int], margin: 
         return None
     sequence = list(prompt) + list(a[:k])
     exact = reference_logits(oracle, sequence, last=k + 1)
-    bf16 = reference_logits(served, sequence, last=k + 1)
-    d = float((bf16 - exact).abs().max())
+    bf16_error = float((reference_logits(served, sequence, last=k + 1) - exact).abs().max())
+    engine_error = None
+    if engine is not None:
+        served_row = engine.next_token_logits([sequence])[0].to(exact.device)
+        engine_error = float((served_row - exact[-1]).abs().max())
     gap = abs(float(exact[-1, a[k]] - exact[-1, b[k]]))
-    return Fork(k, gap, max(margin, 2 * d))
+    return Fork(k, gap, max(margin, 2 * bf16_error, 2 * (engine_error or 0.0)), bf16_error, engine_error)

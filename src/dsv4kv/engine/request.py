@@ -59,6 +59,8 @@ class Request:
     finish_reason: str | None = None
     token_times: list[float] = field(default_factory=list)
     preemptions: int = 0
+    keep_logits: bool = False  # keep `logits` when the last prompt token goes in (`Engine.next_token_logits`)
+    logits: torch.Tensor | None = None  # fp32 [vocab], on the engine's device
 
     def __post_init__(self):
         if not self.tokens:
