@@ -15,7 +15,7 @@ from dsv4kv import CacheManager, RequestError, WeightError
 from dsv4kv.engine import DSV4Model, Engine, SamplingParams
 from dsv4kv.engine.reference import random_model, reference_logits, tiny_config, with_dtype
 from dsv4kv.engine.request import Request, Status
-from dsv4kv.engine.sampler import sample
+from dsv4kv.engine.sampler import sample, sample_with_logprobs
 from dsv4kv.engine.scheduler import ScheduledStep, Scheduler
 
 EXACT = dict(kv_format="bf16", indexer_format="bf16")
@@ -55,7 +55,9 @@ def greedy_reference(lengths=(131, 47, 9), new_tokens=6) -> tuple:
 @pytest.mark.parametrize("field,value", [("max_new_tokens", 0), ("max_new_tokens", 2.0), ("temperature", -0.1),
                                          ("temperature", float("nan")), ("top_p", 0.0), ("top_p", 1.5),
                                          ("top_k", -1), ("seed", -3), ("seed", 1.5), ("stop_token_ids", "ab"),
-                                         ("stop_token_ids", (1, -2)), ("max_new_tokens", True)])
+                                         ("stop_token_ids", (1, -2)), ("max_new_tokens", True),
+                                         ("logprobs", -1), ("logprobs", 65), ("logprobs", 2.0), ("logprobs", True),
+                                         ("logprobs", None)])
 def test_sampling_params_refuse_bad_values(field, value):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**{field: value})
@@ -105,6 +107,31 @@ def test_a_sampled_row_does_not_depend_on_the_other_rows():
 def test_sampler_refuses_half_precision_logits():
     with pytest.raises(ValueError, match="float32"):
         sample(torch.zeros(1, 8, dtype=torch.bfloat16), [SamplingParams()], [None])
+
+
+def test_sampler_logprobs_are_log_softmax_of_the_rows_that_ask():
+    """Mixed rows (greedy, sampled; some asking for 3 or 7 logprobs, some not): the asking rows get the top of
+    log_softmax of their own fp32 logits (before temperature), best first, and their token's own logprob; the others
+    None; the tokens are those of `sample`. More than the vocabulary gives the whole vocabulary."""
+    logits = torch.randn(5, 37, generator=torch.Generator().manual_seed(4)) * 2
+    params = [SamplingParams(logprobs=3), SamplingParams(), SamplingParams(temperature=0.8, seed=1, logprobs=7),
+              SamplingParams(temperature=1.2, seed=2), SamplingParams(logprobs=64)]
+    gens = lambda: [torch.Generator().manual_seed(s) if not p.greedy else None for s, p in enumerate(params)]
+    got = sample_with_logprobs(logits, params, gens())
+    assert got.tokens == sample(logits, params, gens())
+    assert got.tokens[0] == int(logits[0].argmax()) and got.tokens[4] == int(logits[4].argmax())
+    reference = torch.log_softmax(logits, dim=-1)
+    for row, p in enumerate(params):
+        if not p.logprobs:
+            assert got.logprobs[row] is None and got.token_logprobs[row] is None
+            continue
+        top = reference[row].topk(min(p.logprobs, 37))
+        assert [i for i, _ in got.logprobs[row]] == top.indices.tolist()
+        assert [v for _, v in got.logprobs[row]] == top.values.tolist()  # the same fp32 values, exactly
+        assert got.token_logprobs[row] == float(reference[row, got.tokens[row]])
+    assert len(got.logprobs[4]) == 37
+    none = sample_with_logprobs(logits, [SamplingParams()] * 5, [None] * 5)
+    assert none.logprobs == [None] * 5 and none.token_logprobs == [None] * 5
 
 
 def run_step(cache: CacheManager, step, sampled: int = 1) -> None:
@@ -356,6 +383,68 @@ def test_step_reports_each_new_token_once():
 def test_generate_checks_params_count():
     with pytest.raises(ValueError, match="2 SamplingParams for 3 prompts"):
         engine().generate(prompts((5, 6, 7)), [SamplingParams()] * 2)
+
+
+# --- logprobs ------------------------------------------------------------------------------------------------
+LOGPROBS_TOL = 0.02  # exact mode's bf16 cache rounding moves the logprobs by <= 0.011 here (measured)
+
+
+def test_logprobs_are_log_softmax_of_transformers_logits():
+    """Exact mode, fp32 weights: at every generated position the top-5 logprobs are those of log_softmax of
+    transformers' fp32 logits (teacher-forced over prompt + generated tokens), the same tokens in the same order;
+    under greedy the generated token is the first and its logprob the largest; asking does not change the tokens."""
+    token_lists = prompts((131, 47, 9))
+    outputs = engine().generate(token_lists, SamplingParams(max_new_tokens=6, logprobs=5))
+    assert tuple(o.token_ids for o in outputs) == greedy_reference()
+    for prompt, out in zip(token_lists, outputs):
+        assert len(out.logprobs) == len(out.token_logprobs) == len(out.token_ids) == 6
+        logits = reference_logits(tiny_model(), list(prompt) + list(out.token_ids))
+        rows = torch.log_softmax(logits, dim=-1)[len(prompt) - 1:len(prompt) - 1 + 6]  # row k predicts token k
+        for k, (top, own, token) in enumerate(zip(out.logprobs, out.token_logprobs, out.token_ids)):
+            want = rows[k].topk(5)
+            assert [i for i, _ in top] == want.indices.tolist()
+            torch.testing.assert_close(torch.tensor([v for _, v in top]), want.values, rtol=0, atol=LOGPROBS_TOL)
+            assert top[0][0] == token and own == top[0][1] == max(v for _, v in top)
+    plain = engine().generate(token_lists[:1], SamplingParams(max_new_tokens=6))[0]
+    assert plain.logprobs is None and plain.token_logprobs is None
+
+
+def test_logprobs_do_not_change_seeded_sampling_and_follow_the_sampled_token():
+    """Sampled tokens are the same with or without logprobs, alone or beside greedy requests that ask for none; a
+    sampled token's logprob is its own (in its top list when it is there, and never above the top)."""
+    target = prompts((140,), seed=9)[0]
+    params = SamplingParams(max_new_tokens=8, temperature=1.5, seed=1234)
+    plain = engine().generate([target], params)[0]
+    asked = engine().generate(prompts((33,)) + [target], [SamplingParams(max_new_tokens=4),
+                                                         SamplingParams(**{**params.__dict__, "logprobs": 64})])
+    assert asked[1].token_ids == plain.token_ids and asked[0].logprobs is None
+    out = asked[1]
+    for top, own, token in zip(out.logprobs, out.token_logprobs, out.token_ids):
+        assert own <= top[0][1] and dict(top).get(token, own) == own
+    assert any(token != top[0][0] for top, token in zip(out.logprobs, out.token_ids))  # temperature 1.5 strays
+
+
+def test_logprobs_through_padded_decode_graph_steps_and_preemption():
+    """Decode steps through padded graph steps (a view of the graph's logits, read before the next step), and a
+    cache so small that requests are preempted and recomputed: the same tokens and logprobs as plain eager steps
+    with room, one list per generated token."""
+    token_lists = prompts((125, 122, 120), seed=6)
+    params = SamplingParams(max_new_tokens=12, logprobs=4)
+    want = engine().generate(token_lists, params)
+    graphs = engine(decode_graph_sizes=(2, 4))
+    padded = graphs.generate(token_lists, params)
+    small = engine(max_requests=3, max_tokens=256)  # 4 blocks for 3 requests that each grow into a second
+    preempted = small.generate(token_lists, params)
+    assert graphs.stats.graph_steps > 0 and small.stats.preemptions > 0
+    for got in (padded, preempted):
+        assert [o.token_ids for o in got] == [o.token_ids for o in want]
+        for o, w in zip(got, want):
+            assert len(o.logprobs) == len(o.token_logprobs) == 12
+            assert [[i for i, _ in top] for top in o.logprobs] == [[i for i, _ in top] for top in w.logprobs]
+            values = torch.tensor([[v for _, v in top] for top in o.logprobs])
+            torch.testing.assert_close(values, torch.tensor([[v for _, v in top] for top in w.logprobs]),
+                                       rtol=0, atol=1e-4)
+            assert o.token_logprobs == tuple(top[0][1] for top in o.logprobs)
 
 
 # --- next_token_logits ----------------------------------------------------------------------------------------

@@ -6,7 +6,7 @@
     model.py      DSV4Model: transformers' per-token modules around DSV4Attention
     checkpoint.py a checkpoint folder -> DSV4Model (transformers or official names, FP8 block weights)
     runner.py     one step -> logits; decode steps through padded (CUDA-graph) steps
-    sampler.py    greedy / temperature, top-k, top-p with per-request generators
+    sampler.py    greedy / temperature, top-k, top-p with per-request generators; logprobs
     engine.py     Engine: generate, add_request / step / abort / output, next_token_logits
     reference.py  transformers' model as the reference: small configs, random weights, one-shot forward
 """

@@ -29,7 +29,7 @@ from .model import DSV4Model
 from .params import SamplingParams
 from .request import Request, RequestOutput, StepOutput
 from .runner import ModelRunner, default_graph_sizes
-from .sampler import sample
+from .sampler import sample_with_logprobs
 from .scheduler import Scheduler
 
 __all__ = ["Engine", "EngineStats"]
@@ -185,11 +185,18 @@ class Engine:
                 ready.append(request)
                 if request.keep_logits:  # a copy: the row is a view of the step's (or a decode graph's) logits
                     request.logits = logits[row].clone()
-        tokens = sample(logits[rows], [r.params for r in ready], [r.generator for r in ready]) if rows else []
+        if rows:  # read now: the logits may be a decode graph's buffer, which the next step overwrites
+            sampled = sample_with_logprobs(logits[rows], [r.params for r in ready], [r.generator for r in ready])
+        else:
+            sampled = None
         now = time.perf_counter()
         outputs = []
-        for request, token in zip(ready, tokens):
+        for i, request in enumerate(ready):
+            token = sampled.tokens[i]
             request.tokens.append(token)
+            if request.params.logprobs:
+                request.logprobs.append(sampled.logprobs[i])
+                request.token_logprobs.append(sampled.token_logprobs[i])
             request.token_times.append(now)
             reason = self._finish_reason(request, token)
             if reason is not None:

@@ -6,7 +6,9 @@ import math
 import numbers
 from dataclasses import dataclass
 
-__all__ = ["SamplingParams"]
+__all__ = ["SamplingParams", "MAX_LOGPROBS"]
+
+MAX_LOGPROBS = 64  # the most top tokens a request may ask log-probabilities of, per generated token
 
 
 @dataclass(frozen=True)
@@ -22,6 +24,10 @@ class SamplingParams:
         seed: seeds this request's own generator, so the same seed gives the same tokens whatever else
             runs in the batch; None draws a fresh seed when the request is added.
         stop_token_ids: generation stops after emitting one of these (it is kept in the output).
+        logprobs: 0 (default) or up to MAX_LOGPROBS: with each generated token, the log-probabilities of that
+            position's `logprobs` most likely tokens (at most the vocabulary), best first, and the sampled token's
+            own (`RequestOutput.logprobs`, `token_logprobs`). They are log_softmax of the model's fp32 logits, before
+            temperature, top-k or top-p (vLLM's default); asking for them does not change the tokens.
     """
 
     max_new_tokens: int = 16
@@ -30,6 +36,7 @@ class SamplingParams:
     top_k: int = 0
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
+    logprobs: int = 0
 
     def __post_init__(self):
         if not _is_int(self.max_new_tokens) or self.max_new_tokens <= 0:
@@ -48,9 +55,12 @@ class SamplingParams:
         stops = tuple(stops)
         if not all(_is_int(t) and t >= 0 for t in stops):
             raise ValueError(f"stop_token_ids: expected ints >= 0, got {stops!r}")
+        if not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs: expected an int in [0, {MAX_LOGPROBS}] (0 = none), got {self.logprobs!r}")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in stops))
         object.__setattr__(self, "max_new_tokens", int(self.max_new_tokens))
         object.__setattr__(self, "top_k", int(self.top_k))
+        object.__setattr__(self, "logprobs", int(self.logprobs))
 
     @property
     def greedy(self) -> bool:

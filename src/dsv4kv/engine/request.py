@@ -34,6 +34,10 @@ class RequestOutput:
     ttft: float | None  # time to first token, from add_request
     itl: float | None  # mean time between consecutive tokens (None below two tokens)
     preemptions: int  # times the request was preempted (swapped out, or released and recomputed later)
+    # with SamplingParams.logprobs > 0 (else None): per generated token, its position's top-`logprobs` (token id,
+    # logprob) pairs, best first, and the generated token's own logprob (log_softmax of the fp32 logits)
+    logprobs: tuple[tuple[tuple[int, float], ...], ...] | None = None
+    token_logprobs: tuple[float, ...] | None = None
 
 
 class StepOutput(NamedTuple):
@@ -61,6 +65,8 @@ class Request:
     preemptions: int = 0
     keep_logits: bool = False  # keep `logits` when the last prompt token goes in (`Engine.next_token_logits`)
     logits: torch.Tensor | None = None  # fp32 [vocab], on the engine's device
+    logprobs: list[tuple[tuple[int, float], ...]] = field(default_factory=list)  # per generated token (if asked)
+    token_logprobs: list[float] = field(default_factory=list)
 
     def __post_init__(self):
         if not self.tokens:
@@ -90,4 +96,6 @@ class Request:
             finished=self.finished, finish_reason=self.finish_reason, cached_tokens=self.cached_tokens,
             ttft=times[0] - self.arrival if times else None,
             itl=(times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else None,
-            preemptions=self.preemptions)
+            preemptions=self.preemptions,
+            logprobs=tuple(self.logprobs) if self.params.logprobs else None,
+            token_logprobs=tuple(self.token_logprobs) if self.params.logprobs else None)
