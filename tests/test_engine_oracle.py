@@ -37,7 +37,8 @@ import torch
 
 from dsv4kv import CacheManager
 from dsv4kv.engine import DSV4Model, Engine, SamplingParams
-from dsv4kv.engine.reference import flash_config, fork, random_model, reference_logits, tiny_config, with_dtype
+from dsv4kv.engine.reference import (Fork, ForkCheck, before_fork, flash_config, fork, judge_fork, logprob_difference,
+                                    own_argmax, random_model, reference_logits, tiny_config, with_dtype)
 
 from test_engine import one_thread, tiny_model  # noqa: F401  (one_thread: the module's autouse fixture)
 
@@ -184,6 +185,96 @@ def test_fork_bound_takes_the_engines_own_error():
     assert found.engine_error == pytest.approx(error, abs=1e-5) and found.bound == pytest.approx(2 * error, abs=1e-5)
     assert found.near_tie
     assert not fork(model, model, prompt, a, worst, engine=engine).near_tie
+
+
+def test_logprob_helpers_of_the_fork_gate():
+    """`logprob_difference` over the tokens both lists hold (inf when none), `before_fork` over positions < k, and
+    `own_argmax`: the token at the top value of its own list, reported with that value."""
+    x = ((5, -0.1), (7, -2.0), (9, -3.0))
+    y = ((5, -0.15), (9, -3.3), (4, -3.4))
+    assert logprob_difference(x, y) == pytest.approx(0.3) and logprob_difference(y, x) == pytest.approx(0.3)
+    assert logprob_difference(x, ((1, -0.1),)) == float("inf")
+    assert before_fork((x, x, y), (x, y, x), 0) == (0.0, None)
+    worst, at = before_fork((x, x, y), (x, y, x), 2)
+    assert worst == pytest.approx(0.3) and at == 1
+    assert before_fork((x, x), (x, x), 2) == (0.0, 0)
+    with pytest.raises(ValueError, match="at least 3"):
+        before_fork((x, x), (x, x, x), 3)
+    assert own_argmax(5, x, -0.1)
+    assert not own_argmax(7, x, -0.1)  # another token than the list's top (a token changed after sampling)
+    assert not own_argmax(5, x, -2.0)  # reported with another logprob
+    assert not own_argmax(3, x, -0.1) and not own_argmax(5, (), -0.1)
+    assert own_argmax(9, ((5, -0.7), (9, -0.7)), -0.7)  # an exact tie: either token is an argmax
+
+
+def test_fork_check_conditions_and_their_text():
+    """ForkCheck passes on (a) and (b) and (c) = a near tie or a one-step excursion (the hit path within tol at the
+    fork after a consistent run-up); `failures` names each failed condition with its numbers."""
+    top_a, top_b = ((3, -0.5), (4, -0.9)), ((4, -0.4), (3, -0.6))
+    tie = Fork(position=2, gap=0.03, bound=0.1, bf16_error=0.02, engine_error=0.05, hit_error=0.4)
+    far = Fork(position=2, gap=0.8, bound=0.19, bf16_error=0.06, engine_error=0.09, hit_error=0.06)
+    check = lambda f, before=0.06, argmax=(True, True): ForkCheck(f, before, 1, argmax,
+                                                                  ((3, -0.5, top_a), (4, -0.4, top_b)), 0.25)
+    assert check(tie).passed and not check(tie).excursion  # a near tie: the hit path's error is not needed
+    assert check(far).passed and check(far).excursion and not far.near_tie
+    assert check(far).failures() == []
+    inconsistent = check(far, before=1.0)
+    assert not inconsistent.passed and not inconsistent.excursion
+    text = inconsistent.failures()
+    assert text[0] == "(a) before the fork the runs' top logprobs differ by 1.000 at generated token 1 (tolerance 0.25)"
+    assert text[1].startswith("(c) the fork at generated token 2 is neither a near tie (gap 0.800 against a bound of "
+                              "0.190 = max(0.05, 2 x the engine's own error 0.090, 2 x transformers' bf16 error 0.060))")
+    assert text[1].endswith("within 0.060 there, but the runs disagree before it; tolerance 0.25)")
+    assert not check(tie, before=1.0).passed  # (a) holds for near ties too
+    wrong_token = check(tie, argmax=(True, False))
+    assert not wrong_token.passed and wrong_token.failures(("off", "on")) == [
+        "(b) on's token 4 at generated token 2 is not its own argmax: its top there is token 4's -0.400, token 4 is "
+        "at -0.400 in its list, its reported logprob -0.400"]
+    wrong_hit = Fork(position=2, gap=0.8, bound=0.19, bf16_error=0.06, engine_error=0.09, hit_error=0.9)
+    assert not check(wrong_hit).passed
+    assert "teacher-forced, the hit path and a cold engine differ by 0.900 there; tolerance 0.25)" in \
+        check(wrong_hit).failures()[0]
+    unmeasured = Fork(position=2, gap=0.8, bound=0.19, bf16_error=0.06)
+    assert not check(unmeasured).passed and "the hit path not measured" in check(unmeasured).failures()[0]
+
+
+def test_judge_fork_with_a_hot_engine():
+    """judge_fork over two engine outputs with logprobs: equal tokens give None; a fork measures the hit path (an engine
+    with caching on holding the shared prefix) against the cold engine, teacher-forced; the hot engine must hit."""
+    from dsv4kv.engine import RequestOutput
+
+    model = tiny_model()
+    shared = prompts(model.config.vocab_size, (128,), seed=4)[0]
+    prompt = shared + prompts(model.config.vocab_size, (9,), seed=5)[0]
+    options = dict(max_requests=2, max_tokens=512, page_tokens=128, step_tokens=128)
+    cold = Engine.from_transformers(model, **options)
+    hot = Engine.from_transformers(model, prefix_caching=True, **options)
+    out = cold.generate([prompt], SamplingParams(max_new_tokens=3, logprobs=4))[0]
+    assert judge_fork(model, model, prompt, out, out, engine=cold, hot=hot) is None
+    with pytest.raises(RuntimeError, match="no prefix hit"):  # nothing published yet
+        fork(model, model, prompt, list(out.token_ids), list(excursion_at(out, 1).token_ids), engine=cold, hot=hot)
+    hot.next_token_logits([shared])
+    other = excursion_at(out, 1)
+    found = judge_fork(model, model, prompt, out, other, engine=cold, hot=hot)
+    assert found.fork.position == 1 and found.before == 0.0 and found.before_at == 0 and found.argmax == (True, True)
+    assert found.fork.hit_error < 1e-3 and found.excursion and found.passed and not found.fork.near_tie
+    with pytest.raises(ValueError, match="without an engine"):
+        fork(model, model, prompt, list(out.token_ids), list(other.token_ids), hot=hot)
+    plain = RequestOutput(**{**out.__dict__, "logprobs": None, "token_logprobs": None})
+    with pytest.raises(ValueError, match="b: no logprobs"):
+        judge_fork(model, model, prompt, out, plain, engine=cold, hot=hot)
+
+
+def excursion_at(out, k: int):
+    """`out` with its token at k replaced by the first token outside its top list, on top of its logprobs there."""
+    import dataclasses
+
+    top = out.logprobs[k]
+    token = next(t for t in range(512) if t not in dict(top))
+    value = top[0][1] + 0.1
+    return dataclasses.replace(out, token_ids=out.token_ids[:k] + (token,) + out.token_ids[k + 1:],
+                               logprobs=out.logprobs[:k] + (((token, value),) + top[:-1],) + out.logprobs[k + 1:],
+                               token_logprobs=out.token_logprobs[:k] + (value,) + out.token_logprobs[k + 1:])
 
 
 # --- on a GPU: bf16 weights, the attention on the Triton kernels, decode steps from CUDA graphs ------------

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["tiny_config", "flash_config", "random_model", "with_dtype", "reference_logits", "Fork", "fork"]
+__all__ = ["tiny_config", "flash_config", "random_model", "with_dtype", "reference_logits", "Fork", "fork",
+           "logprob_difference", "before_fork", "own_argmax", "ForkCheck", "judge_fork"]
 
 
 def tiny_config(**overrides):
@@ -129,6 +130,9 @@ class Fork:
     bound: float  # max(margin, 2 d), d = max(bf16_error, engine_error)
     bf16_error: float  # the bf16 model's largest |logit - oracle's| on generated positions 0 .. position
     engine_error: float | None = None  # the given engine's largest |logit - oracle's| at the position (None: no engine)
+    # given a hot engine too: teacher-forced at the position, max |hot engine's logit - the engine's| (None: no hot)
+    hit_error: float | None = None
+    margin: float = 0.05  # the margin the bound was taken with
 
     @property
     def near_tie(self) -> bool:
@@ -136,29 +140,168 @@ class Fork:
 
 
 def fork(oracle, served, prompt: list[int], a: list[int], b: list[int], margin: float = 0.05, *,
-         engine=None) -> Fork | None:
+         engine=None, hot=None) -> Fork | None:
     """Two greedy continuations a, b of `prompt` that were computed in bf16 along different paths (other step
     shapes, a cache hit instead of a prefill): None if equal, else where they first differ, k, and whether that is
     a near tie. Teacher-forced over prompt + a[:k], the fp32 `oracle` scores both tokens at k; they count as tied
     when within max(margin, 2 d): two computations that each lie within d of the oracle may each pick a token up to
-    2 d below the other's. A fork beyond that is a computation error, not rounding.
+    2 d below the other's. A fork beyond that is a computation error, or a one-step excursion of one computation
+    (see `judge_fork`), not rounding.
 
     d is the largest |logit - oracle's| of `served` (transformers' bf16 model) over the generated positions 0..k,
     and, given an `engine`, of that engine's own logits at k (`Engine.next_token_logits`, teacher-forced over the
     same tokens). An engine with quantized cache formats (FP8 entries, MXFP4 indexer keys) errs by more than bf16
     rounding, which `served` does not have. Pass an engine that is not the path under test (a cold one with
-    caching off, judging a cache hit): its error bounds honest rounding, and a wrong hit lands beyond it."""
+    caching off, judging a cache hit): its error bounds honest rounding, and a wrong hit lands beyond it.
+
+    `hot` (with `engine`): an engine with prefix caching on that holds the prompt's shared prefix (the hit path);
+    `hit_error` is then max |its logits - the engine's| over the vocabulary, teacher-forced over the same tokens.
+    RuntimeError if its prefill there served no prefix hit."""
     k = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
     if k is None:
         if len(a) != len(b):
             raise ValueError(f"continuations of different lengths ({len(a)}, {len(b)}) agree up to the shorter")
         return None
+    if hot is not None and engine is None:
+        raise ValueError("hot: given without an engine to compare it with")
     sequence = list(prompt) + list(a[:k])
     exact = reference_logits(oracle, sequence, last=k + 1)
     bf16_error = float((reference_logits(served, sequence, last=k + 1) - exact).abs().max())
-    engine_error = None
+    engine_error = hit_error = None
     if engine is not None:
-        served_row = engine.next_token_logits([sequence])[0].to(exact.device)
-        engine_error = float((served_row - exact[-1]).abs().max())
+        served_row = engine.next_token_logits([sequence])[0]
+        engine_error = float((served_row.to(exact.device) - exact[-1]).abs().max())
+        if hot is not None:
+            hit_error = hit_difference(hot, served_row, sequence)
     gap = abs(float(exact[-1, a[k]] - exact[-1, b[k]]))
-    return Fork(k, gap, max(margin, 2 * bf16_error, 2 * (engine_error or 0.0)), bf16_error, engine_error)
+    return Fork(k, gap, max(margin, 2 * bf16_error, 2 * (engine_error or 0.0)), bf16_error, engine_error, hit_error,
+                margin)
+
+
+def hit_difference(hot, cold_row: torch.Tensor, sequence: list[int]) -> float:
+    """Teacher-forced over `sequence`: max |hot engine's next-token logits - cold_row| over the vocabulary, where the
+    hot engine (prefix caching on) must serve a prefix hit for it (RuntimeError otherwise)."""
+    before = hot.stats.prefix_hit_tokens
+    row = hot.next_token_logits([sequence])[0]
+    if hot.stats.prefix_hit_tokens <= before:
+        raise RuntimeError(f"hot engine: no prefix hit for a {len(sequence)}-token context (prefix caching "
+                           f"{'on' if getattr(hot, 'prefix_caching', False) else 'off'}); serve the shared prefix first")
+    return float((row - cold_row.to(row.device)).abs().max())
+
+
+# --- the chat bench's gate on forks between two greedy runs, from their logprobs --------------------------------
+TopLogprobs = tuple[tuple[int, float], ...]  # (token id, logprob), best first: RequestOutput.logprobs per token
+
+
+def logprob_difference(x: TopLogprobs, y: TopLogprobs) -> float:
+    """Two top-logprob lists of one position: the largest |logprob difference| over the tokens in both (inf when
+    they share none)."""
+    y = dict(y)
+    common = [abs(v - y[i]) for i, v in x if i in y]
+    return max(common) if common else float("inf")
+
+
+def before_fork(a: tuple[TopLogprobs, ...], b: tuple[TopLogprobs, ...], k: int) -> tuple[float, int | None]:
+    """Two runs' per-token top logprobs: the largest `logprob_difference` over positions 0 .. k - 1 (where the runs
+    had the same context) and the position it is at; (0.0, None) for k = 0."""
+    if len(a) < k or len(b) < k:
+        raise ValueError(f"logprobs of {len(a)} and {len(b)} positions, expected at least {k}")
+    worst, where = 0.0, None
+    for j in range(k):
+        d = logprob_difference(a[j], b[j])
+        if where is None or d > worst:
+            worst, where = d, j
+    return worst, where
+
+
+def own_argmax(token: int, top: TopLogprobs, token_logprob: float) -> bool:
+    """A greedy token is its position's argmax by its own run's logprobs: it is in its top list with the top value,
+    and its reported logprob is that value (a token changed after sampling fails both)."""
+    return bool(top) and dict(top).get(token) == top[0][1] and token_logprob == top[0][1]
+
+
+@dataclass
+class ForkCheck:
+    """A request whose greedy tokens differ between run a (e.g. prefix caching off) and run b (caching on), first
+    at generated token k = fork.position. It passes when
+      (a) consistent: at every position before k (the same context in both) the runs' top logprobs agree within
+          tol, for the tokens in both lists: a wrong cache hit has its state in place from the first position;
+      (b) argmax: each run's token at k is the argmax of its own logprobs (no token changed after sampling);
+      (c) explained: the fork is a near tie by the fp32 oracle (`fork`), or a one-step excursion: teacher-forced
+          over the shared context, the hit path and a cold engine agree within tol there (`Fork.hit_error`), so the
+          cache state at k is right and one run's step strayed from it."""
+
+    fork: Fork
+    before: float  # (a) the largest top-logprob difference between the runs before k (0.0 for k = 0)
+    before_at: int | None  # where it is (None for k = 0)
+    argmax: tuple[bool, bool]  # (b) run a's and run b's token at k is its own argmax
+    # per run at k: (its token, that token's logprob reported with it, its top list there)
+    at_fork: tuple[tuple[int, float, TopLogprobs], tuple[int, float, TopLogprobs]]
+    tol: float
+
+    @property
+    def consistent(self) -> bool:
+        return self.before <= self.tol
+
+    @property
+    def excursion(self) -> bool:
+        """(c) by the second way: the hit path and a cold engine agree at the fork's context, after a consistent
+        run-up (a)."""
+        return self.consistent and self.fork.hit_error is not None and self.fork.hit_error <= self.tol
+
+    @property
+    def explained(self) -> bool:
+        return self.fork.near_tie or self.excursion
+
+    @property
+    def passed(self) -> bool:
+        return self.consistent and all(self.argmax) and self.explained
+
+    def failures(self, names: tuple[str, str] = ("run a", "run b")) -> list[str]:
+        """What failed, with its numbers (empty when passed)."""
+        f, k, out = self.fork, self.fork.position, []
+        if not self.consistent:
+            out.append(f"(a) before the fork the runs' top logprobs differ by {self.before:.3f} at generated token "
+                       f"{self.before_at} (tolerance {self.tol})")
+        for name, ok, (token, own, top) in zip(names, self.argmax, self.at_fork):
+            if not ok:
+                listed = dict(top).get(token)
+                where = (f"not among its top {len(top)}" if listed is None else f"at {listed:.3f} in its list")
+                best = f"token {top[0][0]}'s {top[0][1]:.3f}" if top else "empty"
+                out.append(f"(b) {name}'s token {token} at generated token {k} is not its own argmax: its top there "
+                           f"is {best}, token {token} is {where}, its reported logprob {own:.3f}")
+        if not self.explained:
+            parts = [f"max({f.margin}"]
+            if f.engine_error is not None:
+                parts.append(f"2 x the engine's own error {f.engine_error:.3f}")
+            parts.append(f"2 x transformers' bf16 error {f.bf16_error:.3f})")
+            if f.hit_error is None:
+                hit = "the hit path not measured"
+            elif f.hit_error > self.tol:
+                hit = f"teacher-forced, the hit path and a cold engine differ by {f.hit_error:.3f} there"
+            else:
+                hit = (f"teacher-forced, the hit path and a cold engine within {f.hit_error:.3f} there, but the runs "
+                       "disagree before it")
+            out.append(f"(c) the fork at generated token {k} is neither a near tie (gap {f.gap:.3f} against a bound "
+                       f"of {f.bound:.3f} = {', '.join(parts)}) nor a one-step excursion ({hit}; tolerance "
+                       f"{self.tol})")
+        return out
+
+
+def judge_fork(oracle, served, prompt: list[int], a, b, *, engine, hot, margin: float = 0.05,
+               tol: float = 0.25) -> ForkCheck | None:
+    """Two greedy runs' outputs a, b of `prompt` (`RequestOutput`s with logprobs: `SamplingParams.logprobs` > 0):
+    None if their tokens are equal, else the `ForkCheck` of where they first differ. `engine`: a cold engine with
+    caching off (the near-tie bound's engine error, and the hit path's reference); `hot`: an engine with prefix
+    caching on that holds the prompt's shared prefix (`fork`)."""
+    for name, out in (("a", a), ("b", b)):
+        if out.logprobs is None or out.token_logprobs is None:
+            raise ValueError(f"{name}: no logprobs (serve it with SamplingParams(logprobs=N), N > 0)")
+    found = fork(oracle, served, prompt, list(a.token_ids), list(b.token_ids), margin, engine=engine, hot=hot)
+    if found is None:
+        return None
+    k = found.position
+    worst, where = before_fork(a.logprobs, b.logprobs, k)
+    at_fork = tuple((out.token_ids[k], out.token_logprobs[k], out.logprobs[k]) for out in (a, b))
+    argmax = tuple(own_argmax(token, top, own) for token, own, top in at_fork)
+    return ForkCheck(found, worst, where, argmax, at_fork, tol)
