@@ -372,22 +372,93 @@ def test_chat_workload_serves_with_caching_off_and_on(monkeypatch):
     assert "chat" in report.table()
 
 
-def test_chat_workload_refuses_when_caching_changes_a_token(monkeypatch):
-    from dsv4kv.bench.workloads import ChatSizes
+def tamper_caching_on(monkeypatch, change) -> None:
+    """Engine.generate with prefix caching on returns `change(outputs)` instead of its outputs (the timed run only:
+    the one asking for logprobs)."""
     from dsv4kv.engine import Engine
 
     generate = Engine.generate
 
     def tampered(self, prompts, params=None):
         outputs = generate(self, prompts, params)
-        if self.prefix_caching:  # as if a hit had changed the last request's last token
-            last = outputs[-1]
-            outputs[-1] = dataclasses.replace(last, token_ids=last.token_ids[:-1] + ((last.token_ids[-1] + 1) % 512,))
-        return outputs
+        return change(outputs) if self.prefix_caching and getattr(params, "logprobs", 0) else outputs
 
     monkeypatch.setattr(Engine, "generate", tampered)
+
+
+def excursion(out, k: int):
+    """`out` with another token at generated position k, put on top of its own logprobs there (0.1 above the old
+    top, the old list after it): a consistent one-step excursion; everything before k unchanged."""
+    top = out.logprobs[k]
+    token = next(t for t in range(512) if t not in dict(top))  # not among its 8 best: far from a near tie
+    value = top[0][1] + 0.1
+    return dataclasses.replace(
+        out, token_ids=out.token_ids[:k] + (token,) + out.token_ids[k + 1:],
+        logprobs=out.logprobs[:k] + (((token, value),) + top[:-1],) + out.logprobs[k + 1:],
+        token_logprobs=out.token_logprobs[:k] + (value,) + out.token_logprobs[k + 1:])
+
+
+def test_chat_workload_refuses_when_caching_changes_a_token(monkeypatch):
+    """The caching-on run's last request gets another last token, its logprobs kept (as if the output path had
+    changed it): that token is not the argmax of its own logprobs, (b)."""
+    from dsv4kv.bench.workloads import ChatSizes
+
+    def change(outputs):
+        last = outputs[-1]
+        outputs[-1] = dataclasses.replace(last, token_ids=last.token_ids[:-1] + ((last.token_ids[-1] + 1) % 512,))
+        return outputs
+
+    tamper_caching_on(monkeypatch, change)
     report = chat_on_cpu(monkeypatch, ChatSizes(shared=128, suffix=16, requests=2, new_tokens=2))
     assert all(r.refused and r.time_us is None and "ttft_p50_ms" not in r.extra for r in report.results)
     refused = report.results[0].refused
-    assert "equal caching off in 1 of 2 requests; 0 fork at a near tie by the fp32 oracle, 1 beyond one" in refused
-    assert "2 x the engine's own error" in refused and "2 x transformers' bf16 error 0.000" in refused  # fp32 on a CPU
+    assert "equal caching off in 1 of 2 requests; the 1 fork: 0 near ties by the fp32 oracle" in refused
+    assert "1 refused; worst" in refused and "refused: request 1: (b) caching on's token" in refused
+    assert "at generated token 1 is not its own argmax: its top there is token " in refused
+    assert "is not among its top 8, its reported logprob" in refused
+    assert "(a)" not in refused and "caching off's token" not in refused
+
+
+def test_chat_workload_refuses_logprobs_that_move_before_the_fork(monkeypatch):
+    """The caching-on run's last request with its logprobs before the fork shifted by 1.0 (as a wrong hit would
+    shift them from the first generated token on) and a consistent excursion at its last token: (b) and (c) hold,
+    (a) refuses."""
+    from dsv4kv.bench.workloads import ChatSizes
+
+    def change(outputs):
+        last, k = outputs[-1], len(outputs[-1].token_ids) - 1
+        last = excursion(last, k)
+        shifted = tuple(tuple((i, v + 1.0) for i, v in top) for top in last.logprobs[:k])
+        outputs[-1] = dataclasses.replace(last, logprobs=shifted + last.logprobs[k:],
+                                          token_logprobs=tuple(v + 1.0 for v in last.token_logprobs[:k])
+                                          + last.token_logprobs[k:])
+        return outputs
+
+    tamper_caching_on(monkeypatch, change)
+    report = chat_on_cpu(monkeypatch, ChatSizes(shared=128, suffix=16, requests=2, new_tokens=3))
+    assert all(r.refused and r.time_us is None for r in report.results)
+    refused = report.results[0].refused
+    assert "worst before-fork difference 1.000 (tolerance 0.25)" in refused
+    assert ("refused: request 1: (a) before the fork the runs' top logprobs differ by 1.000 at generated token 0 "
+            "(tolerance 0.25); (c) the fork at generated token 2 is neither a near tie") in refused
+    assert ("nor a one-step excursion (teacher-forced, the hit path and a cold engine within 0.000 there, but the runs "
+            "disagree before it; tolerance 0.25)") in refused and "(b)" not in refused
+
+
+def test_chat_workload_passes_a_one_step_excursion(monkeypatch):
+    """In fp32 on a CPU the runs agree, so an excursion is simulated: the caching-on run's first request takes another
+    token at generated token 1, on top of its own logprobs there, everything before unchanged. Not a near tie by the
+    oracle, but the runs agree before it and, teacher-forced, the hit path and a cold engine agree there: it passes."""
+    from dsv4kv.bench.workloads import ChatSizes
+
+    def change(outputs):
+        outputs[0] = excursion(outputs[0], 1)
+        return outputs
+
+    tamper_caching_on(monkeypatch, change)
+    report = chat_on_cpu(monkeypatch, ChatSizes(shared=128, suffix=16, requests=2, new_tokens=3))
+    off, on = report.results
+    assert off.passed and on.passed and not on.refused, on.check
+    assert ("equal caching off in 1 of 2 requests; the 1 fork: 0 near ties by the fp32 oracle, 1 one-step excursion "
+            "(the runs agree within 0.000 before it; teacher-forced, the hit path and a cold engine within 0.0") in on.check
+    assert on.check.endswith("worst before-fork difference 0.000 (tolerance 0.25)")
