@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 __all__ = ["tiny_config", "flash_config", "random_model", "with_dtype", "reference_logits", "Fork", "fork",
-           "logprob_difference", "before_fork", "own_argmax", "ForkCheck", "judge_fork"]
+           "hit_difference", "logprob_difference", "before_fork", "own_argmax", "ForkCheck", "judge_fork"]
 
 
 def tiny_config(**overrides):
