@@ -213,19 +213,23 @@ def test_fork_check_conditions_and_their_text():
     top_a, top_b = ((3, -0.5), (4, -0.9)), ((4, -0.4), (3, -0.6))
     tie = Fork(position=2, gap=0.03, bound=0.1, bf16_error=0.02, engine_error=0.05, hit_error=0.4)
     far = Fork(position=2, gap=0.8, bound=0.19, bf16_error=0.06, engine_error=0.09, hit_error=0.06)
-    check = lambda f, before=0.06, argmax=(True, True): ForkCheck(f, before, 1, argmax,
-                                                                  ((3, -0.5, top_a), (4, -0.4, top_b)), 0.25)
+    check = lambda f, before=0.06, argmax=(True, True), outliers=0: ForkCheck(
+        f, before, 1, argmax, ((3, -0.5, top_a), (4, -0.4, top_b)), 0.25, outliers)
     assert check(tie).passed and not check(tie).excursion  # a near tie: the hit path's error is not needed
     assert check(far).passed and check(far).excursion and not far.near_tie
     assert check(far).failures() == []
-    inconsistent = check(far, before=1.0)
+    inconsistent = check(far, before=1.0, outliers=1)
     assert not inconsistent.passed and not inconsistent.excursion
     text = inconsistent.failures()
-    assert text[0] == "(a) before the fork the runs' top logprobs differ by 1.000 at generated token 1 (tolerance 0.25)"
+    assert text[0] == ("(a) before the fork the runs' top logprobs differ by more than 0.25 at 1 of 2 generated "
+                       "tokens (a quarter allowed), by up to 1.000 at generated token 1")
     assert text[1].startswith("(c) the fork at generated token 2 is neither a near tie (gap 0.800 against a bound of "
                               "0.190 = max(0.05, 2 x the engine's own error 0.090, 2 x transformers' bf16 error 0.060))")
     assert text[1].endswith("within 0.060 there, but the runs disagree before it; tolerance 0.25)")
-    assert not check(tie, before=1.0).passed  # (a) holds for near ties too
+    assert not check(tie, before=1.0, outliers=1).passed  # (a) holds for near ties too
+    # isolated excursions before the fork: up to a quarter of the positions (a wrong hit shifts them all)
+    late = Fork(position=8, gap=0.8, bound=0.19, bf16_error=0.06, engine_error=0.09, hit_error=0.06)
+    assert check(late, before=1.2, outliers=2).passed and not check(late, before=1.2, outliers=3).passed
     wrong_token = check(tie, argmax=(True, False))
     assert not wrong_token.passed and wrong_token.failures(("off", "on")) == [
         "(b) on's token 4 at generated token 2 is not its own argmax: its top there is token 4's -0.400, token 4 is "

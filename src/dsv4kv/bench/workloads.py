@@ -797,17 +797,17 @@ def _chat_check(requests: int, forks: dict) -> tuple[bool, str]:
     failed = {i: f for i, f in forks.items() if not f.passed}
     parts = [f"{len(ties)} near {'tie' if len(ties) == 1 else 'ties'} by the fp32 oracle"]
     if excursions:
-        before = max(f.before for f in excursions)
         hit = max(f.fork.hit_error for f in excursions)
-        parts.append(f"{len(excursions)} one-step {'excursion' if len(excursions) == 1 else 'excursions'} (the runs "
-                     f"agree within {before:.3f} before {'it' if len(excursions) == 1 else 'them'}; teacher-forced, the "
-                     f"hit path and a cold engine within {hit:.3f} there)")
+        apart = sum(f.outliers for f in excursions)
+        parts.append(f"{len(excursions)} one-step {'excursion' if len(excursions) == 1 else 'excursions'} (teacher-"
+                     f"forced, the hit path and a cold engine within {hit:.3f} there; before "
+                     f"{'it' if len(excursions) == 1 else 'them'} the runs apart at {apart} of "
+                     f"{sum(f.fork.position for f in excursions)} tokens)")
     if failed:
         parts.append(f"{len(failed)} refused")
     worst = max(forks.values(), key=lambda f: f.before)
-    tol = worst.tol
     check += (f"; the {len(forks)} {'fork' if len(forks) == 1 else 'forks'}: {', '.join(parts)}; worst before-fork "
-              f"difference {worst.before:.3f} (tolerance {tol})")
+              f"difference {worst.before:.3f} (tolerance {worst.tol} at three quarters of the tokens before a fork)")
     if failed:
         reasons = [f"request {i}: " + "; ".join(f.failures(("caching off", "caching on"))) for i, f in failed.items()]
         check += "; refused: " + " | ".join(reasons)

@@ -224,8 +224,10 @@ def own_argmax(token: int, top: TopLogprobs, token_logprob: float) -> bool:
 class ForkCheck:
     """A request whose greedy tokens differ between run a (e.g. prefix caching off) and run b (caching on), first
     at generated token k = fork.position. It passes when
-      (a) consistent: at every position before k (the same context in both) the runs' top logprobs agree within
-          tol, for the tokens in both lists: a wrong cache hit has its state in place from the first position;
+      (a) consistent: at the positions before k (the same context in both) the runs' top logprobs agree within
+          tol, for the tokens in both lists, at all but a quarter of them: a wrong cache hit has its state in place
+          from the first position and shifts them all, while a one-step excursion (~5% of the positions of any bf16
+          computation of the random demo model, docs/engine.md) strays at one position and comes back;
       (b) argmax: each run's token at k is the argmax of its own logprobs (no token changed after sampling);
       (c) explained: the fork is a near tie by the fp32 oracle (`fork`), or a one-step excursion: teacher-forced
           over the shared context, the hit path and a cold engine agree within tol there (`Fork.hit_error`), so the
@@ -238,10 +240,11 @@ class ForkCheck:
     # per run at k: (its token, that token's logprob reported with it, its top list there)
     at_fork: tuple[tuple[int, float, TopLogprobs], tuple[int, float, TopLogprobs]]
     tol: float
+    outliers: int = 0  # (a) positions before k where the runs differ by more than tol
 
     @property
     def consistent(self) -> bool:
-        return self.before <= self.tol
+        return self.outliers <= self.fork.position // 4
 
     @property
     def excursion(self) -> bool:
@@ -261,8 +264,9 @@ class ForkCheck:
         """What failed, with its numbers (empty when passed)."""
         f, k, out = self.fork, self.fork.position, []
         if not self.consistent:
-            out.append(f"(a) before the fork the runs' top logprobs differ by {self.before:.3f} at generated token "
-                       f"{self.before_at} (tolerance {self.tol})")
+            out.append(f"(a) before the fork the runs' top logprobs differ by more than {self.tol} at {self.outliers} "
+                       f"of {self.fork.position} generated tokens (a quarter allowed), by up to {self.before:.3f} at "
+                       f"generated token {self.before_at}")
         for name, ok, (token, own, top) in zip(names, self.argmax, self.at_fork):
             if not ok:
                 listed = dict(top).get(token)
@@ -302,6 +306,7 @@ def judge_fork(oracle, served, prompt: list[int], a, b, *, engine, hot, margin: 
         return None
     k = found.position
     worst, where = before_fork(a.logprobs, b.logprobs, k)
+    outliers = sum(logprob_difference(a.logprobs[j], b.logprobs[j]) > tol for j in range(k))
     at_fork = tuple((out.token_ids[k], out.token_logprobs[k], out.logprobs[k]) for out in (a, b))
     argmax = tuple(own_argmax(token, top, own) for token, own, top in at_fork)
-    return ForkCheck(found, worst, where, argmax, at_fork, tol)
+    return ForkCheck(found, worst, where, argmax, at_fork, tol, outliers)
