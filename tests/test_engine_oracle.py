@@ -350,3 +350,16 @@ def test_on_cuda_flash_attention_geometry():
     (650 compressed CSA entries, all selected, see above)."""
     cache = dict(max_requests=4, max_tokens=8192, page_tokens=256, step_tokens=1024)
     gpu_check(flash_config(4, index_topk=1024), (2600, 700, 1900, 129), {3: 3}, cache)  # <= 653 entries a row
+
+
+def test_reference_logits_by_query_rows_equal_the_whole(monkeypatch):
+    """Past QUERY_ROWS tokens the oracle's eager attention runs by query rows (the chat bench's 9K-token forks would
+    need 27 GB of fp32 logits at once): the same logits, and the model's attention setting restored."""
+    import dsv4kv.engine.reference as reference
+
+    model = tiny_model()
+    ids = prompts(model.config.vocab_size, (300,), seed=6)[0]
+    whole = reference_logits(model, ids)
+    monkeypatch.setattr(reference, "QUERY_ROWS", 64)
+    assert torch.equal(reference_logits(model, ids), whole)
+    assert model.config._attn_implementation == "eager"

@@ -106,18 +106,45 @@ def with_dtype(model, dtype: torch.dtype):
     return model
 
 
+QUERY_ROWS = 2048  # longer sequences run transformers' eager attention this many query rows at a time
+
+
+def _eager_attention_by_rows(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+    """transformers' eager attention (the sink included) over query rows QUERY_ROWS at a time: the same per-row
+    arithmetic with [heads, QUERY_ROWS, keys] logits instead of [heads, L, keys] (27 GB in fp32 at 9K tokens)."""
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import eager_attention_forward
+
+    outputs = []
+    for lo in range(0, query.shape[-2], QUERY_ROWS):
+        rows = slice(lo, lo + QUERY_ROWS)
+        mask = attention_mask[..., rows, :] if attention_mask is not None else None
+        outputs.append(eager_attention_forward(module, query[..., rows, :], key, value, mask, scaling, dropout,
+                                               **kwargs)[0])
+    return torch.cat(outputs, dim=1), None  # [B, L, H, D], as eager's; no weights kept
+
+
 @torch.no_grad()
 def reference_logits(model, token_ids, last: int = 0) -> torch.Tensor:
     """transformers' one forward over a whole sequence, teacher-forced: fp32 logits [L, vocab], row t predicting
     token t + 1 (`last` > 0: only the last that many rows). The sliding-window causal mask is passed explicitly
-    (SPEC section 4: without a mask tensor its CSA layers attend to every compressed entry)."""
+    (SPEC section 4: without a mask tensor its CSA layers attend to every compressed entry). Beyond QUERY_ROWS
+    tokens the eager attention runs by rows (`_eager_attention_by_rows`)."""
+    from transformers import AttentionInterface
+
     ids = torch.as_tensor(token_ids, dtype=torch.long, device=model.lm_head.weight.device)[None]
     length = ids.shape[1]
     i = torch.arange(length, device=ids.device)
     allowed = (i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < model.config.sliding_window)
     dtype = model.model.embed_tokens.weight.dtype
     mask = torch.where(allowed, 0.0, float("-inf")).to(dtype)[None, None]
-    out = model(input_ids=ids, attention_mask={"sliding_attention": mask}, use_cache=False, logits_to_keep=last)
+    config, implementation = model.config, model.config._attn_implementation
+    if length > QUERY_ROWS and implementation == "eager":
+        AttentionInterface.register("dsv4kv_eager_by_rows", _eager_attention_by_rows)
+        config._attn_implementation = "dsv4kv_eager_by_rows"  # the layers read it from this shared config
+    try:
+        out = model(input_ids=ids, attention_mask={"sliding_attention": mask}, use_cache=False, logits_to_keep=last)
+    finally:
+        config._attn_implementation = implementation
     return out.logits[0].float()
 
 
