@@ -84,8 +84,8 @@ def run(stack, c, rid, counts, prompts, decode=()):
 
 
 def cold(stack, tokens, counts, decode=()):
-    """The same request alone on a cold cache without prefix caching."""
-    c = cache(prefix_caching=False)
+    """The same request alone on a cold cache without prefix caching (on the stack's device)."""
+    c = cache(prefix_caching=False, device=stack.embedding.device)
     rid = c.admit(tokens)
     return run(stack, c, rid, counts, {rid: list(tokens) + list(decode)}, decode)
 
@@ -312,8 +312,12 @@ def test_kernel_path_capture_equals_reference_capture():
 def test_swap_out_and_in_is_bit_identical(stack, prefix_caching):
     """Preempted mid-request by swap, its blocks reused by another request meanwhile, it comes back to the same
     outputs as a run without preemption."""
+    swap_round_trip(stack, prefix_caching)
+
+
+def swap_round_trip(stack, prefix_caching):
     prompt, decode = ids(20, 270), ids(21, 3)
-    c = cache(prefix_caching=prefix_caching, num_blocks=4)
+    c = cache(prefix_caching=prefix_caching, num_blocks=4, device=stack.embedding.device)
     rid = c.admit(prompt)
     prompts = {rid: prompt + decode}
     got = run(stack, c, rid, [128, 100], prompts)
@@ -399,6 +403,14 @@ def test_random_schedule_equals_caching_off(stack):
 
 
 # --- on a GPU: the kernels and CUDA graphs ---------------------------------------------------------------
+@cuda
+@pytest.mark.parametrize("prefix_caching", [False, True], ids=["no-cache", "cache"])
+def test_cuda_swap_out_and_in_is_bit_identical(prefix_caching):
+    """The swap round trip on the GPU with the Triton kernels: blocks, window ring and compressor state to pinned
+    host memory and back, bit for bit against a run without preemption."""
+    swap_round_trip(Stack(device="cuda", backend="triton"), prefix_caching)
+
+
 @cuda
 def test_cuda_graph_concurrent_identical_requests_and_a_hit():
     """Two identical requests decoded together in a captured graph (crossing a block boundary inside the graph)
