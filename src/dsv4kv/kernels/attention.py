@@ -30,7 +30,9 @@ still gets acc = 0, l = 1. S = 1 is the single pass: no workspace, no merge.
 Work split. A program holds up to 64 heads of one row (BLOCK_H): they are the M dimension of both tensor-core
 products, so each key block is read and decoded once per 64 heads into one bf16 tile [BLOCK_N, D] that both
 products read (q . k through a transposed view of it, w . V = w . K), with the fp32 accumulator [64, D] split over
-two warpgroups. The window blocks and the entry blocks run in one loop (both address forms computed, one selected).
+two warpgroups; with two warpgroups each block's logits go through a scratch row (QK_SCRATCH), so each computes half
+of q . k instead of all of it. The window blocks and the entry blocks run in one loop (both address forms computed,
+one selected).
 
 Numerics (docs/numerics.md). Keys are exact: e4m3 * 2^(ue8m0 - 127) and the rope dims are bf16 values; codes are
 not flushed (ue8m0 code 0 scales by 2^-127, code 0xFF is NaN, as `quant.ue8m0_decode`). q enters the product in
