@@ -188,18 +188,20 @@ def test_fork_bound_takes_the_engines_own_error():
 
 
 def test_logprob_helpers_of_the_fork_gate():
-    """`logprob_difference` over the tokens both lists hold (inf when none), `before_fork` over positions < k, and
+    """`logprob_difference` over the tokens both lists hold (inf when none), `before_fork` over positions < k (with
+    the count beyond a tolerance), and
     `own_argmax`: the token at the top value of its own list, reported with that value."""
     x = ((5, -0.1), (7, -2.0), (9, -3.0))
     y = ((5, -0.15), (9, -3.3), (4, -3.4))
     assert logprob_difference(x, y) == pytest.approx(0.3) and logprob_difference(y, x) == pytest.approx(0.3)
     assert logprob_difference(x, ((1, -0.1),)) == float("inf")
-    assert before_fork((x, x, y), (x, y, x), 0) == (0.0, None)
-    worst, at = before_fork((x, x, y), (x, y, x), 2)
-    assert worst == pytest.approx(0.3) and at == 1
-    assert before_fork((x, x), (x, x), 2) == (0.0, 0)
+    assert before_fork((x, x, y), (x, y, x), 0, 0.25) == (0.0, None, 0)
+    worst, at, outliers = before_fork((x, x, y), (x, y, x), 2, 0.25)
+    assert worst == pytest.approx(0.3) and at == 1 and outliers == 1
+    assert before_fork((x, x, y), (x, y, x), 2, 0.5)[2] == 0
+    assert before_fork((x, x), (x, x), 2, 0.25) == (0.0, 0, 0)
     with pytest.raises(ValueError, match="at least 3"):
-        before_fork((x, x), (x, x, x), 3)
+        before_fork((x, x), (x, x, x), 3, 0.25)
     assert own_argmax(5, x, -0.1)
     assert not own_argmax(7, x, -0.1)  # another token than the list's top (a token changed after sampling)
     assert not own_argmax(5, x, -2.0)  # reported with another logprob
