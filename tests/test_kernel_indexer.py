@@ -14,9 +14,11 @@ import dataclasses
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 from schedules import admit, random_steps
 
-from dsv4kv import CacheManager, ModelGeometry
+from dsv4kv import CacheManager, ModelGeometry, quant
 from dsv4kv.kernels import indexer as kernel_mod
 from dsv4kv.kernels.common import interpreted
 from dsv4kv.kernels.indexer import indexer_scores_paged
@@ -379,6 +381,55 @@ def test_hand_written_key_bytes(indexer_format, stack_rows):
         assert torch.isnan(got[visible > 5, 5]).all()
 
 
+@triton.jit
+def _e4m3_of_bytes(byte_ptr, lo_ptr, hi_ptr, ASM: tl.constexpr):
+    o = tl.arange(0, 256)
+    lo, hi = kernel_mod._e2m1_e4m3(tl.load(byte_ptr + o), ASM)
+    tl.store(lo_ptr + o, lo)
+    tl.store(hi_ptr + o, hi)
+
+
+@pytest.mark.parametrize("asm", [False, True], ids=["plain", "asm"])
+def test_e2m1_to_e4m3_every_byte(asm):
+    """Every packed MXFP4 byte -> its two nibbles as e4m3 bytes of value * 2^-6, bit for bit (signed zeros too).
+    The inline-PTX form runs on the GPU only; the interpreter runs the plain one."""
+    if asm and interpreted():
+        pytest.skip("inline PTX needs a CUDA device")
+    byte = torch.arange(256, dtype=torch.uint8, device=DEVICE)
+    lo, hi = torch.empty_like(byte), torch.empty_like(byte)
+    _e4m3_of_bytes[(1,)](byte, lo, hi, ASM=asm)
+    for got, code in ((lo, byte & 15), (hi, byte >> 4)):
+        want = quant.e2m1_decode(code.cpu()) * 2.0 ** -6
+        assert torch.equal(got.cpu().view(torch.float8_e4m3fn).float(), want)
+        assert torch.equal(got.cpu() >> 7, (code.cpu() >> 3))  # the sign bit, -0.0 included
+
+
+def test_fp8_mma_path_and_its_fallback(monkeypatch):
+    """MXFP4 keys take the FP8 MMA path when the row's query is exact in e4m3 after its shift, and the bf16 path when
+    it is not (heads 2^22 apart): both give the reference's scores. Under the interpreter the path is
+    observed by counting calls of the per-block MMA."""
+    cache, layout, pool = make_cache(TINY, "mxfp4", page_tokens=PAGE, max_requests=2, max_tokens=256)
+    rid = cache.admit()
+    plan = cache.plan_step([(rid, 150)])
+    write_all_keys(cache, rid, layout, pool, torch.randn(40, layout.dim, generator=gen(61)).to(DEVICE), M, PAGE)
+    calls = []
+    if interpreted():
+        block_mma = kernel_mod._mxfp4_block_mma
+        monkeypatch.setattr(kernel_mod, "_mxfp4_block_mma", lambda *a, **k: calls.append(1) or block_mma(*a, **k))
+    q, w = make_query(layout, 150, TINY.index_n_heads, seed=62)
+    for tiny_head, path_calls in ((False, lambda n: n > 0), (True, lambda n: n == 0)):
+        calls.clear()
+        if tiny_head:
+            raw = torch.randn(150, TINY.index_n_heads, layout.dim, generator=gen(63, DEVICE), device=DEVICE)
+            raw[:, 0] *= 2.0 ** 6
+            raw[:, 1] *= 2.0 ** -16  # its values 2^-22 and more below head 0's largest: beyond e4m3's 2^-17
+            q = indexer_query(raw.to(torch.bfloat16), layout)
+        got = indexer_scores_paged(q, w, plan, pool, layout, ratio=M, page_tokens=PAGE, stack_rows=False, fill=True)
+        assert_close_scores(got, reference(plan, pool, layout, q, w, got.shape[1], ratio=M, page_tokens=PAGE))
+        if interpreted():
+            assert path_calls(len(calls)), (tiny_head, len(calls))
+
+
 @pytest.mark.parametrize("indexer_format", ["mxfp4", "fp8"])
 def test_query_and_keys_are_bf16_values(indexer_format):
     """The claim behind exact MMA products: rotated + round-tripped queries and stored keys are bf16 values,
@@ -508,14 +559,21 @@ def replay_over_new_inputs(graph, plan, cache, rids, layout, pool, q, w, out, en
 
 @needs_cuda
 @pytest.mark.parametrize("indexer_format", FORMATS)
-def test_v4_decode_one_request_65536_entries(indexer_format):
+def test_v4_decode_one_request_65536_entries(indexer_format, monkeypatch):
+    """Also both MXFP4 paths of the row kernel, FP8 MMAs and bf16, whichever the grid's size would pick."""
     _, layout, pool, plan, _, _, heads = v4_case("flash", indexer_format, [262143], [(0, 1)],
                                                  max_tokens=262144 + 512, buffer_tokens=1, seed=1)
     assert (heads, layout.dim) == (64, 128) and int(plan.positions[0]) == 262143
     q, w = make_query(layout, 1, heads, seed=1)
-    got = indexer_scores_paged(q, w, plan, pool, layout, ratio=4, page_tokens=V4_PAGE, fill=True)
-    assert got.shape == (1, 65536) and torch.isfinite(got).all()
-    assert_close_scores(got, reference(plan, pool, layout, q, w, 65536, ratio=4, page_tokens=V4_PAGE))
+    want = reference(plan, pool, layout, q, w, 65536, ratio=4, page_tokens=V4_PAGE)
+    outs = []
+    for min_programs in (0, 1 << 30):  # every grid takes the FP8 path / none does
+        monkeypatch.setattr(kernel_mod, "FP8_MIN_PROGRAMS_PER_SM", min_programs)
+        got = indexer_scores_paged(q, w, plan, pool, layout, ratio=4, page_tokens=V4_PAGE, fill=True)
+        assert got.shape == (1, 65536) and torch.isfinite(got).all()
+        assert_close_scores(got, want)
+        outs.append(got)
+    assert_paths_agree(outs[0], outs[1], want)
 
 
 @needs_cuda

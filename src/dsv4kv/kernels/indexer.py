@@ -75,8 +75,12 @@ _FILL_ELEMS = 2048  # elements per -inf store tile: 16 per thread at 4 warps, i.
 
 # Tile choices, read at each call (scripts/bench_variants.py reassigns them to time variants; the defaults are
 # the fastest measured on the H200, docs/performance.md).
-_ROW_TILES = {"block_j": 64, "max_iters": 16, "num_warps": 4}
+_ROW_TILES = {"block_j": 64, "max_iters": 16, "num_warps": 4, "num_stages": 1}
 _STACK_TILES = {"block_t": 4, "block_j": 128, "max_iters": 32, "num_warps": 8, "num_stages": 3}
+# MXFP4 keys on FP8 MMAs in the row kernel (`_mxfp4_fp8_scores`) from this many programs per SM up (the interpreter:
+# always). Below it every program is resident at once (4 per SM) and the bf16 path's shorter per-tile chain wins
+# (H100: FP8 12-14% slower at 3.9 programs per SM); from 5.8 up the FP8 path's fewer instructions win (5-20%)
+FP8_MIN_PROGRAMS_PER_SM = 5
 _GRID_WAVES = 3  # programs per SM the chunking aims for: one decode row at 1M, 29 us at 3 against 36 us at 1
 _STACK_MIN_ROWS_PER_REQUEST = 2  # the automatic choice of the stacked kernel (`_stacked`)
 
@@ -98,6 +102,127 @@ def _e2m1_pair(byte):
     lo = ((byte << 28) & _SIGN) | ((byte << 22) & _E2M1_MAG)
     hi = ((byte << 24) & _SIGN) | ((byte << 18) & _E2M1_MAG)
     return lo.to(tl.float32, bitcast=True) * _TWO_126, hi.to(tl.float32, bitcast=True) * _TWO_126
+
+
+@triton.jit
+def _e2m1_e4m3(byte, ASM: tl.constexpr):
+    """Packed MXFP4 bytes (uint8) -> (low nibble, high nibble) as e4m3 bytes (uint8) holding value * 2^-6, exactly.
+
+    A code's bits (s e1 e0 m) move to e4m3's sign, low exponent bits and top mantissa bit: exponent field e1e0 with
+    e4m3's bias 7 against e2m1's 1 is the 2^-6, and code 1 (0.5) lands on the subnormal 2^-7 as code 0 on zero.
+    ASM: four bytes per 32-bit register (five ALU ops per 8 values); else the same bit moves per element (the
+    interpreter runs no inline PTX)."""
+    if ASM:
+        return tl.inline_asm_elementwise(
+            asm="""{
+            .reg .b32 t0, t1;
+            shl.b32 t0, $2, 4;
+            and.b32 t0, t0, 0x80808080;
+            shl.b32 t1, $2, 2;
+            and.b32 t1, t1, 0x1C1C1C1C;
+            or.b32 $0, t0, t1;
+            shr.b32 t0, $2, 2;
+            and.b32 t0, t0, 0x1C1C1C1C;
+            and.b32 t1, $2, 0x80808080;
+            or.b32 $1, t0, t1;
+            }""",
+            constraints="=r,=r,r", args=[byte], dtype=(tl.uint8, tl.uint8), is_pure=True, pack=4)
+    else:
+        b = byte.to(tl.int32)
+        return (((b & 0x08) << 4) | ((b & 0x07) << 2)).to(tl.uint8), ((b & 0x80) | ((b & 0x70) >> 2)).to(tl.uint8)
+
+
+@triton.jit
+def _q_e4m3(p_q, m_h, D: tl.constexpr, BLOCK_H: tl.constexpr):
+    """A row's MXFP4-numerics query as e4m3 MMA operands: q * 2^-c with 2^c = 2^(e - 8), e the exponent of the row's
+    largest |q|, so the largest e2m1 value (1.5 * 2^e) becomes 384 <= 448 and every value down to 2^(e - 16) stays
+    exact. -> (q^T per 32-dim scale block [32, BLOCK_H], even dims first, x 4 (blocks past D/32 are unused), 2^(c + 6) (undoes this
+    shift and the keys' 2^-6), exact: every value survived the conversion (else the caller takes the bf16 path)."""
+    o_k = (tl.arange(0, 32) % 16) * 2 + tl.arange(0, 32) // 16  # even dims of a block, then odd (the keys' order)
+    b_q0 = tl.load(p_q + o_k[:, None], mask=m_h[None, :], other=0.0)  # [32, BLOCK_H]
+    b_q1 = tl.load(p_q + (o_k + 32 % D)[:, None], mask=m_h[None, :], other=0.0)
+    b_q2 = tl.load(p_q + (o_k + 64 % D)[:, None], mask=m_h[None, :], other=0.0)
+    b_q3 = tl.load(p_q + (o_k + 96 % D)[:, None], mask=m_h[None, :], other=0.0)
+    # one reduction over the four blocks (each reduction is a chain of shuffles and barriers in the program's setup)
+    amax = _max2d(tl.maximum(tl.maximum(tl.abs(b_q0), tl.abs(b_q1)), tl.maximum(tl.abs(b_q2), tl.abs(b_q3))))
+    biased = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF
+    biased = tl.minimum(tl.maximum(biased, 8), 254)  # 2^-c and 2^(c + 6) stay normal fp32 numbers
+    shift = ((262 - biased) << 23).to(tl.float32, bitcast=True)  # 2^-c = 2^(135 - biased)
+    unshift = ((biased - 2) << 23).to(tl.float32, bitcast=True)  # 2^(c + 6)
+    q0, q1, q2, q3 = b_q0 * shift, b_q1 * shift, b_q2 * shift, b_q3 * shift
+    b_q0, b_q1, b_q2, b_q3 = q0.to(tl.float8e4nv), q1.to(tl.float8e4nv), q2.to(tl.float8e4nv), q3.to(tl.float8e4nv)
+    miss = ((b_q0.to(tl.float32) != q0).to(tl.int32) + (b_q1.to(tl.float32) != q1).to(tl.int32)
+            + (b_q2.to(tl.float32) != q2).to(tl.int32) + (b_q3.to(tl.float32) != q3).to(tl.int32))  # NaN included
+    return b_q0, b_q1, b_q2, b_q3, unshift, tl.sum(tl.sum(miss, axis=1), axis=0) == 0
+
+
+@triton.jit
+def _max2d(x):
+    return tl.max(tl.max(x, axis=1), axis=0)
+
+
+@triton.jit
+def _mxfp4_tile(pool_ptr, p_table, o_j, m_j, D: tl.constexpr, P: tl.constexpr, PAGE_BYTES: tl.constexpr,
+                DATA_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr):
+    """The MXFP4 bytes of entries o_j: per 32-dim scale block, values [BLOCK_J, 16] uint8 and the ue8m0 code
+    [BLOCK_J] (blocks past D/32 repeat block 0, unused). Masked or unallocated entries: zeros, scale 2^0."""
+    block = tl.load(p_table + o_j // P, mask=m_j, other=-1)
+    m_j = m_j & (block >= 0)
+    p_entry = pool_ptr + block.to(tl.int64) * PAGE_BYTES
+    p_data = p_entry[:, None] + (o_j % P)[:, None] * DATA_BYTES + tl.arange(0, 16)[None, :]
+    p_scale = p_entry + P * DATA_BYTES + (o_j % P) * SCALE_BYTES
+    k0 = tl.load(p_data, mask=m_j[:, None], other=0)
+    s0 = tl.load(p_scale, mask=m_j, other=127)
+    k1, k2, k3, s1, s2, s3 = k0, k0, k0, s0, s0, s0
+    if D >= 64:
+        k1 = tl.load(p_data + 16, mask=m_j[:, None], other=0)
+        s1 = tl.load(p_scale + 1, mask=m_j, other=127)
+    if D >= 128:
+        k2 = tl.load(p_data + 32, mask=m_j[:, None], other=0)
+        k3 = tl.load(p_data + 48, mask=m_j[:, None], other=0)
+        s2 = tl.load(p_scale + 2, mask=m_j, other=127)
+        s3 = tl.load(p_scale + 3, mask=m_j, other=127)
+    return k0, k1, k2, k3, s0, s1, s2, s3
+
+
+@triton.jit
+def _mxfp4_block_mma(b_byte, code, b_q8, unshift, acc, BLOCK_J: tl.constexpr, ASM: tl.constexpr):
+    """acc + (one scale block of the keys, as e4m3 values * 2^-6) x (that block of q) * (the keys' ue8m0 scales *
+    unshift): one K = 32 FP8 MMA from zero, whose 32 products of e2m1 pairs (multiples of 2^-14 of q's shifted scale,
+    below 2^11 of it) sum exactly, then one exact power-of-two scaling added in fp32 (terms at the reference's
+    magnitude)."""
+    b_lo, b_hi = _e2m1_e4m3(b_byte, ASM)
+    # dims in `_q_e4m3`'s order: the block's low nibbles (even dims), then its high nibbles (odd dims); the
+    # natural order would interleave bytes (a PRMT per pair of values)
+    b_k = tl.reshape(tl.permute(tl.join(b_lo, b_hi), (0, 2, 1)), (BLOCK_J, 32)).to(tl.float8e4nv, bitcast=True)
+    b_sc = _ue8m0(code.to(tl.int32)) * unshift
+    if ASM:
+        part = tl.dot(b_k, b_q8)
+    else:  # the interpreter: the same exact products and sums through an fp32 dot
+        part = tl.dot(b_k.to(tl.float32), b_q8.to(tl.float32))
+    return acc + part * b_sc[:, None]
+
+
+@triton.jit
+def _mxfp4_fp8_scores(pool_ptr, p_table, p_out, chunk_lo, hi, visible, num_entries, b_w, b_q0, b_q1, b_q2, b_q3,
+                      unshift, D: tl.constexpr, P: tl.constexpr, PAGE_BYTES: tl.constexpr, DATA_BYTES: tl.constexpr,
+                      SCALE_BYTES: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_H: tl.constexpr, ASM: tl.constexpr):
+    """Scores of entries chunk_lo..hi-1 of one row against MXFP4 keys on FP8 MMAs: per tile, the sum over scale
+    blocks, in block order, of exact per-block MMAs (`_mxfp4_block_mma`), then ReLU and the head weights. Each tile's
+    bytes are loaded in the same iteration: a register prefetch of the next tile was slower (168 registers, 3
+    programs per SM instead of 4; docs/performance.md)."""
+    for j0 in range(chunk_lo, hi, BLOCK_J):
+        o_j = j0 + tl.arange(0, BLOCK_J)
+        k0, k1, k2, k3, s0, s1, s2, s3 = _mxfp4_tile(pool_ptr, p_table, o_j, o_j < hi, D, P, PAGE_BYTES, DATA_BYTES,
+                                                     SCALE_BYTES)
+        acc = _mxfp4_block_mma(k0, s0, b_q0, unshift, tl.zeros((BLOCK_J, BLOCK_H), dtype=tl.float32), BLOCK_J, ASM)
+        if D >= 64:
+            acc = _mxfp4_block_mma(k1, s1, b_q1, unshift, acc, BLOCK_J, ASM)
+        if D >= 128:
+            acc = _mxfp4_block_mma(k2, s2, b_q2, unshift, acc, BLOCK_J, ASM)
+            acc = _mxfp4_block_mma(k3, s3, b_q3, unshift, acc, BLOCK_J, ASM)
+        b_s = tl.sum(_relu(acc) * b_w[None, :], axis=1)
+        tl.store(p_out + o_j, tl.where(o_j < visible, b_s, float("-inf")), mask=o_j < num_entries)
 
 
 @triton.jit
@@ -170,9 +295,10 @@ def _indexer_scores_kernel(
     FORMAT: tl.constexpr, RATIO: tl.constexpr, D: tl.constexpr, P: tl.constexpr, PAGE_BYTES: tl.constexpr,
     DATA_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_J: tl.constexpr, FILL_J: tl.constexpr, DOT: tl.constexpr,
-    FILL: tl.constexpr,
+    FILL: tl.constexpr, MMA8: tl.constexpr, ASM: tl.constexpr,
 ):
-    """The row kernel: one token row, one chunk of `chunk` entries (a multiple of BLOCK_J)."""
+    """The row kernel: one token row, one chunk of `chunk` entries (a multiple of BLOCK_J). MMA8: MXFP4 keys on FP8
+    MMAs (`_mxfp4_fp8_scores`) when the row's query is exact in e4m3, else the bf16 path."""
     i_t, i_c = tl.program_id(0), tl.program_id(1)
     t = i_t.to(tl.int64)
     position = tl.load(positions_ptr + i_t)
@@ -190,17 +316,24 @@ def _indexer_scores_kernel(
         # D^-0.5 folded into the head weights; padded heads get weight 0 (and a zero query column)
         b_w = tl.load(w_ptr + t * num_heads + o_h, mask=m_h, other=0.0) * score_scale
         p_q = q_ptr + t * num_heads * D + o_h[None, :] * D
-        o_d0, o_d1 = _q_dims(FORMAT, D)
-        b_q0 = round_bf16(tl.load(p_q + o_d0[:, None], mask=m_h[None, :], other=0.0)).to(DOT)  # [D/2, BLOCK_H]
-        b_q1 = round_bf16(tl.load(p_q + o_d1[:, None], mask=m_h[None, :], other=0.0)).to(DOT)
         p_table = block_table_ptr + slot.to(tl.int64) * table_stride
-
-        for j0 in range(chunk_lo, tl.minimum(chunk_hi, visible), BLOCK_J):
-            o_j = j0 + tl.arange(0, BLOCK_J)
-            b_dot = _key_dot(pool_ptr, p_table, o_j, o_j < visible, b_q0, b_q1, FORMAT, D, P, PAGE_BYTES,
-                             DATA_BYTES, SCALE_BYTES, BLOCK_J, DOT)  # [BLOCK_J, BLOCK_H]
-            b_s = tl.sum(_relu(b_dot) * b_w[None, :], axis=1)
-            tl.store(p_out + o_j, tl.where(o_j < visible, b_s, float("-inf")), mask=o_j < num_entries)
+        exact = False
+        if MMA8:
+            b_q8_0, b_q8_1, b_q8_2, b_q8_3, unshift, exact = _q_e4m3(p_q, m_h, D, BLOCK_H)
+            if exact:
+                _mxfp4_fp8_scores(pool_ptr, p_table, p_out, chunk_lo, tl.minimum(chunk_hi, visible), visible,
+                                  num_entries, b_w, b_q8_0, b_q8_1, b_q8_2, b_q8_3, unshift, D, P, PAGE_BYTES,
+                                  DATA_BYTES, SCALE_BYTES, BLOCK_J, BLOCK_H, ASM)
+        if not exact:
+            o_d0, o_d1 = _q_dims(FORMAT, D)
+            b_q0 = round_bf16(tl.load(p_q + o_d0[:, None], mask=m_h[None, :], other=0.0)).to(DOT)  # [D/2, BLOCK_H]
+            b_q1 = round_bf16(tl.load(p_q + o_d1[:, None], mask=m_h[None, :], other=0.0)).to(DOT)
+            for j0 in range(chunk_lo, tl.minimum(chunk_hi, visible), BLOCK_J):
+                o_j = j0 + tl.arange(0, BLOCK_J)
+                b_dot = _key_dot(pool_ptr, p_table, o_j, o_j < visible, b_q0, b_q1, FORMAT, D, P, PAGE_BYTES,
+                                 DATA_BYTES, SCALE_BYTES, BLOCK_J, DOT)  # [BLOCK_J, BLOCK_H]
+                b_s = tl.sum(_relu(b_dot) * b_w[None, :], axis=1)
+                tl.store(p_out + o_j, tl.where(o_j < visible, b_s, float("-inf")), mask=o_j < num_entries)
 
     if FILL:  # the rest of the chunk is past visible(t): one wide streaming store (FILL_J = the chunk)
         fill_lo = tl.maximum(chunk_lo, tl.cdiv(visible, BLOCK_J) * BLOCK_J)
@@ -291,6 +424,11 @@ def _indexer_scores_stacked_kernel(
 @functools.lru_cache(maxsize=8)
 def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _fp8_pays(programs: int, device: torch.device) -> bool:
+    """The FP8 MMA path for a row-kernel grid of `programs` (a host fact: a captured graph keeps its choice)."""
+    return device.type != "cuda" or programs >= FP8_MIN_PROGRAMS_PER_SM * _num_sms(device)
 
 
 def _iters(programs_per_chunk: int, tiles: int, device: torch.device, max_iters: int) -> int:
@@ -428,5 +566,6 @@ def indexer_scores_paged(q: torch.Tensor, weights: torch.Tensor, plan, key_pool:
         # FILL_J (the chunk, a tile shape) matters only with fill: without, one kernel serves every chunk size
         _indexer_scores_kernel[grid](*args, heads, entries, plan.block_table.stride(0), dim ** -0.5, chunk,
                                      **common, BLOCK_J=block_j, FILL_J=chunk if fill else block_j,
-                                     num_warps=num_warps)
+                                     MMA8=fmt == _MXFP4 and dim <= 128 and _fp8_pays(grid[0] * grid[1], device),
+                                     ASM=not interpreted(), num_warps=num_warps, num_stages=_ROW_TILES["num_stages"])
     return out
