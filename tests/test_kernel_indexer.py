@@ -441,6 +441,19 @@ def test_query_and_keys_are_bf16_values(indexer_format):
         assert torch.equal(values.to(torch.bfloat16).float(), values)
 
 
+@pytest.mark.parametrize("stack_rows", [False, True], ids=["row", "stacked"])
+def test_bf16_query_gives_the_fp32_querys_scores(stack_rows):
+    """The query's values are bf16 values, so passing it as bf16 changes no score (the same bits)."""
+    cache, layout, pool = make_cache(TINY, "mxfp4", page_tokens=PAGE, max_requests=2, max_tokens=256)
+    rid = cache.admit()
+    plan = cache.plan_step([(rid, 131)])
+    write_all_keys(cache, rid, layout, pool, torch.randn(32, layout.dim, generator=gen(71)).to(DEVICE), M, PAGE)
+    q, w = make_query(layout, 131, TINY.index_n_heads, seed=72)
+    got = [indexer_scores_paged(x, w, plan, pool, layout, ratio=M, page_tokens=PAGE, stack_rows=stack_rows, fill=True)
+           for x in (q, q.to(torch.bfloat16))]
+    assert torch.equal(got[0], got[1])
+
+
 def test_fp32_query_is_rounded_to_bf16():
     """A q that is not bf16-valued is rounded to bf16 (nearest even) before the dot: the scores equal the
     reference at the rounded q, and differ from the fp32 one by bf16 rounding of q."""
@@ -470,11 +483,11 @@ def test_rejects_bad_input():
     def run(q=q, w=w, pool=pool, layout=layout, **kw):
         return indexer_scores_paged(q, w, plan, pool, layout, **{"ratio": M, "page_tokens": PAGE, **kw})
 
-    with pytest.raises(ValueError, match=r"q: expected torch.float32 \[8, \*, 64\], got torch.bfloat16"):
-        run(q=q.to(torch.bfloat16))
-    with pytest.raises(ValueError, match=r"q: expected torch.float32 \[8, \*, 64\], got torch.float32 \[5, 4, 64\]"):
+    with pytest.raises(ValueError, match=r"q: expected torch.float32/torch.bfloat16 \[8, \*, 64\], got torch.float16"):
+        run(q=q.to(torch.float16))
+    with pytest.raises(ValueError, match=r"q: expected torch.float32/torch.bfloat16 \[8, \*, 64\], got torch.float32 \[5, 4, 64\]"):
         run(q=q[:5])  # the real rows only: kernels run over the padded rows
-    with pytest.raises(ValueError, match=r"q: expected torch.float32 \[8, \*, 64\]"):
+    with pytest.raises(ValueError, match=r"q: expected torch.float32/torch.bfloat16 \[8, \*, 64\]"):
         run(q=q[:, :, :32])
     with pytest.raises(ValueError, match=r"q: must be contiguous"):
         run(q=q.transpose(0, 1).contiguous().transpose(0, 1))

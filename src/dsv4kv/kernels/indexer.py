@@ -139,10 +139,10 @@ def _q_e4m3(p_q, m_h, D: tl.constexpr, BLOCK_H: tl.constexpr):
     exact. -> (q^T per 32-dim scale block [32, BLOCK_H], even dims first, x 4 (blocks past D/32 are unused), 2^(c + 6) (undoes this
     shift and the keys' 2^-6), exact: every value survived the conversion (else the caller takes the bf16 path)."""
     o_k = (tl.arange(0, 32) % 16) * 2 + tl.arange(0, 32) // 16  # even dims of a block, then odd (the keys' order)
-    b_q0 = tl.load(p_q + o_k[:, None], mask=m_h[None, :], other=0.0)  # [32, BLOCK_H]
-    b_q1 = tl.load(p_q + (o_k + 32 % D)[:, None], mask=m_h[None, :], other=0.0)
-    b_q2 = tl.load(p_q + (o_k + 64 % D)[:, None], mask=m_h[None, :], other=0.0)
-    b_q3 = tl.load(p_q + (o_k + 96 % D)[:, None], mask=m_h[None, :], other=0.0)
+    b_q0 = tl.load(p_q + o_k[:, None], mask=m_h[None, :], other=0.0).to(tl.float32)  # [32, BLOCK_H]
+    b_q1 = tl.load(p_q + (o_k + 32 % D)[:, None], mask=m_h[None, :], other=0.0).to(tl.float32)
+    b_q2 = tl.load(p_q + (o_k + 64 % D)[:, None], mask=m_h[None, :], other=0.0).to(tl.float32)
+    b_q3 = tl.load(p_q + (o_k + 96 % D)[:, None], mask=m_h[None, :], other=0.0).to(tl.float32)
     # one reduction over the four blocks (each reduction is a chain of shuffles and barriers in the program's setup)
     amax = _max2d(tl.maximum(tl.maximum(tl.abs(b_q0), tl.abs(b_q1)), tl.maximum(tl.abs(b_q2), tl.abs(b_q3))))
     biased = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF
@@ -285,7 +285,7 @@ def _relu(x):
 
 @triton.jit
 def _indexer_scores_kernel(
-    q_ptr,  # fp32 [R, H, D]
+    q_ptr,  # fp32 or bf16 [R, H, D]
     w_ptr,  # fp32 [R, H]
     positions_ptr, token_request_ptr, request_slots_ptr,  # int32 [R], [R], [B]
     block_table_ptr,  # int32 [max_requests, table_stride]
@@ -326,8 +326,8 @@ def _indexer_scores_kernel(
                                   DATA_BYTES, SCALE_BYTES, BLOCK_J, BLOCK_H, ASM)
         if not exact:
             o_d0, o_d1 = _q_dims(FORMAT, D)
-            b_q0 = round_bf16(tl.load(p_q + o_d0[:, None], mask=m_h[None, :], other=0.0)).to(DOT)  # [D/2, BLOCK_H]
-            b_q1 = round_bf16(tl.load(p_q + o_d1[:, None], mask=m_h[None, :], other=0.0)).to(DOT)
+            b_q0 = round_bf16(tl.load(p_q + o_d0[:, None], mask=m_h[None, :], other=0.0).to(tl.float32)).to(DOT)  # [D/2, BLOCK_H]
+            b_q1 = round_bf16(tl.load(p_q + o_d1[:, None], mask=m_h[None, :], other=0.0).to(tl.float32)).to(DOT)
             for j0 in range(chunk_lo, tl.minimum(chunk_hi, visible), BLOCK_J):
                 o_j = j0 + tl.arange(0, BLOCK_J)
                 b_dot = _key_dot(pool_ptr, p_table, o_j, o_j < visible, b_q0, b_q1, FORMAT, D, P, PAGE_BYTES,
@@ -344,7 +344,7 @@ def _indexer_scores_kernel(
 
 @triton.jit(do_not_specialize=["num_rows"])  # a step's token count: one compilation for all
 def _indexer_scores_stacked_kernel(
-    q_ptr,  # fp32 [R, H, D]
+    q_ptr,  # fp32 or bf16 [R, H, D]
     w_ptr,  # fp32 [R, H]
     positions_ptr, token_request_ptr, request_slots_ptr,  # int32 [R], [R], [B]
     block_table_ptr,  # int32 [max_requests, table_stride]
@@ -392,9 +392,9 @@ def _indexer_scores_stacked_kernel(
         # q^T of the segment's rows stacked in N: column t * BLOCK_H + h; other rows and padded heads are zero
         m_q = seg[None, :, None] & m_h[None, None, :]
         o_d0, o_d1 = _q_dims(FORMAT, D)
-        b_q0 = round_bf16(tl.load(p_q + o_d0[:, None, None], mask=m_q, other=0.0))  # [D/2, BLOCK_T, BLOCK_H]
+        b_q0 = round_bf16(tl.load(p_q + o_d0[:, None, None], mask=m_q, other=0.0).to(tl.float32))  # [D/2, BLOCK_T, BLOCK_H]
         b_q0 = tl.reshape(b_q0, (D // 2, BLOCK_T * BLOCK_H)).to(DOT)
-        b_q1 = round_bf16(tl.load(p_q + o_d1[:, None, None], mask=m_q, other=0.0))
+        b_q1 = round_bf16(tl.load(p_q + o_d1[:, None, None], mask=m_q, other=0.0).to(tl.float32))
         b_q1 = tl.reshape(b_q1, (D // 2, BLOCK_T * BLOCK_H)).to(DOT)
         m_w = seg[:, None] & m_h[None, :]
         p_table = block_table_ptr + seg_slot.to(tl.int64) * table_stride
@@ -488,8 +488,9 @@ def indexer_scores_paged(q: torch.Tensor, weights: torch.Tensor, plan, key_pool:
     """Indexer scores of every plan row against its request's compressed keys -> fp32 [R, J].
 
     Args:
-        q: fp32 [R, H, D] contiguous, R = plan.positions.shape[0] (padding rows included): the roped
-            indexer query already in the keys' numerics (`ops.indexer.indexer_query(q_raw, layout)`).
+        q: fp32 or bf16 [R, H, D] contiguous, R = plan.positions.shape[0] (padding rows included): the roped
+            indexer query already in the keys' numerics (`ops.indexer.indexer_query(q_raw, layout)`, whose values
+            are bf16 values, so either dtype gives the same scores).
         weights: fp32 [R, H] contiguous, head weights already multiplied by H^-0.5.
         plan: the step's `StepPlan` (positions, token_request, request_slots, block_table are read).
         key_pool: uint8 [pages, layout.page_bytes(page_tokens // ratio)] contiguous: the CSA layer's keys.
@@ -518,7 +519,7 @@ def indexer_scores_paged(q: torch.Tensor, weights: torch.Tensor, plan, key_pool:
     per_page = page_tokens // ratio
     check_pool("key_pool", key_pool, layout, per_page, device)
     rows = padded_rows(plan)
-    check_tensor("q", q, dtype=torch.float32, shape=(rows, None, dim), device=device)
+    check_tensor("q", q, dtype=(torch.float32, torch.bfloat16), shape=(rows, None, dim), device=device)
     heads = q.shape[1]
     require(heads > 0, "q: expected at least one head")
     check_tensor("weights", weights, dtype=torch.float32, shape=(rows, heads), device=device)
