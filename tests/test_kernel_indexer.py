@@ -485,7 +485,8 @@ def test_rejects_bad_input():
 
     with pytest.raises(ValueError, match=r"q: expected torch.float32/torch.bfloat16 \[8, \*, 64\], got torch.float16"):
         run(q=q.to(torch.float16))
-    with pytest.raises(ValueError, match=r"q: expected torch.float32/torch.bfloat16 \[8, \*, 64\], got torch.float32 \[5, 4, 64\]"):
+    with pytest.raises(ValueError,
+                       match=r"q: expected torch.float32/torch.bfloat16 \[8, \*, 64\], got torch.float32 \[5, 4, 64\]"):
         run(q=q[:5])  # the real rows only: kernels run over the padded rows
     with pytest.raises(ValueError, match=r"q: expected torch.float32/torch.bfloat16 \[8, \*, 64\]"):
         run(q=q[:, :, :32])

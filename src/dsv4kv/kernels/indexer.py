@@ -32,6 +32,18 @@ loads q[t] ([H, D] = [64, 128] for V4, as bf16 q^T) and the head weights once, t
 [BLOCK_J, D] keys in registers and runs a [BLOCK_J, D] x [D, H] MMA (the keys are the A operand so the
 decoded registers feed it directly). Decode (R small, J up to 2^18) gets its parallelism from the chunks.
 
+MXFP4 keys on FP8 MMAs (row kernel, D <= 128, grids of at least `FP8_MIN_PROGRAMS_PER_SM` programs per SM).
+A packed byte becomes two e4m3 bytes by moving bits (`_e2m1_e4m3`: e2m1 * 2^-6 exactly, five ALU ops per eight
+values instead of ~6 per value), and q[t] is shifted by a power of two into e4m3 (`_q_e4m3`). Each 32-value
+scale block is one K = 32 FP8 MMA from a zero accumulator: its 32 products of e2m1 pairs are multiples of 1/4
+below 2^11 (times the shifts), so their sum needs 13 significant bits and is exact within the ~14 that Hopper's
+FP8 accumulation keeps; the key's ue8m0 scale (times the shifts' inverse) then scales it and fp32 adds the blocks
+in order. The products are the reference's and only the fp32 summation order differs, as on the bf16 path
+(on V4 shapes the two paths' scores are bit-equal: MXFP4 dot products are mostly exact in fp32 either way).
+A row whose query is not exact in e4m3 after its shift (a value ~2^16 or more below the row's largest) takes
+the bf16 path. Small grids keep the bf16 path, whose shorter per-tile chain wins when every program is resident
+at once (docs/performance.md).
+
 Stacked kernel (prefill: many consecutive rows of a request). Grid (block of BLOCK_T consecutive rows,
 chunk of entries). A block's rows of one request (a segment) share every decoded key tile: q of the
 segment's rows is stacked in the MMA's N dimension, [BLOCK_J, D] x [D, BLOCK_T * H] (other rows' columns
@@ -136,8 +148,9 @@ def _e2m1_e4m3(byte, ASM: tl.constexpr):
 def _q_e4m3(p_q, m_h, D: tl.constexpr, BLOCK_H: tl.constexpr):
     """A row's MXFP4-numerics query as e4m3 MMA operands: q * 2^-c with 2^c = 2^(e - 8), e the exponent of the row's
     largest |q|, so the largest e2m1 value (1.5 * 2^e) becomes 384 <= 448 and every value down to 2^(e - 16) stays
-    exact. -> (q^T per 32-dim scale block [32, BLOCK_H], even dims first, x 4 (blocks past D/32 are unused), 2^(c + 6) (undoes this
-    shift and the keys' 2^-6), exact: every value survived the conversion (else the caller takes the bf16 path)."""
+    exact. -> (q^T per 32-dim scale block [32, BLOCK_H], even dims first, x 4 (blocks past D/32 are unused);
+    2^(c + 6), which undoes this shift and the keys' 2^-6; exact: every value survived the conversion, else the
+    caller takes the bf16 path)."""
     o_k = (tl.arange(0, 32) % 16) * 2 + tl.arange(0, 32) // 16  # even dims of a block, then odd (the keys' order)
     b_q0 = tl.load(p_q + o_k[:, None], mask=m_h[None, :], other=0.0).to(tl.float32)  # [32, BLOCK_H]
     b_q1 = tl.load(p_q + (o_k + 32 % D)[:, None], mask=m_h[None, :], other=0.0).to(tl.float32)
@@ -326,7 +339,8 @@ def _indexer_scores_kernel(
                                   DATA_BYTES, SCALE_BYTES, BLOCK_J, BLOCK_H, ASM)
         if not exact:
             o_d0, o_d1 = _q_dims(FORMAT, D)
-            b_q0 = round_bf16(tl.load(p_q + o_d0[:, None], mask=m_h[None, :], other=0.0).to(tl.float32)).to(DOT)  # [D/2, BLOCK_H]
+            # [D/2, BLOCK_H]
+            b_q0 = round_bf16(tl.load(p_q + o_d0[:, None], mask=m_h[None, :], other=0.0).to(tl.float32)).to(DOT)
             b_q1 = round_bf16(tl.load(p_q + o_d1[:, None], mask=m_h[None, :], other=0.0).to(tl.float32)).to(DOT)
             for j0 in range(chunk_lo, tl.minimum(chunk_hi, visible), BLOCK_J):
                 o_j = j0 + tl.arange(0, BLOCK_J)
@@ -392,7 +406,8 @@ def _indexer_scores_stacked_kernel(
         # q^T of the segment's rows stacked in N: column t * BLOCK_H + h; other rows and padded heads are zero
         m_q = seg[None, :, None] & m_h[None, None, :]
         o_d0, o_d1 = _q_dims(FORMAT, D)
-        b_q0 = round_bf16(tl.load(p_q + o_d0[:, None, None], mask=m_q, other=0.0).to(tl.float32))  # [D/2, BLOCK_T, BLOCK_H]
+        # [D/2, BLOCK_T, BLOCK_H]
+        b_q0 = round_bf16(tl.load(p_q + o_d0[:, None, None], mask=m_q, other=0.0).to(tl.float32))
         b_q0 = tl.reshape(b_q0, (D // 2, BLOCK_T * BLOCK_H)).to(DOT)
         b_q1 = round_bf16(tl.load(p_q + o_d1[:, None, None], mask=m_q, other=0.0).to(tl.float32))
         b_q1 = tl.reshape(b_q1, (D // 2, BLOCK_T * BLOCK_H)).to(DOT)
