@@ -86,8 +86,9 @@ def _indexer_case(batch: int, history: int, new: int):
     flops = 2 * G.index_n_heads * G.index_head_dim * sum(((p + 1) // 4) for p in range(history, history + new)) * batch
     print(f"{label}: {flops / 1e9:.1f} GFLOP, {batch * entries * 68 / 1e6:.1f} MB of keys", flush=True)
     if new == 1:
-        settings = [dict(K._ROW_TILES), {"block_j": 128, "max_iters": 16, "num_warps": 8},
-                    {"block_j": 64, "max_iters": 8, "num_warps": 4}, {"block_j": 32, "max_iters": 16, "num_warps": 4}]
+        settings = [dict(K._ROW_TILES), {"block_j": 128, "max_iters": 16, "num_warps": 8, "num_stages": 1},
+                    {"block_j": 64, "max_iters": 8, "num_warps": 4, "num_stages": 1},
+                    {"block_j": 64, "max_iters": 16, "num_warps": 4, "num_stages": 3}]
         variants(label + " row tiles", run, settings, lambda v: setattr(K, "_ROW_TILES", v))
     else:
         settings = [dict(K._STACK_TILES), {"block_t": 4, "block_j": 128, "max_iters": 32, "num_warps": 8,
@@ -228,6 +229,8 @@ def topk():
         old = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(old)
     defaults = T.FUSED, T.PROGRAMS_PER_SM
+    row_limits = T.ROW_MAX_COLS, T.ROW_MAX_COLS_MANY
+    T.ROW_MAX_COLS = T.ROW_MAX_COLS_MANY = 0  # these variants are the split kernel's: no row goes to the row kernel
     summary = []
     for rows, cols, k in TOPK_SHAPES:
         for kind in ("randn", "rising"):
@@ -274,6 +277,7 @@ def topk():
                 f"{name.split(' ')[0]} {value}" for name, value in times.items()))
             del scores, out, new_ws, old_ws
             torch.cuda.empty_cache()
+    T.ROW_MAX_COLS, T.ROW_MAX_COLS_MANY = row_limits
     print("\n".join(summary), flush=True)
 
 

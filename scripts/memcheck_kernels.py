@@ -12,9 +12,11 @@ layers = [init_random_weights(DSV4Attention(geometry, i, device="cuda", backend=
 gen = torch.Generator(device="cuda").manual_seed(0)
 # MXFP4 twice: the indexer's row kernel on its FP8 MMA path for every grid, then on its bf16 path (the grids here
 # are small, so the default threshold would pick bf16 only)
-for kv_format, indexer_format, fp8_from in (("fp8", "mxfp4", 0), ("fp8", "mxfp4", 1 << 30), ("fp8", "fp8", 5),
-                                            ("bf16", "bf16", 5)):
+default_fp8_from = indexer_kernels.FP8_MIN_PROGRAMS_PER_SM
+for kv_format, indexer_format, fp8_from in (("fp8", "mxfp4", 0), ("fp8", "mxfp4", 1 << 30),
+                                            ("fp8", "fp8", default_fp8_from), ("bf16", "bf16", default_fp8_from)):
     indexer_kernels.FP8_MIN_PROGRAMS_PER_SM = fp8_from
+    path = f" (FP8 MMA from {fp8_from} programs per SM)" if indexer_format == "mxfp4" else ""
     cache = CacheManager(geometry, max_requests=3, max_tokens=3 * 2560, kv_format=kv_format,
                          indexer_format=indexer_format, page_tokens=256, poison=True, device="cuda",
                          max_seq_len=2560)
@@ -26,8 +28,7 @@ for kv_format, indexer_format, fp8_from in (("fp8", "mxfp4", 0), ("fp8", "mxfp4"
         for layer in layers:
             out = layer(x, plan, cache)
             torch.cuda.synchronize()
-            print(f"{kv_format}/{indexer_format} (FP8 MMA from {fp8_from} programs per SM) layer {layer.layer_index} "
-                  f"({layer.spec.kind.short}) step {step}: "
+            print(f"{kv_format}/{indexer_format}{path} layer {layer.layer_index} ({layer.spec.kind.short}) step {step}: "
                   f"finite={bool(torch.isfinite(out[:plan.num_tokens]).all())}", flush=True)
     plan = cache.plan_step([(a, 1), (b, 1)])  # unpadded decode: attention's split-KV path and its merge
     x = torch.randn(2, geometry.hidden_size, generator=gen, device="cuda").to(torch.bfloat16)

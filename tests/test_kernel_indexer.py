@@ -343,7 +343,7 @@ def test_kernel_choice(monkeypatch):
 
 @pytest.mark.parametrize("stack_rows", [False, True], ids=["row", "stacked"])
 @pytest.mark.parametrize("indexer_format", ["mxfp4", "fp8"])
-def test_hand_written_key_bytes(indexer_format, stack_rows):
+def test_hand_written_key_bytes(indexer_format, stack_rows, monkeypatch):
     """Every e2m1 / e4m3 code and extreme scales written straight into the pages: ue8m0 0x00 (2^-127) and
     0xFF (NaN), fp32 scales 2^-100 .. 2^40 and NaN. The error relative to each score's own terms checks tiny
     scales as closely as large ones; a key with a NaN scale scores NaN, and only in its own column. Both
@@ -373,6 +373,7 @@ def test_hand_written_key_bytes(indexer_format, stack_rows):
     scale_rows[page.to(DEVICE), off.to(DEVICE)] = scales.to(DEVICE)
     q, w = make_query(layout, plan.positions.shape[0], TINY.index_n_heads, seed=32)
     q = q * 2.0 ** 60  # still bf16 values; keeps the products of 2^-127-scaled keys normal fp32 numbers
+    monkeypatch.setattr(kernel_mod, "FP8_MIN_PROGRAMS_PER_SM", 0)  # the row kernel's FP8 path on the GPU too
     got = indexer_scores_paged(q, w, plan, pool, layout, ratio=M, page_tokens=PAGE, stack_rows=stack_rows, fill=True)
     assert_close_scores(got, reference(plan, pool, layout, q, w, got.shape[1], ratio=M, page_tokens=PAGE))
     visible = (plan.positions.long() + 1) // M
@@ -387,6 +388,35 @@ def _e4m3_of_bytes(byte_ptr, lo_ptr, hi_ptr, ASM: tl.constexpr):
     lo, hi = kernel_mod._e2m1_e4m3(tl.load(byte_ptr + o), ASM)
     tl.store(lo_ptr + o, lo)
     tl.store(hi_ptr + o, hi)
+
+
+@triton.jit
+def _q_exact(q_ptr, exact_ptr, H: tl.constexpr, D: tl.constexpr):
+    o_h = tl.arange(0, H)
+    *_, exact = kernel_mod._q_e4m3(q_ptr + tl.program_id(0) * H * D + o_h[None, :] * D, o_h < H, D, H)
+    tl.store(exact_ptr + tl.program_id(0), exact.to(tl.int32))
+
+
+def test_fp8_query_check():
+    """`_q_e4m3`'s verdict per row: MXFP4 queries (any magnitude, zeros included) may take the FP8 path; a query
+    with more significant bits (FP8 numerics), values beyond e4m3's range below the row's largest, or a NaN may not."""
+    heads, dim = 16, 64
+    mx, fp8 = indexer_layout("mxfp4", dim), indexer_layout("fp8", dim)
+    raw = torch.randn(8, heads, dim, generator=gen(81)).to(torch.bfloat16)
+    rows = [indexer_query(raw[0:1], mx), indexer_query(raw[1:2], mx) * 2.0 ** 100, torch.zeros(1, heads, dim),
+            indexer_query(raw[2:3] * 2.0 ** -90, mx), indexer_query(raw[3:4], fp8)]
+    spread = raw[4:5].float().clone()
+    spread[:, 0] *= 2.0 ** 10
+    spread[:, 1] *= 2.0 ** -10  # values ~2^-24 of the largest: past e4m3's ~2^-17
+    rows.append(indexer_query(spread.to(torch.bfloat16), mx))
+    nan = indexer_query(raw[5:6], mx)
+    nan[0, 3, 7] = float("nan")
+    rows.append(nan)
+    want = [1, 1, 1, 1, 0, 0, 0]
+    q = torch.cat(rows).contiguous().to(DEVICE)
+    exact = torch.empty(len(rows), dtype=torch.int32, device=DEVICE)
+    _q_exact[(len(rows),)](q, exact, H=heads, D=dim)
+    assert exact.tolist() == want
 
 
 @pytest.mark.parametrize("asm", [False, True], ids=["plain", "asm"])
@@ -416,6 +446,7 @@ def test_fp8_mma_path_and_its_fallback(monkeypatch):
     if interpreted():
         block_mma = kernel_mod._mxfp4_block_mma
         monkeypatch.setattr(kernel_mod, "_mxfp4_block_mma", lambda *a, **k: calls.append(1) or block_mma(*a, **k))
+    monkeypatch.setattr(kernel_mod, "FP8_MIN_PROGRAMS_PER_SM", 0)  # every grid on the FP8 path where q allows
     q, w = make_query(layout, 150, TINY.index_n_heads, seed=62)
     for tiny_head, path_calls in ((False, lambda n: n > 0), (True, lambda n: n == 0)):
         calls.clear()
@@ -424,6 +455,8 @@ def test_fp8_mma_path_and_its_fallback(monkeypatch):
             raw[:, 0] *= 2.0 ** 6
             raw[:, 1] *= 2.0 ** -16  # its values 2^-22 and more below head 0's largest: beyond e4m3's 2^-17
             q = indexer_query(raw.to(torch.bfloat16), layout)
+            w = torch.zeros_like(w)
+            w[:, 1] = 1.0  # the scores are the tiny head's alone: an FP8 path that dropped it would show
         got = indexer_scores_paged(q, w, plan, pool, layout, ratio=M, page_tokens=PAGE, stack_rows=False, fill=True)
         assert_close_scores(got, reference(plan, pool, layout, q, w, got.shape[1], ratio=M, page_tokens=PAGE))
         if interpreted():

@@ -1,6 +1,7 @@
 """The top-k kernel against the reference `topk_picks` (a stable descending sort): the same index set,
-bit for bit, on rows full of exact ties, short and empty rows, -inf inside and NaN past the length; in one
-launch (phases ordered by tickets, the default) and in four; with phase D's candidates in registers and looped.
+bit for bit, on rows full of exact ties, short and empty rows, -inf inside and NaN past the length; by the
+one-program-per-row kernel (rows up to ROW_MAX_COLS) and by the split radix select in one launch (phases ordered
+by tickets) and in four, with phase D's candidates in registers and looped.
 Small cases run under the interpreter; V4-Flash / V4-Pro shapes (1M tokens at ratio 4) need a GPU."""
 
 import pytest
@@ -47,9 +48,21 @@ def make_rows(seed, rows, cols, kind, device="cpu"):
     return scores.to(device), lengths.to(torch.int32).to(device)
 
 
-@pytest.fixture(params=["fused", "phased"])
+@pytest.fixture(params=["row", "fused", "phased"])
 def mode(request, monkeypatch):
-    """One launch (tickets order the phases) or four launches: the same phases, the same results."""
+    """The one-program-per-row kernel, or the split radix select in one launch (tickets order the phases) or in
+    four: the same results."""
+    for name in ("ROW_MAX_COLS", "ROW_MAX_COLS_MANY"):
+        monkeypatch.setattr(topk_module, name, 1 << 30 if request.param == "row" else 0)
+    monkeypatch.setattr(topk_module, "FUSED", request.param == "fused")
+    return request.param
+
+
+@pytest.fixture(params=["fused", "phased"])
+def split_mode(request, monkeypatch):
+    """The split radix select for every row length (its workspace, buffer and select paths), in one launch or four."""
+    for name in ("ROW_MAX_COLS", "ROW_MAX_COLS_MANY"):
+        monkeypatch.setattr(topk_module, name, 0)
     monkeypatch.setattr(topk_module, "FUSED", request.param == "fused")
     return request.param
 
@@ -76,7 +89,7 @@ def test_topk_matches_reference(rows, cols, k, kind, mode):
 
 
 @pytest.mark.parametrize("capacity", [0, 9])
-def test_topk_small_buffer_is_exact(capacity, mode):
+def test_topk_small_buffer_is_exact(capacity, split_mode):
     """Rows whose candidates overflow the buffer are selected from the row itself, with the same result."""
     scores, lengths = make_rows(11, 3, 203, "ties", DEVICE)
     ws = topk_workspace(3, 203, 12, scores.device, capacity=capacity)
@@ -84,7 +97,7 @@ def test_topk_small_buffer_is_exact(capacity, mode):
 
 
 @pytest.mark.parametrize("select", [16, 1024])
-def test_topk_select_in_registers_or_looped(select, monkeypatch):
+def test_topk_select_in_registers_or_looped(select, split_mode, monkeypatch):
     """Phase D holds up to SELECT buffered candidates in registers and loops over a bigger buffer: both exact."""
     monkeypatch.setattr(topk_module, "_select_block", lambda k, device: select)
     for seed, (rows, cols, k, kind) in enumerate(((2, 400, 9, "normal"), (3, 517, 40, "ties"), (1, 300, 1, "ties"))):
@@ -101,7 +114,7 @@ def test_topk_empty_rows_write_no_picks(mode):
     assert ws[:, :topk_module._HEADER].eq(0).all()
 
 
-def test_topk_inf_and_signed_zero():
+def test_topk_inf_and_signed_zero(mode):
     """-inf inside the length is no candidate; -0.0 ties +0.0 (lower column first); +inf ranks first."""
     inf = float("inf")
     row = [0.0, -inf, -0.0, 3.0, -inf, inf, 0.0, -1e38, -0.0, -inf, 3.0, -2.0, 0.0]
@@ -112,7 +125,7 @@ def test_topk_inf_and_signed_zero():
     assert run(scores, lengths, 4)[2].eq(-1).all()  # an all -inf row picks nothing
 
 
-def test_topk_workspace_reused():
+def test_topk_workspace_reused(split_mode):
     """A workspace serves call after call: the histograms it needs zeroed are zero again afterwards."""
     ws = topk_workspace(3, 150, 20, DEVICE)
     for seed, kind in ((1, "ties"), (2, "normal"), (3, "equal")):
@@ -160,6 +173,31 @@ def test_topk_empty_shapes():
     assert run(torch.zeros(0, 9, device=DEVICE), torch.zeros(0, dtype=torch.int32, device=DEVICE), 4).shape == (0, 4)
 
 
+def test_topk_kernel_choice(monkeypatch):
+    """Rows of up to ROW_MAX_COLS columns, or ROW_MAX_COLS_MANY with at least ROW_MANY rows, go to the row kernel;
+    the rest to the split radix select's four launches (a host decision on the shape alone)."""
+    launches = []
+
+    class Spy:
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launches.append((self.name, grid))
+
+    monkeypatch.setattr(topk_module, "_topk_row_kernel", Spy("row"))
+    monkeypatch.setattr(topk_module, "_topk_kernel", Spy("split"))
+    monkeypatch.setattr(topk_module, "FUSED", False)
+    few, many = topk_module.ROW_MAX_COLS, topk_module.ROW_MAX_COLS_MANY
+    for rows, cols, want in ((1, few, "row"), (1, few + 1, "split"), (topk_module.ROW_MANY, many, "row"),
+                             (topk_module.ROW_MANY - 1, many, "split"), (topk_module.ROW_MANY, many + 1, "split")):
+        launches.clear()
+        topk_indices(torch.zeros(rows, cols, device=DEVICE), torch.full((rows,), cols, dtype=torch.int32, device=DEVICE),
+                     8)
+        assert {name for name, _ in launches} == {want}, (rows, cols)
+        assert len(launches) == (1 if want == "row" else 4)
+
+
 def test_topk_splits_rows():
     """The interpreted cases above do split single rows across programs (and leave bigger batches whole)."""
     assert topk_module._split(1, 300, torch.device("cpu"))[0] > 1
@@ -184,7 +222,8 @@ def test_topk_gpu_one_long_row(preset, kind):
 @cuda
 @pytest.mark.parametrize("rows,cols,k,kind", [
     (64, 32768, 512, "normal"), (64, 32768, 512, "ties"), (300, 65536, 1024, "normal"), (300, 20001, 512, "ties"),
-    (7, CONTEXT, 1024, "normal"),
+    (7, CONTEXT, 1024, "normal"), (64, 16384, 512, "ties"), (128, 16000, 2048, "normal"), (2, 4096, 512, "equal"),
+    (9, 3001, 1024, "ties"),
 ], ids=lambda v: str(v))
 def test_topk_gpu_batches(rows, cols, k, kind):
     scores, lengths = make_rows(rows + k, rows, cols, kind, "cuda")  # mixed lengths, NaN past them
@@ -193,7 +232,7 @@ def test_topk_gpu_batches(rows, cols, k, kind):
 
 @cuda
 @pytest.mark.parametrize("rows,cols,k", [(1, CONTEXT, 512), (1, 4 * CONTEXT, 512), (64, 32768, 512),
-                                         (3, CONTEXT, 1024)],
+                                         (3, CONTEXT, 1024), (128, 16384, 512), (1, 4096, 512)],
                          ids=lambda v: str(v))
 def test_topk_gpu_repeated_calls(rows, cols, k):
     """100 calls on one workspace, new scores each time: a phase that read another's data before it was complete
@@ -212,9 +251,10 @@ def test_topk_gpu_repeated_calls(rows, cols, k):
 
 
 @cuda
-def test_topk_gpu_graph_replay():
+@pytest.mark.parametrize("rows,cols", [(5, CONTEXT), (64, 16384), (3, 4000)], ids=["split", "row-many", "row"])
+def test_topk_gpu_graph_replay(rows, cols):
     """Captured once with preallocated out and workspace, replayed over new scores and lengths."""
-    rows, cols, k = 5, CONTEXT, 512
+    k = 512
     scores, lengths = make_rows(1, rows, cols, "normal", "cuda")
     out = torch.full((rows, k), SENTINEL, dtype=torch.int32, device="cuda")
     ws = topk_workspace(rows, cols, k, "cuda")

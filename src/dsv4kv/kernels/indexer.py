@@ -20,12 +20,14 @@ fp32 caller) is rounded to bf16 (round to nearest even) before the dot: the scor
 those of the reference evaluated with `q.to(torch.bfloat16)`, i.e. off by up to ~2^-9 relative per
 product from the fp32 result. Keys with a NaN scale (a non-finite entry) score NaN, as in the reference.
 Under Triton's interpreter an e4m3 NaN byte (0x7F / 0xFF) decodes to +-480 rather than NaN; the GPU
-conversion gives NaN, and the quantizer never writes such a byte under a finite scale. The MXFP4 decode
-is bit arithmetic (`_e2m1_pair`) and two exact fp32 multiplies: the same fp32 value as `layout.read`.
+conversion gives NaN, and the quantizer never writes such a byte under a finite scale. On the bf16 path the
+MXFP4 decode is bit arithmetic (`_e2m1_pair`) and two exact fp32 multiplies: the same fp32 value as
+`layout.read`. The FP8 path (below) forms the same products.
 
 Two kernels compute the same function; the wrapper picks one from host facts only (`plan.num_tokens`,
 the request count; `stack_rows=` overrides), so a captured CUDA graph replays either correctly over any
-later plan. Both split each MMA into two K = D/2 halves (a byte's low / high nibbles for MXFP4).
+later plan. On their bf16 paths both split each MMA into two K = D/2 halves (a byte's low / high nibbles for
+MXFP4).
 
 Row kernel (decode: about one row per request). Grid (row, chunk of BLOCK_J * iters entries): a program
 loads q[t] ([H, D] = [64, 128] for V4, as bf16 q^T) and the head weights once, then per iteration decodes
@@ -86,7 +88,7 @@ _TWO_126 = tl.constexpr(2.0 ** 126)
 _FILL_ELEMS = 2048  # elements per -inf store tile: 16 per thread at 4 warps, i.e. four 16-B stores
 
 # Tile choices, read at each call (scripts/bench_variants.py reassigns them to time variants; the defaults are
-# the fastest measured on the H200, docs/performance.md).
+# the fastest measured: on the H200, and the row kernel's single stage on the H100; docs/performance.md).
 _ROW_TILES = {"block_j": 64, "max_iters": 16, "num_warps": 4, "num_stages": 1}
 _STACK_TILES = {"block_t": 4, "block_j": 128, "max_iters": 32, "num_warps": 8, "num_stages": 3}
 # MXFP4 keys on FP8 MMAs in the row kernel (`_mxfp4_fp8_scores`) from this many programs per SM up (the interpreter:
@@ -147,26 +149,42 @@ def _e2m1_e4m3(byte, ASM: tl.constexpr):
 @triton.jit
 def _q_e4m3(p_q, m_h, D: tl.constexpr, BLOCK_H: tl.constexpr):
     """A row's MXFP4-numerics query as e4m3 MMA operands: q * 2^-c with 2^c = 2^(e - 8), e the exponent of the row's
-    largest |q|, so the largest e2m1 value (1.5 * 2^e) becomes 384 <= 448 and every value down to 2^(e - 16) stays
+    largest |q|, so the largest e2m1 value (1.5 * 2^e) becomes 384 <= 448 and values down to ~2^(e - 16) stay
     exact. -> (q^T per 32-dim scale block [32, BLOCK_H], even dims first, x 4 (blocks past D/32 are unused);
-    2^(c + 6), which undoes this shift and the keys' 2^-6; exact: every value survived the conversion, else the
-    caller takes the bf16 path)."""
+    2^(c + 6), which undoes this shift and the keys' 2^-6; exact: whether the FP8 path may run, else the caller
+    takes the bf16 path)."""
     o_k = (tl.arange(0, 32) % 16) * 2 + tl.arange(0, 32) // 16  # even dims of a block, then odd (the keys' order)
+    o_k1, o_k2, o_k3 = o_k + 32 * (D >= 64), o_k + 64 * (D >= 128), o_k + 96 * (D >= 128)  # past D: block 0 again
     b_q0 = tl.load(p_q + o_k[:, None], mask=m_h[None, :], other=0.0).to(tl.float32)  # [32, BLOCK_H]
-    b_q1 = tl.load(p_q + (o_k + 32 % D)[:, None], mask=m_h[None, :], other=0.0).to(tl.float32)
-    b_q2 = tl.load(p_q + (o_k + 64 % D)[:, None], mask=m_h[None, :], other=0.0).to(tl.float32)
-    b_q3 = tl.load(p_q + (o_k + 96 % D)[:, None], mask=m_h[None, :], other=0.0).to(tl.float32)
+    b_q1 = tl.load(p_q + o_k1[:, None], mask=m_h[None, :], other=0.0).to(tl.float32)
+    b_q2 = tl.load(p_q + o_k2[:, None], mask=m_h[None, :], other=0.0).to(tl.float32)
+    b_q3 = tl.load(p_q + o_k3[:, None], mask=m_h[None, :], other=0.0).to(tl.float32)
     # one reduction over the four blocks (each reduction is a chain of shuffles and barriers in the program's setup)
     amax = _max2d(tl.maximum(tl.maximum(tl.abs(b_q0), tl.abs(b_q1)), tl.maximum(tl.abs(b_q2), tl.abs(b_q3))))
     biased = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF
-    biased = tl.minimum(tl.maximum(biased, 8), 254)  # 2^-c and 2^(c + 6) stay normal fp32 numbers
+    biased = tl.minimum(tl.maximum(biased, 9), 254)  # 2^-c, 2^c and 2^(c + 6) stay normal fp32 numbers
     shift = ((262 - biased) << 23).to(tl.float32, bitcast=True)  # 2^-c = 2^(135 - biased)
+    two_c = ((biased - 8) << 23).to(tl.float32, bitcast=True)
     unshift = ((biased - 2) << 23).to(tl.float32, bitcast=True)  # 2^(c + 6)
-    q0, q1, q2, q3 = b_q0 * shift, b_q1 * shift, b_q2 * shift, b_q3 * shift
-    b_q0, b_q1, b_q2, b_q3 = q0.to(tl.float8e4nv), q1.to(tl.float8e4nv), q2.to(tl.float8e4nv), q3.to(tl.float8e4nv)
-    miss = ((b_q0.to(tl.float32) != q0).to(tl.int32) + (b_q1.to(tl.float32) != q1).to(tl.int32)
-            + (b_q2.to(tl.float32) != q2).to(tl.int32) + (b_q3.to(tl.float32) != q3).to(tl.int32))  # NaN included
-    return b_q0, b_q1, b_q2, b_q3, unshift, tl.sum(tl.sum(miss, axis=1), axis=0) == 0
+    b_q0, miss = _e4m3_block(b_q0, shift, two_c)
+    b_q1, miss1 = _e4m3_block(b_q1, shift, two_c)
+    b_q2, miss2 = _e4m3_block(b_q2, shift, two_c)
+    b_q3, miss3 = _e4m3_block(b_q3, shift, two_c)
+    return b_q0, b_q1, b_q2, b_q3, unshift, tl.sum(tl.sum(miss + miss1 + miss2 + miss3, axis=1), axis=0) == 0
+
+
+@triton.jit
+def _e4m3_block(q, shift, two_c):
+    """One scale block of q [32, BLOCK_H] -> (q * 2^-c as e4m3, int32 1 where a value breaks the FP8 path's exactness).
+    The path needs MXFP4 values: each nonzero value a normal number of at most 2 significant bits and at least 1/12
+    of its (head, block)'s largest, so a block's 32 products with e2m1 keys share a quantum and sum within 13 bits;
+    and q * 2^-c back exactly through e4m3 (no rounding, no underflow, no NaN)."""
+    q8 = (q * shift).to(tl.float8e4nv)
+    bits = q.to(tl.int32, bitcast=True)
+    block_max = tl.max(tl.abs(q), axis=0)
+    normal_2bit = ((bits & 0x7F800000) != 0) & ((bits & 0x003FFFFF) == 0)
+    mxfp4 = (q == 0) | (normal_2bit & (tl.abs(q) * 12 >= block_max[None, :]))
+    return q8, ((q8.to(tl.float32) * two_c != q) | ~mxfp4).to(tl.int32)
 
 
 @triton.jit
@@ -201,9 +219,10 @@ def _mxfp4_tile(pool_ptr, p_table, o_j, m_j, D: tl.constexpr, P: tl.constexpr, P
 @triton.jit
 def _mxfp4_block_mma(b_byte, code, b_q8, unshift, acc, BLOCK_J: tl.constexpr, ASM: tl.constexpr):
     """acc + (one scale block of the keys, as e4m3 values * 2^-6) x (that block of q) * (the keys' ue8m0 scales *
-    unshift): one K = 32 FP8 MMA from zero, whose 32 products of e2m1 pairs (multiples of 2^-14 of q's shifted scale,
-    below 2^11 of it) sum exactly, then one exact power-of-two scaling added in fp32 (terms at the reference's
-    magnitude)."""
+    unshift): one K = 32 FP8 MMA from a zero accumulator, then one exact power-of-two scaling added in fp32 (terms at
+    the reference's magnitude). The 32 products of e2m1 pairs are multiples of 1/4 of their common scale (q's block
+    scale and the shifts) and sum below 2^11 of it: 13 significant bits, exact within the ~14 that Hopper's FP8
+    accumulation keeps; the zero start keeps it from seeing more."""
     b_lo, b_hi = _e2m1_e4m3(b_byte, ASM)
     # dims in `_q_e4m3`'s order: the block's low nibbles (even dims), then its high nibbles (odd dims); the
     # natural order would interleave bytes (a PRMT per pair of values)
@@ -520,6 +539,9 @@ def indexer_scores_paged(q: torch.Tensor, weights: torch.Tensor, plan, key_pool:
             host facts, so a captured graph replays correctly whatever the later plans hold).
         fill: also write -inf to every column j >= visible(t) and to padding rows. By default those columns
             are left as they were (beyond the -inf a score tile stores up to its end): top-k never reads them.
+
+    MXFP4 keys run on FP8 MMAs in the row kernel when its grid has at least FP8_MIN_PROGRAMS_PER_SM programs per SM
+    and the row's q is MXFP4-valued (`_e4m3_block`); the scores are those of the bf16 path up to summation order.
 
     Returns `out`: scores for j < visible(t); -inf elsewhere with fill=True, else unspecified there.
     """

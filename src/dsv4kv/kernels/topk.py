@@ -1,4 +1,5 @@
-"""Exact top-k column indices of every score row: a radix select in one launch, no sort of the row.
+"""Exact top-k column indices of every score row, without sorting the row: one program per row (short rows, or
+many rows of moderate length) or a radix select split over programs (long rows).
 
     out[r] = the columns of the min(k, n_r) highest candidate scores of row r, in ascending column order,
              then -1                                                      (int32 [R, k])
@@ -8,7 +9,14 @@ columns past the length are never read. Among equal scores the lower column wins
 `dsv4kv.ops.indexer.topk_picks` gives (a stable descending sort); -0.0 and +0.0 count as equal. NaN
 scores inside the length are unspecified (they get some rank; nothing is written out of bounds).
 
-Algorithm. A score becomes an int32 key whose signed order is the float order (sign-magnitude flipped,
+Row kernel (`_topk_row_kernel`; rows of up to ROW_MAX_COLS columns, or ROW_MAX_COLS_MANY when there are ROW_MANY
+rows or more). One program holds its row's keys (below) in registers and finds the k-th largest key T by bisection
+on the int32 key space: each step counts the keys >= mid, a compare and an add per key and one block reduction (a
+256-bin `tl.histogram` costs ~80 instructions per key for 8 bits), and stops early when a count is exactly k. The
+picks are every key > T and the first k - #(key > T) keys == T in column order, stored in column order by a cumsum.
+No workspace is used. One SM per row makes a long lone row slow, hence the split kernel past those sizes.
+
+Split kernel. A score becomes an int32 key whose signed order is the float order (sign-magnitude flipped,
 -0.0 folded onto +0.0); the k-th largest key T is found one 8-bit digit at a time (a radix select:
 histogram the digit among the keys that share the digits found so far, take the digit where the count
 from the top reaches the number still needed). Then the selection is: every key > T, plus the first
@@ -67,6 +75,11 @@ except ImportError:  # a CPU-only install without Triton: the wrapper's checks s
 __all__ = ["topk_indices", "topk_workspace", "MAX_K"]
 
 MAX_K = 2048
+# The one-program-per-row kernel (`_topk_row_kernel`: the row in registers, the k-th largest key by bisection) for
+# rows of up to ROW_MAX_COLS columns, and up to ROW_MAX_COLS_MANY when there are at least ROW_MANY rows; the split
+# radix select otherwise. H100 (docs/performance.md): 1 x 4096 14.3 us against 19.5; 128 x 16K 34.9 against 49.9;
+# 8192 x 16K 1504 against 1731; but 1 x 16K 29.6 against 20.2 and 64 x 32K 76 against 54 (one SM per row is slow)
+ROW_MAX_COLS, ROW_MAX_COLS_MANY, ROW_MANY = 4096, 16384, 64
 FUSED = False  # four launches; True: one launch ordered by tickets. H200 (docs/bench/topk-variants-h200.txt): four
 # launches 22.9 / 38.2 / 53.9 us at 256K / 1M / 64 x 32K, one launch 26.9 / 53.3 / 69.2 (the waits cost more than launches)
 PROGRAMS_PER_SM = 2  # programs per SM and phase on a GPU (S = this x SMs / R); a workspace's size depends on it
@@ -128,8 +141,8 @@ def topk_indices(scores: torch.Tensor, lengths: torch.Tensor, k: int, *, out: to
     scores: fp32 [R, J] contiguous (Triton specializes on J == 1 / a multiple of 16: a J that changes from call to
     call is best rounded up to a multiple of 16); lengths: int32 [R], row r's candidates are columns < lengths[r]
     (clamped to [0, J]) with a score other than -inf; k: 1..2048; out: int32 [R, k] (allocated when None);
-    workspace: from `topk_workspace(R, J, k, device)` (allocated when None), counters and histograms zero on
-    entry (every call leaves them so).
+    workspace: from `topk_workspace(R, J, k, device)` (allocated when None and the split kernel runs), counters
+    and histograms zero on entry (every call leaves them so); the row kernel leaves it untouched.
     """
     device = scores.device if isinstance(scores, torch.Tensor) else None
     check_tensor("scores", scores, dtype=torch.float32, shape=(None, None), device=device)
@@ -141,17 +154,25 @@ def topk_indices(scores: torch.Tensor, lengths: torch.Tensor, k: int, *, out: to
         out = torch.empty(rows, k, dtype=torch.int32, device=device)
     check_tensor("out", out, dtype=torch.int32, shape=(rows, k), device=device)
     splits, chunk, block = _split(rows, cols, device)
-    if workspace is None:
+    by_row = cols <= (ROW_MAX_COLS_MANY if rows >= ROW_MANY else ROW_MAX_COLS)
+    if workspace is None and not by_row:
         workspace = topk_workspace(rows, cols, k, device)
-    check_tensor("workspace", workspace, dtype=torch.int32, shape=(rows, None), device=device)
-    width = workspace.shape[1]
-    require(width >= _HEADER + _BINS * splits,
-            f"workspace: expected int32 [{rows}, >= {_HEADER + _BINS * splits}] for scores {list(scores.shape)} "
-            f"(use topk_workspace), got {list(workspace.shape)}")
+    if workspace is not None:  # checked on both paths: a caller's workspace must fit whichever kernel runs
+        check_tensor("workspace", workspace, dtype=torch.int32, shape=(rows, None), device=device)
+        require(workspace.shape[1] >= _HEADER + _BINS * splits,
+                f"workspace: expected int32 [{rows}, >= {_HEADER + _BINS * splits}] for scores "
+                f"{list(scores.shape)} (use topk_workspace), got {list(workspace.shape)}")
     if rows == 0:
         return out
     if cols == 0:
         return out.fill_(-1)
+    if by_row:
+        block = triton.next_power_of_2(cols)
+        per_thread = 64 if rows >= ROW_MANY else 32  # the faster on the H100: fewer warps a row when rows fill the GPU
+        _topk_row_kernel[(rows,)](scores, lengths, out, cols, k, BLOCK=block, OUT_BLOCK=min(triton.next_power_of_2(k),
+                                  1024), num_warps=max(4, min(32, block // (32 * per_thread))))
+        return out
+    width = workspace.shape[1]
     capacity = (width - _HEADER - _BINS * splits) // 2
     select = _select_block(k, device)
     args = (scores, lengths, workspace, out, cols, width, chunk, splits, capacity, k)
@@ -348,6 +369,39 @@ if triton is not None:
         for start in range(0, k, BLOCK):
             o_o = start + tl.arange(0, BLOCK)
             tl.store(p_out + o_o, tl.full([BLOCK], -1, tl.int32), mask=(o_o >= written) & (o_o < k))
+
+    @triton.jit
+    def _topk_row_kernel(scores_ptr, lengths_ptr, out_ptr, J, k, BLOCK: tl.constexpr, OUT_BLOCK: tl.constexpr):
+        """Row i_r whole in one program's registers. The k-th largest key T by bisection on the int32 key space:
+        each step counts the keys >= mid (a compare and an add per key and one block reduction, where a 256-bin
+        tl.histogram costs ~80 instructions per key for 8 bits), stopping early once a count is exactly k. Then the
+        picks: every key > T and the first k - #(key > T) keys == T in column order, written in column order."""
+        i_r = tl.program_id(0)
+        n = tl.minimum(tl.maximum(tl.load(lengths_ptr + i_r), 0), J)
+        o_c = tl.arange(0, BLOCK)
+        b_x = tl.load(scores_ptr + i_r.to(tl.int64) * J + o_c, mask=o_c < n, other=float("-inf"))
+        # no candidate (past the length, -inf) -> int32 min; candidates above it (NaN's lowest pattern moves up one)
+        b_key = tl.where((o_c < n) & (b_x != float("-inf")), tl.maximum(_sortable(b_x), -2147483647), -2147483648)
+        count = tl.sum((b_key > -2147483648).to(tl.int32), axis=0)
+        threshold = tl.full((), -2147483648, tl.int32)  # fewer than k candidates: all of them
+        if count > k:
+            lo = tl.min(tl.where(b_key > -2147483648, b_key, 2147483647), axis=0).to(tl.int64)  # #(>= lo) >= k
+            hi = tl.max(b_key, axis=0).to(tl.int64) + 1  # #(>= hi) < k
+            while hi - lo > 1:
+                mid = lo + (hi - lo) // 2
+                above = tl.sum((b_key >= mid.to(tl.int32)).to(tl.int32), axis=0)
+                hi = tl.where(above >= k, tl.where(above == k, mid + 1, hi), mid)
+                lo = tl.where(above >= k, mid, lo)
+            threshold = lo.to(tl.int32)
+        need = k - tl.sum((b_key > threshold).to(tl.int32), axis=0)
+        m_tie = (b_key == threshold) & (b_key > -2147483648)
+        m_pick = (b_key > threshold) | (m_tie & (tl.cumsum(m_tie.to(tl.int32), 0) <= need))
+        p_out = out_ptr + i_r.to(tl.int64) * k
+        tl.store(p_out + tl.cumsum(m_pick.to(tl.int32), 0) - 1, o_c, mask=m_pick)
+        written = tl.sum(m_pick.to(tl.int32), axis=0)
+        for start in range(0, k, OUT_BLOCK):
+            o_o = start + tl.arange(0, OUT_BLOCK)
+            tl.store(p_out + o_o, tl.full([OUT_BLOCK], -1, tl.int32), mask=(o_o >= written) & (o_o < k))
 
     @triton.jit(do_not_specialize=["S"])
     def _topk_kernel(scores_ptr, lengths_ptr, ws_ptr, out_ptr, J, W, CHUNK, S, CAP, k, BLOCK: tl.constexpr,
