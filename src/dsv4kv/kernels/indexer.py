@@ -222,7 +222,7 @@ def _mxfp4_block_mma(b_byte, code, b_q8, unshift, acc, BLOCK_J: tl.constexpr, AS
     unshift): one K = 32 FP8 MMA from a zero accumulator, then one exact power-of-two scaling added in fp32 (terms at
     the reference's magnitude). The 32 products of e2m1 pairs are multiples of 1/4 of their common scale (q's block
     scale and the shifts) and sum below 2^11 of it: 13 significant bits, exact within the ~14 that Hopper's FP8
-    accumulation keeps; the zero start keeps it from seeing more."""
+    accumulation keeps (each MMA starts from zero, so no other block's sum passes through it)."""
     b_lo, b_hi = _e2m1_e4m3(b_byte, ASM)
     # dims in `_q_e4m3`'s order: the block's low nibbles (even dims), then its high nibbles (odd dims); the
     # natural order would interleave bytes (a PRMT per pair of values)

@@ -80,6 +80,7 @@ MAX_K = 2048
 # radix select otherwise. H100 (docs/performance.md): 1 x 4096 14.3 us against 19.5; 128 x 16K 34.9 against 49.9;
 # 8192 x 16K 1504 against 1731; but 1 x 16K 29.6 against 20.2 and 64 x 32K 76 against 54 (one SM per row is slow)
 ROW_MAX_COLS, ROW_MAX_COLS_MANY, ROW_MANY = 4096, 16384, 64
+_ROW_BLOCK = 4096  # the row kernel's smallest row tile: shorter rows share its compilation
 FUSED = False  # four launches; True: one launch ordered by tickets. H200 (docs/bench/topk-variants-h200.txt): four
 # launches 22.9 / 38.2 / 53.9 us at 256K / 1M / 64 x 32K, one launch 26.9 / 53.3 / 69.2 (the waits cost more than launches)
 PROGRAMS_PER_SM = 2  # programs per SM and phase on a GPU (S = this x SMs / R); a workspace's size depends on it
@@ -167,7 +168,9 @@ def topk_indices(scores: torch.Tensor, lengths: torch.Tensor, k: int, *, out: to
     if cols == 0:
         return out.fill_(-1)
     if by_row:
-        block = triton.next_power_of_2(cols)
+        # two row sizes only (4096, else the power of two above: 16384 by default), so a context that grows from step
+        # to step compiles no new kernel (test_engine_compiles)
+        block = max(_ROW_BLOCK, triton.next_power_of_2(cols))
         per_thread = 64 if rows >= ROW_MANY else 32  # the faster on the H100: fewer warps a row when rows fill the GPU
         _topk_row_kernel[(rows,)](scores, lengths, out, cols, k, BLOCK=block, OUT_BLOCK=min(triton.next_power_of_2(k),
                                   1024), num_warps=max(4, min(32, block // (32 * per_thread))))
