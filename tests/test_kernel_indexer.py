@@ -435,9 +435,10 @@ def test_e2m1_to_e4m3_every_byte(asm):
 
 
 def test_fp8_mma_path_and_its_fallback(monkeypatch):
-    """MXFP4 keys take the FP8 MMA path when the row's query is exact in e4m3 after its shift, and the bf16 path when
-    it is not (heads 2^22 apart): both give the reference's scores. Under the interpreter the path is
-    observed by counting calls of the per-block MMA."""
+    """MXFP4 keys take the FP8 MMA path when the row's query passes `_q_e4m3`'s check, and the bf16 path when it does
+    not (heads 2^22 apart): both give the reference's scores. Under the interpreter the path is observed by counting
+    calls of the per-block MMA; on the GPU the fallback case weights only the tiny head, which the FP8 path would
+    lose."""
     cache, layout, pool = make_cache(TINY, "mxfp4", page_tokens=PAGE, max_requests=2, max_tokens=256)
     rid = cache.admit()
     plan = cache.plan_step([(rid, 150)])
