@@ -134,7 +134,7 @@ def test_topk_workspace_reused(split_mode):
         assert ws[:, :topk_module._HEADER].eq(0).all()
 
 
-def test_topk_bad_inputs():
+def test_topk_bad_inputs(split_mode):
     scores, lengths = make_rows(0, 3, 40, "ties", DEVICE)
     i32 = dict(dtype=torch.int32, device=DEVICE)
     good = dict(scores=scores, lengths=lengths, k=5)
@@ -196,6 +196,16 @@ def test_topk_kernel_choice(monkeypatch):
                      8)
         assert {name for name, _ in launches} == {want}, (rows, cols)
         assert len(launches) == (1 if want == "row" else 4)
+
+
+def test_topk_row_kernel_needs_no_workspace():
+    """A workspace for a shape the row kernel takes is int32 [R, 0]; the op accepts it, or none, or a split one."""
+    scores, lengths = make_rows(3, 5, 300, "ties", DEVICE)
+    ws = topk_workspace(5, 300, 9, DEVICE)
+    assert ws.shape == (5, 0) and topk_module._by_row(5, 300)
+    for workspace in (ws, None, torch.zeros(5, 4000, dtype=torch.int32, device=DEVICE)):
+        assert torch.equal(run(scores, lengths, 9, workspace=workspace), reference(scores, lengths, 9))
+    assert topk_workspace(5, topk_module.ROW_MAX_COLS + 1, 9, DEVICE).shape[1] > topk_module._HEADER
 
 
 def test_topk_splits_rows():

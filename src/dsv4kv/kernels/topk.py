@@ -123,14 +123,22 @@ def _select_block(k: int, device: torch.device) -> int:
     return max(1024, triton.next_power_of_2(k + k // 2))
 
 
+def _by_row(rows: int, cols: int) -> bool:
+    """Whether scores [rows, cols] go to the one-program-per-row kernel (a host decision on the shape alone)."""
+    return cols <= (ROW_MAX_COLS_MANY if rows >= ROW_MANY else ROW_MAX_COLS)
+
+
 def topk_workspace(rows: int, cols: int, k: int, device: torch.device | str, *,
                    capacity: int | None = None) -> torch.Tensor:
     """A zeroed workspace int32 [rows, 640 + 256 * S + 2 * capacity] for `topk_indices` on scores
-    [rows, cols] of `device` (S depends on rows, cols and the device). `capacity` (default 3k) candidates
-    per row fit the buffer; any capacity >= 0 is exact, rows that overflow it take the slower path."""
+    [rows, cols] of `device` (S depends on rows, cols and the device); int32 [rows, 0] where those scores go to the
+    row kernel, which needs none. `capacity` (default 3k) candidates per row fit the buffer; any capacity >= 0 is
+    exact, rows that overflow it take the slower path."""
     device = torch.device(device)
     capacity = 3 * k if capacity is None else capacity
     require(capacity >= 0, f"topk_workspace: capacity must be >= 0, got {capacity}")
+    if _by_row(rows, cols):
+        return torch.zeros(rows, 0, dtype=torch.int32, device=device)
     splits, _, _ = _split(rows, cols, device)
     return torch.zeros(rows, _HEADER + _BINS * splits + 2 * capacity, dtype=torch.int32, device=device)
 
@@ -143,7 +151,7 @@ def topk_indices(scores: torch.Tensor, lengths: torch.Tensor, k: int, *, out: to
     call is best rounded up to a multiple of 16); lengths: int32 [R], row r's candidates are columns < lengths[r]
     (clamped to [0, J]) with a score other than -inf; k: 1..2048; out: int32 [R, k] (allocated when None);
     workspace: from `topk_workspace(R, J, k, device)` (allocated when None and the split kernel runs), counters
-    and histograms zero on entry (every call leaves them so); the row kernel leaves it untouched.
+    and histograms zero on entry (every call leaves them so); the row kernel reads none (any width is accepted).
     """
     device = scores.device if isinstance(scores, torch.Tensor) else None
     check_tensor("scores", scores, dtype=torch.float32, shape=(None, None), device=device)
@@ -155,12 +163,12 @@ def topk_indices(scores: torch.Tensor, lengths: torch.Tensor, k: int, *, out: to
         out = torch.empty(rows, k, dtype=torch.int32, device=device)
     check_tensor("out", out, dtype=torch.int32, shape=(rows, k), device=device)
     splits, chunk, block = _split(rows, cols, device)
-    by_row = cols <= (ROW_MAX_COLS_MANY if rows >= ROW_MANY else ROW_MAX_COLS)
+    by_row = _by_row(rows, cols)
     if workspace is None and not by_row:
         workspace = topk_workspace(rows, cols, k, device)
-    if workspace is not None:  # checked on both paths: a caller's workspace must fit whichever kernel runs
+    if workspace is not None:
         check_tensor("workspace", workspace, dtype=torch.int32, shape=(rows, None), device=device)
-        require(workspace.shape[1] >= _HEADER + _BINS * splits,
+        require(by_row or workspace.shape[1] >= _HEADER + _BINS * splits,
                 f"workspace: expected int32 [{rows}, >= {_HEADER + _BINS * splits}] for scores "
                 f"{list(scores.shape)} (use topk_workspace), got {list(workspace.shape)}")
     if rows == 0:
