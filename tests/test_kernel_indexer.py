@@ -154,11 +154,13 @@ def spy_kernels(monkeypatch):
 
 
 # --- interpreter-sized cases ------------------------------------------------------------------------------
-@pytest.mark.parametrize("indexer_format", FORMATS)
-def test_scores_over_random_chunked_schedule(indexer_format):
+@pytest.mark.parametrize("indexer_format,fp8_from", [("mxfp4", 0), ("mxfp4", 1 << 30), ("fp8", 5), ("bf16", 5)],
+                         ids=["mxfp4-fp8-path", "mxfp4-bf16-path", "fp8", "bf16"])
+def test_scores_over_random_chunked_schedule(indexer_format, fp8_from, monkeypatch):
     """Three requests at odd lengths on interleaved blocks, fed in random chunks through padded persistent
     plans; NaN-poisoned pool, NaN q / weights on padding rows, NaN-prefilled out; widths J past every visible
-    count (the default, 71) and below some (37)."""
+    count (the default, 71) and below some (37). MXFP4 keys on each path of the row kernel."""
+    monkeypatch.setattr(kernel_mod, "FP8_MIN_PROGRAMS_PER_SM", fp8_from)
     cache, layout, pool = make_cache(TINY, indexer_format, page_tokens=PAGE, max_requests=4, max_tokens=700)
     lengths = [171, 37, 96]
     rids = admit(cache, 3)
@@ -462,6 +464,35 @@ def test_fp8_mma_path_and_its_fallback(monkeypatch):
         assert_close_scores(got, reference(plan, pool, layout, q, w, got.shape[1], ratio=M, page_tokens=PAGE))
         if interpreted():
             assert path_calls(len(calls)), (tiny_head, len(calls))
+
+
+@pytest.mark.parametrize("fp8_path", [True, False], ids=["fp8", "bf16"])
+def test_a_block_sum_of_13_significant_bits_is_exact(fp8_path, monkeypatch):
+    """The FP8 path's exactness rests on a scale block's 32 products summing within the ~14 significant bits of
+    Hopper's FP8 accumulation. The worst case, 31 products of 6 x 6 and one of 0.5 x 0.5 = 1116.25 (13 bits, from
+    2^10 to 2^-2), must come out exact on both paths: every score is 1116.25 * D^-0.5, bit for bit."""
+    cache, layout, pool = make_cache(TINY, "mxfp4", page_tokens=PAGE, max_requests=2, max_tokens=256)
+    rid = cache.admit()
+    plan = cache.plan_step([(rid, 200)])
+    per_page, count = PAGE // M, 200 // M
+    data_rows, scale_rows = layout.page_views(pool, per_page)
+    blocks = torch.tensor([cache.blocks(rid)[j * M // PAGE] for j in range(count)], device=DEVICE)
+    offsets = torch.arange(count, device=DEVICE) % per_page
+    data = torch.zeros(count, layout.data_bytes, dtype=torch.uint8, device=DEVICE)
+    data[:, :16] = 0x77  # scale block 0: every value e2m1 code 7 = 6.0 ...
+    data[:, 0] = 0x71  # ... but dim 0 (the low nibble of byte 0): code 1 = 0.5; block 1 stays zero
+    data_rows[blocks, offsets] = data
+    scale_rows[blocks, offsets] = 127  # ue8m0 2^0
+    q = torch.zeros(200, TINY.index_n_heads, layout.dim, device=DEVICE)
+    q[:, 0, :32] = 6.0
+    q[:, 0, 0] = 0.5
+    w = torch.zeros(200, TINY.index_n_heads, device=DEVICE)
+    w[:, 0] = 1.0
+    monkeypatch.setattr(kernel_mod, "FP8_MIN_PROGRAMS_PER_SM", 0 if fp8_path else 1 << 30)
+    got = indexer_scores_paged(q, w, plan, pool, layout, ratio=M, page_tokens=PAGE, stack_rows=False, fill=True)
+    visible = (plan.positions.long() + 1) // M
+    seen = torch.arange(got.shape[1], device=DEVICE) < visible[:, None]
+    assert seen.any() and torch.equal(got[seen], torch.full_like(got[seen], 1116.25 * layout.dim ** -0.5))
 
 
 @pytest.mark.parametrize("indexer_format", ["mxfp4", "fp8"])

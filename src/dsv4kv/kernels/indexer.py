@@ -91,8 +91,8 @@ _FILL_ELEMS = 2048  # elements per -inf store tile: 16 per thread at 4 warps, i.
 # the fastest measured: on the H200, and the row kernel's single stage on the H100; docs/performance.md).
 _ROW_TILES = {"block_j": 64, "max_iters": 16, "num_warps": 4, "num_stages": 1}
 _STACK_TILES = {"block_t": 4, "block_j": 128, "max_iters": 32, "num_warps": 8, "num_stages": 3}
-# MXFP4 keys on FP8 MMAs in the row kernel (`_mxfp4_fp8_scores`) from this many programs per SM up (the interpreter:
-# always). Below it every program is resident at once (4 per SM) and the bf16 path's shorter per-tile chain wins
+# MXFP4 keys on FP8 MMAs in the row kernel (`_mxfp4_fp8_scores`) from this many programs per SM up (the interpreter
+# counts as one SM). Below it every program is resident at once (4 per SM) and the bf16 path's shorter per-tile chain wins
 # (H100: FP8 12-14% slower at 3.9 programs per SM); from 5.8 up the FP8 path's fewer instructions win (5-20%)
 FP8_MIN_PROGRAMS_PER_SM = 5
 _GRID_WAVES = 3  # programs per SM the chunking aims for: one decode row at 1M, 29 us at 3 against 36 us at 1
@@ -461,8 +461,9 @@ def _num_sms(device: torch.device) -> int:
 
 
 def _fp8_pays(programs: int, device: torch.device) -> bool:
-    """The FP8 MMA path for a row-kernel grid of `programs` (a host fact: a captured graph keeps its choice)."""
-    return device.type != "cuda" or programs >= FP8_MIN_PROGRAMS_PER_SM * _num_sms(device)
+    """The FP8 MMA path for a row-kernel grid of `programs` (a host fact: a captured graph keeps its choice). The
+    interpreter counts as one SM, so its tests take both paths."""
+    return programs >= FP8_MIN_PROGRAMS_PER_SM * (_num_sms(device) if device.type == "cuda" else 1)
 
 
 def _iters(programs_per_chunk: int, tiles: int, device: torch.device, max_iters: int) -> int:
