@@ -38,13 +38,14 @@ MXFP4 keys on FP8 MMAs (row kernel, D <= 128, grids of at least `FP8_MIN_PROGRAM
 A packed byte becomes two e4m3 bytes by moving bits (`_e2m1_e4m3`: e2m1 * 2^-6 exactly, five ALU ops per eight
 values instead of ~6 per value), and q[t] is shifted by a power of two into e4m3 (`_q_e4m3`). Each 32-value
 scale block is one K = 32 FP8 MMA from a zero accumulator: its 32 products of e2m1 pairs are multiples of 1/4
-below 2^11 (times the shifts), so their sum needs 13 significant bits and is exact within the ~14 that Hopper's
-FP8 accumulation keeps; the key's ue8m0 scale (times the shifts' inverse) then scales it and fp32 adds the blocks
+and sum below 2^11 (times the scales and shifts), so the sum needs 13 significant bits and is exact within the ~14
+that Hopper's FP8 accumulation keeps; the key's ue8m0 scale (times the shifts' inverse) then scales it and fp32 adds the blocks
 in order. The products are the reference's and only the fp32 summation order differs, as on the bf16 path
 (on V4 shapes the two paths' scores are bit-equal: MXFP4 dot products are mostly exact in fp32 either way).
-A row whose query is not exact in e4m3 after its shift (a value ~2^16 or more below the row's largest) takes
-the bf16 path. Small grids keep the bf16 path, whose shorter per-tile chain wins when every program is resident
-at once (docs/performance.md).
+A row whose query is not MXFP4-valued and exact in e4m3 after its shift (`_e4m3_block`) takes the bf16 path. One
+edge differs from the reference: a key scale of 2^127 (ue8m0 0xFE), whose decoded values overflow fp32, scores
+finite here where the reference gives inf or NaN; the quantizer writes no such scale. Small grids keep the bf16
+path, whose shorter per-tile chain wins when every program is resident at once (docs/performance.md).
 
 Stacked kernel (prefill: many consecutive rows of a request). Grid (block of BLOCK_T consecutive rows,
 chunk of entries). A block's rows of one request (a segment) share every decoded key tile: q of the
