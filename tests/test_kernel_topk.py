@@ -192,8 +192,8 @@ def test_topk_kernel_choice(monkeypatch):
     for rows, cols, want in ((1, few, "row"), (1, few + 1, "split"), (topk_module.ROW_MANY, many, "row"),
                              (topk_module.ROW_MANY - 1, many, "split"), (topk_module.ROW_MANY, many + 1, "split")):
         launches.clear()
-        topk_indices(torch.zeros(rows, cols, device=DEVICE), torch.full((rows,), cols, dtype=torch.int32, device=DEVICE),
-                     8)
+        lengths = torch.full((rows,), cols, dtype=torch.int32, device=DEVICE)
+        topk_indices(torch.zeros(rows, cols, device=DEVICE), lengths, 8)
         assert {name for name, _ in launches} == {want}, (rows, cols)
         assert len(launches) == (1 if want == "row" else 4)
 

@@ -39,8 +39,8 @@ A packed byte becomes two e4m3 bytes by moving bits (`_e2m1_e4m3`: e2m1 * 2^-6 e
 values instead of ~6 per value), and q[t] is shifted by a power of two into e4m3 (`_q_e4m3`). Each 32-value
 scale block is one K = 32 FP8 MMA from a zero accumulator: its 32 products of e2m1 pairs are multiples of 1/4
 and sum below 2^11 (times the scales and shifts), so the sum needs 13 significant bits and is exact within the ~14
-that Hopper's FP8 accumulation keeps; the key's ue8m0 scale (times the shifts' inverse) then scales it and fp32 adds the blocks
-in order. The products are the reference's and only the fp32 summation order differs, as on the bf16 path
+that Hopper's FP8 accumulation keeps; the key's ue8m0 scale (times the shifts' inverse) then scales it and fp32
+adds the blocks in order. The products are the reference's and only the fp32 summation order differs, as on the bf16 path
 (on V4 shapes the two paths' scores are bit-equal: MXFP4 dot products are mostly exact in fp32 either way).
 A row whose query is not MXFP4-valued and exact in e4m3 after its shift (`_e4m3_block`) takes the bf16 path. One
 edge differs from the reference: a key scale of 2^127 (ue8m0 0xFE), whose decoded values overflow fp32, scores
@@ -92,9 +92,10 @@ _FILL_ELEMS = 2048  # elements per -inf store tile: 16 per thread at 4 warps, i.
 # the fastest measured: on the H200, and the row kernel's single stage on the H100; docs/performance.md).
 _ROW_TILES = {"block_j": 64, "max_iters": 16, "num_warps": 4, "num_stages": 1}
 _STACK_TILES = {"block_t": 4, "block_j": 128, "max_iters": 32, "num_warps": 8, "num_stages": 3}
-# MXFP4 keys on FP8 MMAs in the row kernel (`_mxfp4_fp8_scores`) from this many programs per SM up (the interpreter
-# counts as one SM). Below it every program is resident at once (4 per SM) and the bf16 path's shorter per-tile chain wins
-# (H100: FP8 12-14% slower at 3.9 programs per SM); from 5.8 up the FP8 path's fewer instructions win (5-20%)
+# MXFP4 keys on FP8 MMAs in the row kernel (`_mxfp4_fp8_scores`) from this many programs per SM up (the
+# interpreter counts as one SM). Below it every program is resident at once (4 per SM) and the bf16 path's shorter
+# per-tile chain wins (H100: FP8 12-14% slower at 3.9 programs per SM); from 5.8 up the FP8 path's fewer
+# instructions win (5-20%)
 FP8_MIN_PROGRAMS_PER_SM = 5
 _GRID_WAVES = 3  # programs per SM the chunking aims for: one decode row at 1M, 29 us at 3 against 36 us at 1
 _STACK_MIN_ROWS_PER_REQUEST = 2  # the automatic choice of the stacked kernel (`_stacked`)
