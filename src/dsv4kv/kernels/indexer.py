@@ -40,8 +40,9 @@ values instead of ~6 per value), and q[t] is shifted by a power of two into e4m3
 scale block is one K = 32 FP8 MMA from a zero accumulator: its 32 products of e2m1 pairs are multiples of 1/4
 and sum below 2^11 (times the scales and shifts), so the sum needs 13 significant bits and is exact within the ~14
 that Hopper's FP8 accumulation keeps; the key's ue8m0 scale (times the shifts' inverse) then scales it and fp32
-adds the blocks in order. The products are the reference's and only the fp32 summation order differs, as on the bf16 path
-(on V4 shapes the two paths' scores are bit-equal: MXFP4 dot products are mostly exact in fp32 either way).
+adds the blocks in order. The products are the reference's and only the fp32 summation order differs, as on the
+bf16 path (on V4 shapes the two paths' scores are bit-equal: MXFP4 dot products are mostly exact in fp32 either
+way).
 A row whose query is not MXFP4-valued and exact in e4m3 after its shift (`_e4m3_block`) takes the bf16 path. One
 edge differs from the reference: a key scale of 2^127 (ue8m0 0xFE), whose decoded values overflow fp32, scores
 finite here where the reference gives inf or NaN; the quantizer writes no such scale. Small grids keep the bf16
