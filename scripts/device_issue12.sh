@@ -2,12 +2,12 @@
 # Issue 12 on the H200 (device tool: the repo is the working dir, results go to $OUT). Runs the GPU tests of the
 # files the decode branch touched (top-k, the fused indexer query, the indexer, the bench) and of the layer that
 # uses them, the top-k variant timings (scripts/bench_variants.py topk: the kernel before when TOPK_BEFORE names a
-# copy of it, the same phases in four launches, one launch at 1 / 2 / 4 programs per SM), and `dsv4kv bench topk --quick` with the default
-# --device cuda; then prints a short table.
+# copy of it, the same phases in four launches, one launch at 1 / 2 / 4 programs per SM), `dsv4kv bench topk --quick`
+# with the default --device cuda, and (stage decode) `dsv4kv bench decode --quick`; then prints a short table.
 #
-#   bash scripts/device_issue12.sh [tests] [variants] [bench] [memcheck]     (default: tests variants bench)
+#   bash scripts/device_issue12.sh [tests] [variants] [bench] [decode] [memcheck]   (default: tests variants bench)
 #
-# Each stage has a timeout (TESTS_TIMEOUT, VARIANTS_TIMEOUT, BENCH_TIMEOUT, MEMCHECK_TIMEOUT seconds) so the
+# Each stage has a timeout (TESTS_TIMEOUT, VARIANTS_TIMEOUT, BENCH_TIMEOUT, DECODE_TIMEOUT, MEMCHECK_TIMEOUT s) so the
 # default run fits one 10-minute device call on a warm machine; run the stages in separate calls otherwise.
 # The transformers wheel in .whl/ is installed when carried (test_bench's transformers hook test needs it).
 set -u
@@ -51,6 +51,11 @@ for stage in $STAGES; do
             --name topk > "$OUT/bench-topk.txt" 2>&1
         echo "exit $?" >> "$OUT/bench-topk.txt"
         ;;
+    decode)  # the CSA decode core at 16K / 1M batch 1 and 128K batch 64, per kernel
+        timeout "${DECODE_TIMEOUT:-300}" python3 -m dsv4kv.cli bench decode --quick --runs 20 --out "$OUT/bench" \
+            --name decode > "$OUT/bench-decode.txt" 2>&1
+        echo "exit $?" >> "$OUT/bench-decode.txt"
+        ;;
     memcheck)  # the changed kernels under compute-sanitizer: top-k in one and four launches, unfilled scores
         timeout "${MEMCHECK_TIMEOUT:-300}" compute-sanitizer --tool memcheck --leak-check no python3 -m pytest \
             tests/test_kernel_topk.py tests/test_kernel_indexer.py -k "gpu_batches or gpu_graph or unfilled" \
@@ -58,7 +63,7 @@ for stage in $STAGES; do
         echo "exit $?" >> "$OUT/memcheck.log"
         ;;
     *)
-        echo "unknown stage $stage (tests, variants, bench, memcheck)" >&2
+        echo "unknown stage $stage (tests, variants, bench, decode, memcheck)" >&2
         ;;
     esac
 done
@@ -81,6 +86,10 @@ fi
 if [ -e "$OUT/bench-topk.txt" ]; then
     echo "dsv4kv bench topk --quick (default --device cuda): $(tail -1 "$OUT/bench-topk.txt")"
     grep -E "^ +topk|commit|REFUSED|targets|\[(met|MISSED)\]" "$OUT/bench-topk.txt" | head -12 | sed 's/^/  /'
+fi
+if [ -e "$OUT/bench-decode.txt" ]; then
+    echo "dsv4kv bench decode --quick: $(tail -1 "$OUT/bench-decode.txt")"
+    grep -E "  csa: core|\[(met|MISSED)\]" "$OUT/bench-decode.txt" | cut -c1-160 | sed 's/^/  /'
 fi
 if [ -e "$OUT/memcheck.log" ]; then
     echo "memcheck: $(grep -E "ERROR SUMMARY" "$OUT/memcheck.log" | tail -1) ($(tail -1 "$OUT/memcheck.log"))"
