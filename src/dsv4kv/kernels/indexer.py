@@ -333,7 +333,7 @@ def _indexer_scores_kernel(
     FILL: tl.constexpr, MMA8: tl.constexpr, ASM: tl.constexpr,
 ):
     """The row kernel: one token row, one chunk of `chunk` entries (a multiple of BLOCK_J). MMA8: MXFP4 keys on FP8
-    MMAs (`_mxfp4_fp8_scores`) when the row's query is exact in e4m3, else the bf16 path."""
+    MMAs (`_mxfp4_fp8_scores`) when the row's query passes `_q_e4m3`'s check, else the bf16 path."""
     i_t, i_c = tl.program_id(0), tl.program_id(1)
     t = i_t.to(tl.int64)
     position = tl.load(positions_ptr + i_t)
