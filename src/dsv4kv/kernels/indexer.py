@@ -98,6 +98,7 @@ _STACK_TILES = {"block_t": 4, "block_j": 128, "max_iters": 32, "num_warps": 8, "
 # per-tile chain wins (H100: FP8 12-14% slower at 3.9 programs per SM); from 5.8 up the FP8 path's fewer
 # instructions win (5-20%)
 FP8_MIN_PROGRAMS_PER_SM = 5
+FP8_MAX_REGISTERS = 128  # the FP8 path's register cap: 4 programs of 4 warps per SM (see the launch)
 _GRID_WAVES = 3  # programs per SM the chunking aims for: one decode row at 1M, 29 us at 3 against 36 us at 1
 _STACK_MIN_ROWS_PER_REQUEST = 2  # the automatic choice of the stacked kernel (`_stacked`)
 
@@ -605,9 +606,13 @@ def indexer_scores_paged(q: torch.Tensor, weights: torch.Tensor, plan, key_pool:
         block_j, iters, num_warps = _config(rows, entries, device)
         chunk = block_j * iters
         grid = (rows, triton.cdiv(entries, chunk))
+        mma8 = fmt == _MXFP4 and dim <= 128 and _fp8_pays(grid[0] * grid[1], device)
+        # the FP8 path's query check peaks at ~185 registers (sm_90a, scripts/indexer_sass.py) where its key loop needs
+        # 128: capped, the check spills 8 bytes once per program and 4 programs still fit an SM, as timed
+        cap = {"maxnreg": FP8_MAX_REGISTERS} if mma8 and not interpreted() else {}
         # FILL_J (the chunk, a tile shape) matters only with fill: without, one kernel serves every chunk size
         _indexer_scores_kernel[grid](*args, heads, entries, plan.block_table.stride(0), dim ** -0.5, chunk,
-                                     **common, BLOCK_J=block_j, FILL_J=chunk if fill else block_j,
-                                     MMA8=fmt == _MXFP4 and dim <= 128 and _fp8_pays(grid[0] * grid[1], device),
-                                     ASM=not interpreted(), num_warps=num_warps, num_stages=_ROW_TILES["num_stages"])
+                                     **common, BLOCK_J=block_j, FILL_J=chunk if fill else block_j, MMA8=mma8,
+                                     ASM=not interpreted(), num_warps=num_warps, num_stages=_ROW_TILES["num_stages"],
+                                     **cap)
     return out

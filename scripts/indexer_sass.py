@@ -1,0 +1,92 @@
+"""Compiles the indexer's row (decode) kernel for sm_90a on a machine without a GPU and prints, per build: registers,
+spill bytes (ptxas -v), shared memory, and the instruction count and mix of the key loops (cuobjdump -sass). The
+device-free proxy used for `kernels/indexer.py` (docs/performance.md).
+
+    pip install --no-deps --target /tmp/t36 triton==3.6.0          # the device image's Triton (its own ptxas)
+    PYTHONPATH=/tmp/t36:src python scripts/indexer_sass.py [--mix 12]
+
+The builds: the bf16 path, the FP8 MMA path, and the FP8 path under its register cap (`FP8_MAX_REGISTERS`, as
+launched), at the default stage count. The launch is V4-Flash decode (64 heads, head dim 128, MXFP4 keys of 68 B,
+256 entries a page) with the alignment hints a real launch gets. Fewer loop instructions did not make this kernel faster by themselves (its time is bound
+by register-limited occupancy and a serial tile chain): only the GPU decides."""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import triton
+import triton.language as tl
+from triton.backends.compiler import GPUTarget
+
+sys.path.insert(0, os.path.dirname(__file__))
+from attention_sass import tool  # noqa: E402
+
+from dsv4kv.kernels import indexer  # noqa: E402
+
+POINTERS = {"q_ptr": "*fp32", "w_ptr": "*fp32", "positions_ptr": "*i32", "token_request_ptr": "*i32",
+            "request_slots_ptr": "*i32", "block_table_ptr": "*i32", "pool_ptr": "*u8", "out_ptr": "*fp32"}
+DIVISIBLE_BY_16 = {"num_entries", "table_stride", "chunk"}
+
+
+def loops(sass: str, at_least: int = 100) -> list[tuple[int, collections.Counter]]:
+    """(instructions, opcode counts) of every backward branch's body of at least `at_least` instructions."""
+    code = [(int(a, 16), t) for a, t in re.findall(r"/\*([0-9a-f]+)\*/\s+([^;]*);", sass)]
+    found = []
+    for addr, text in code:
+        target = re.search(r"BRA\s.*?0x([0-9a-f]+)", text)
+        if target and int(target.group(1), 16) < addr:
+            lo = int(target.group(1), 16)
+            ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0] for a, t in code if lo <= a <= addr)
+            if sum(ops.values()) >= at_least:
+                found.append((sum(ops.values()), ops))
+    return found
+
+
+def compile_row_kernel(fp8: bool, stages: int, block_j: int = 64, warps: int = 4, maxnreg: int | None = None):
+    kernel = indexer._indexer_scores_kernel
+    consts = dict(FORMAT=indexer._MXFP4, RATIO=4, D=128, P=256, PAGE_BYTES=256 * 68, DATA_BYTES=64, SCALE_BYTES=4,
+                  BLOCK_H=64, BLOCK_J=block_j, FILL_J=block_j, DOT=tl.bfloat16, FILL=False, MMA8=fp8, ASM=True)
+    names = kernel.arg_names
+    signature = {n: "constexpr" if n in consts else POINTERS.get(n, "fp32" if n == "score_scale" else "i32")
+                 for n in names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n in POINTERS or n in DIVISIBLE_BY_16}
+    source = triton.compiler.ASTSource(fn=kernel, signature=signature, attrs=attrs,
+                                       constexprs={(names.index(n),): v for n, v in consts.items()})
+    options = dict(num_warps=warps, num_stages=stages, **({"maxnreg": maxnreg} if maxnreg else {}))
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--mix", type=int, default=0, help="also print each loop's N most frequent opcodes")
+    args = ap.parse_args()
+    stages = indexer._ROW_TILES["num_stages"]
+    # the default stage count; the FP8 path without and with its register cap (the launch applies the cap)
+    for fp8, cap in ((False, None), (True, None), (True, indexer.FP8_MAX_REGISTERS)):
+        compiled = compile_row_kernel(fp8, stages, maxnreg=cap)
+        with tempfile.TemporaryDirectory() as tmp:
+            ptx, cubin = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.cubin")
+            open(ptx, "w").write(compiled.asm["ptx"])
+            open(cubin, "wb").write(compiled.asm["cubin"])
+            ptxas = subprocess.run([tool("ptxas"), "-v", "--gpu-name", "sm_90a", ptx, "-o", os.devnull],
+                                   capture_output=True, text=True).stderr
+            sass = subprocess.run([tool("cuobjdump"), "-sass", cubin], capture_output=True, text=True).stdout
+        regs = re.search(r"Used (\d+) registers", ptxas).group(1)
+        spills = re.search(r"(\d+) bytes spill stores", ptxas).group(1)
+        found = loops(sass)  # with the FP8 path the kernel holds both key loops (the bf16 one is the fallback)
+        print(f"{'FP8 MMA' if fp8 else 'bf16'} path{f', maxnreg {cap}' if cap else ''}, {stages} stage(s): "
+              f"{regs} registers, spill stores {spills} B, shared {compiled.metadata.shared} B, key loops "
+              f"{[n for n, _ in found]} instructions")
+        for _, ops in found if args.mix else ():
+            print("   ", ", ".join(f"{op} {n}" for op, n in ops.most_common(args.mix)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
