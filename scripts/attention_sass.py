@@ -50,6 +50,18 @@ def tool(name: str) -> str:
     return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
 
 
+def ptxas_and_sass(compiled) -> tuple[str, str]:
+    """(ptxas -v's report, cuobjdump -sass's listing) of a kernel compiled for sm_90a."""
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx, cubin = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.cubin")
+        open(ptx, "w").write(compiled.asm["ptx"])
+        open(cubin, "wb").write(compiled.asm["cubin"])
+        ptxas = subprocess.run([tool("ptxas"), "-v", "--gpu-name", "sm_90a", ptx, "-o", os.devnull],
+                               capture_output=True, text=True).stderr
+        sass = subprocess.run([tool("cuobjdump"), "-sass", cubin], capture_output=True, text=True).stdout
+    return ptxas, sass
+
+
 def loop_mix(sass: str) -> tuple[int, collections.Counter]:
     """Instructions of the longest backward branch's body (the key loop) and their opcodes."""
     code = [(int(a, 16), t) for a, t in re.findall(r"/\*([0-9a-f]+)\*/\s+([^;]*);", sass)]
@@ -72,13 +84,7 @@ def main() -> int:
     for csa in (True, False):
         for block_h, block_n, warps in TILES:
             compiled = compile_kernel(kernel, block_h, block_n, warps, csa, args.scratch)
-            with tempfile.TemporaryDirectory() as tmp:
-                ptx, cubin = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.cubin")
-                open(ptx, "w").write(compiled.asm["ptx"])
-                open(cubin, "wb").write(compiled.asm["cubin"])
-                ptxas = subprocess.run([tool("ptxas"), "-v", "--gpu-name", "sm_90a", ptx, "-o", os.devnull],
-                                       capture_output=True, text=True).stderr
-                sass = subprocess.run([tool("cuobjdump"), "-sass", cubin], capture_output=True, text=True).stdout
+            ptxas, sass = ptxas_and_sass(compiled)
             regs = re.search(r"Used (\d+) registers", ptxas).group(1)
             spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", ptxas).groups()
             count, ops = loop_mix(sass)

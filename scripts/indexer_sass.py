@@ -16,16 +16,14 @@ import argparse
 import collections
 import os
 import re
-import subprocess
 import sys
-import tempfile
 
 import triton
 import triton.language as tl
 from triton.backends.compiler import GPUTarget
 
 sys.path.insert(0, os.path.dirname(__file__))
-from attention_sass import tool  # noqa: E402
+from attention_sass import ptxas_and_sass  # noqa: E402
 
 from dsv4kv.kernels import indexer  # noqa: E402
 
@@ -70,13 +68,7 @@ def main() -> int:
     # the default stage count; the FP8 path without and with its register cap (the launch applies the cap)
     for fp8, cap in ((False, None), (True, None), (True, indexer.FP8_MAX_REGISTERS)):
         compiled = compile_row_kernel(fp8, stages, maxnreg=cap)
-        with tempfile.TemporaryDirectory() as tmp:
-            ptx, cubin = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.cubin")
-            open(ptx, "w").write(compiled.asm["ptx"])
-            open(cubin, "wb").write(compiled.asm["cubin"])
-            ptxas = subprocess.run([tool("ptxas"), "-v", "--gpu-name", "sm_90a", ptx, "-o", os.devnull],
-                                   capture_output=True, text=True).stderr
-            sass = subprocess.run([tool("cuobjdump"), "-sass", cubin], capture_output=True, text=True).stdout
+        ptxas, sass = ptxas_and_sass(compiled)
         regs = re.search(r"Used (\d+) registers", ptxas).group(1)
         spills = re.search(r"(\d+) bytes spill stores", ptxas).group(1)
         found = loops(sass)  # with the FP8 path the kernel holds both key loops (the bf16 one is the fallback)
