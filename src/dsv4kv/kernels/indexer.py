@@ -197,15 +197,23 @@ def _max2d(x):
 
 
 @triton.jit
+def _entry_addresses(pool_ptr, p_table, o_j, m_j, P: tl.constexpr, PAGE_BYTES: tl.constexpr,
+                     DATA_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr):
+    """Entries o_j of the request whose block-table row is p_table -> (mask: wanted and allocated, their data
+    pointers, their scale pointers) in the pool's page layout (data rows, then scale rows)."""
+    block = tl.load(p_table + o_j // P, mask=m_j, other=-1)
+    p_entry = pool_ptr + block.to(tl.int64) * PAGE_BYTES
+    return (m_j & (block >= 0), p_entry + (o_j % P) * DATA_BYTES,
+            p_entry + P * DATA_BYTES + (o_j % P) * SCALE_BYTES)
+
+
+@triton.jit
 def _mxfp4_tile(pool_ptr, p_table, o_j, m_j, D: tl.constexpr, P: tl.constexpr, PAGE_BYTES: tl.constexpr,
                 DATA_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr):
     """The MXFP4 bytes of entries o_j: per 32-dim scale block, values [BLOCK_J, 16] uint8 and the ue8m0 code
     [BLOCK_J] (blocks past D/32 repeat block 0, unused). Masked or unallocated entries: zeros, scale 2^0."""
-    block = tl.load(p_table + o_j // P, mask=m_j, other=-1)
-    m_j = m_j & (block >= 0)
-    p_entry = pool_ptr + block.to(tl.int64) * PAGE_BYTES
-    p_data = p_entry[:, None] + (o_j % P)[:, None] * DATA_BYTES + tl.arange(0, 16)[None, :]
-    p_scale = p_entry + P * DATA_BYTES + (o_j % P) * SCALE_BYTES
+    m_j, p_data, p_scale = _entry_addresses(pool_ptr, p_table, o_j, m_j, P, PAGE_BYTES, DATA_BYTES, SCALE_BYTES)
+    p_data = p_data[:, None] + tl.arange(0, 16)[None, :]
     k0 = tl.load(p_data, mask=m_j[:, None], other=0)
     s0 = tl.load(p_scale, mask=m_j, other=127)
     k1, k2, k3, s1, s2, s3 = k0, k0, k0, s0, s0, s0
@@ -268,11 +276,7 @@ def _key_dot(pool_ptr, p_table, o_j, m_j, b_q0, b_q1,
     """Keys of entries o_j [BLOCK_J] of the request whose block-table row is p_table, decoded in registers,
     times the query -> fp32 [BLOCK_J, N]. b_q0 / b_q1: bf16 q^T [D/2, N] at the dims `_q_dims` gives (two
     K = D/2 MMAs). Masked or unallocated entries decode to 0 and are never loaded."""
-    block = tl.load(p_table + o_j // P, mask=m_j, other=-1)
-    m_j = m_j & (block >= 0)
-    p_entry = pool_ptr + block.to(tl.int64) * PAGE_BYTES
-    p_data = p_entry + (o_j % P) * DATA_BYTES
-    p_scale = p_entry + P * DATA_BYTES + (o_j % P) * SCALE_BYTES
+    m_j, p_data, p_scale = _entry_addresses(pool_ptr, p_table, o_j, m_j, P, PAGE_BYTES, DATA_BYTES, SCALE_BYTES)
     if FORMAT == 2:
         # [BLOCK_J, D/32 scale blocks, 16 bytes = 32 values]
         o_nb = tl.arange(0, D // 32)
