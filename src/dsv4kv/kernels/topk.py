@@ -178,10 +178,11 @@ def topk_indices(scores: torch.Tensor, lengths: torch.Tensor, k: int, *, out: to
     if by_row:
         # two row sizes only (4096, else the power of two above: 16384 by default), so a context that grows from step
         # to step compiles no new kernel (test_engine_compiles)
-        block = max(_ROW_BLOCK, triton.next_power_of_2(cols))
+        row_tile = max(_ROW_BLOCK, triton.next_power_of_2(cols))
         per_thread = 64 if rows >= ROW_MANY else 32  # the faster on the H100: fewer warps a row when rows fill the GPU
-        _topk_row_kernel[(rows,)](scores, lengths, out, cols, k, BLOCK=block, OUT_BLOCK=min(triton.next_power_of_2(k),
-                                  1024), num_warps=max(4, min(32, block // (32 * per_thread))))
+        _topk_row_kernel[(rows,)](scores, lengths, out, cols, k, BLOCK=row_tile,
+                                  OUT_BLOCK=min(triton.next_power_of_2(k), 1024),
+                                  num_warps=max(4, min(32, row_tile // (32 * per_thread))))
         return out
     width = workspace.shape[1]
     capacity = (width - _HEADER - _BINS * splits) // 2
