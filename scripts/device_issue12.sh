@@ -5,7 +5,8 @@
 # copy of it, the same phases in four launches, one launch at 1 / 2 / 4 programs per SM), `dsv4kv bench topk --quick`
 # with the default --device cuda, and (stage decode) `dsv4kv bench decode --quick`; then prints a short table.
 #
-#   bash scripts/device_issue12.sh [tests] [variants] [bench] [decode] [memcheck]   (default: tests variants bench)
+#   bash scripts/device_issue12.sh [tests] [variants] [bench] [decode] [sequential] [memcheck]
+#   (default: tests variants bench; sequential: the decode stage with every kernel on one stream)
 #
 # Each stage has a timeout (TESTS_TIMEOUT, VARIANTS_TIMEOUT, BENCH_TIMEOUT, DECODE_TIMEOUT, MEMCHECK_TIMEOUT s) so the
 # default run fits one 10-minute device call on a warm machine; run the stages in separate calls otherwise.
@@ -56,6 +57,12 @@ for stage in $STAGES; do
             --name decode > "$OUT/bench-decode.txt" 2>&1
         echo "exit $?" >> "$OUT/bench-decode.txt"
         ;;
+    sequential)  # the same decode core with every kernel on one stream (streams.CONCURRENT = False), for comparison
+        timeout "${DECODE_TIMEOUT:-300}" python3 -c "import sys; from dsv4kv import streams; streams.CONCURRENT = False
+from dsv4kv.cli import main; sys.exit(main(sys.argv[1:]))" bench decode --quick --runs 20 --out "$OUT/bench-seq" \
+            --name decode-sequential > "$OUT/bench-decode-sequential.txt" 2>&1
+        echo "exit $?" >> "$OUT/bench-decode-sequential.txt"
+        ;;
     memcheck)  # the changed kernels under compute-sanitizer: top-k in one and four launches, unfilled scores
         timeout "${MEMCHECK_TIMEOUT:-300}" compute-sanitizer --tool memcheck --leak-check no python3 -m pytest \
             tests/test_kernel_topk.py tests/test_kernel_indexer.py -k "gpu_batches or gpu_graph or unfilled" \
@@ -63,7 +70,7 @@ for stage in $STAGES; do
         echo "exit $?" >> "$OUT/memcheck.log"
         ;;
     *)
-        echo "unknown stage $stage (tests, variants, bench, decode, memcheck)" >&2
+        echo "unknown stage $stage (tests, variants, bench, decode, sequential, memcheck)" >&2
         ;;
     esac
 done
@@ -90,6 +97,10 @@ fi
 if [ -e "$OUT/bench-decode.txt" ]; then
     echo "dsv4kv bench decode --quick: $(tail -1 "$OUT/bench-decode.txt")"
     grep -E "  csa: core|\[(met|MISSED)\]" "$OUT/bench-decode.txt" | cut -c1-160 | sed 's/^/  /'
+fi
+if [ -e "$OUT/bench-decode-sequential.txt" ]; then
+    echo "dsv4kv bench decode --quick, one stream: $(tail -1 "$OUT/bench-decode-sequential.txt")"
+    grep -E "  csa: core" "$OUT/bench-decode-sequential.txt" | cut -c1-160 | sed 's/^/  /'
 fi
 if [ -e "$OUT/memcheck.log" ]; then
     echo "memcheck: $(grep -E "ERROR SUMMARY" "$OUT/memcheck.log" | tail -1) ($(tail -1 "$OUT/memcheck.log"))"

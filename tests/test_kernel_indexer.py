@@ -395,7 +395,8 @@ def _e4m3_of_bytes(byte_ptr, lo_ptr, hi_ptr, ASM: tl.constexpr):
 @triton.jit
 def _q_exact(q_ptr, exact_ptr, H: tl.constexpr, D: tl.constexpr):
     o_h = tl.arange(0, H)
-    *_, exact = kernel_mod._q_e4m3(q_ptr + tl.program_id(0) * H * D + o_h[None, :] * D, o_h < H, D, H)
+    # Triton's code generator takes no starred targets (the interpreter does)
+    _, _, _, _, _, exact = kernel_mod._q_e4m3(q_ptr + tl.program_id(0) * H * D + o_h[None, :] * D, o_h < H, D, H)
     tl.store(exact_ptr + tl.program_id(0), exact.to(tl.int32))
 
 

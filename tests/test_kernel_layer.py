@@ -84,6 +84,45 @@ def test_backend_choice_and_bad_input():
         DecodeGraph([DSV4Attention(TINY, 0)], cache, batch=2)
 
 
+@cuda
+def test_side_stream_changes_no_byte(monkeypatch):
+    """The tiny model's 4 layers chained, with the side stream (`streams.CONCURRENT`) and without, over the same
+    random prefill / decode schedule on twin caches: every output and every cache tensor equal bit for bit (a
+    missing event between the streams would let a kernel read bytes before or after their writer)."""
+    import dataclasses
+
+    from dsv4kv import streams
+    layers = [init_random_weights(DSV4Attention(TINY, i, device="cuda", backend="triton"), i) for i in range(4)]
+    caches = [CacheManager(TINY, max_requests=4, max_tokens=1200, page_tokens=PAGE, poison=True, device="cuda")
+              for _ in range(2)]
+    rids = [[c.admit() for _ in range(3)] for c in caches]
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    for step in random_steps(5, (300, 41, 170), chunks=(1, 1, 1, 9, 64)):
+        x = torch.randn(sum(n for _, n in step), TINY.hidden_size, generator=gen, device="cuda").to(torch.bfloat16)
+        outs = []
+        for concurrent, cache, ids in zip((True, False), caches, rids):
+            monkeypatch.setattr(streams, "CONCURRENT", concurrent)
+            outs.append(chain(layers, x, cache.plan_step([(ids[i], n) for i, n in step]), cache))
+        assert torch.equal(outs[0], outs[1])
+    for mine, theirs in zip(caches[0].pools.layers, caches[1].pools.layers):
+        for field in dataclasses.fields(mine):
+            a, b = getattr(mine, field.name), getattr(theirs, field.name)
+            if isinstance(a, torch.Tensor):
+                assert torch.equal(a, b), field.name
+
+
+def test_side_stream_is_off_without_cuda():
+    """On the CPU (the interpreter) the streams are no-ops: the kernels run in the order written."""
+    from dsv4kv.streams import StepStreams
+    streams = StepStreams(torch.device("cpu"))
+    assert not streams.enabled and streams.side_mark() is None and streams.main_mark() is None
+    streams.fork()
+    with streams.on_side():
+        streams.side_waits(None)
+        streams.main_waits(None)
+    streams.join()
+
+
 # --- CUDA graphs --------------------------------------------------------------------------------------
 def chain(layers, x, plan, cache):
     for layer in layers:

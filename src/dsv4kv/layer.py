@@ -301,68 +301,110 @@ class DSV4Attention(nn.Module):
         bf16 [R, heads, head_dim], ready for the output projection. No checks: `forward` makes them.
 
         The step's kv is encoded once into a step page; attention reads its own window keys from there and
-        older ones from the ring, which is updated (a byte copy) only after attention."""
+        older ones from the ring, which is updated (a byte copy) only after attention.
+
+        On CUDA the longest chain to attention (CSA: the indexer's compress, scores and top-k; HCA: the main
+        compress; window layers: the kv insert) stays on the current stream and the kernels that do not feed it
+        (q RoPE, the indexer query, kv insert, main compress, the state and window appends) run beside it on a
+        side stream (`streams.StepStreams`); elsewhere everything runs in the order written, one of the orders the
+        events allow."""
         from .kernels import (append_state, append_window, compress_insert, indexer_query_and_weights,
                               indexer_scores_paged, kv_insert, rope_rows, sparse_attention_paged, topk_indices)
         from .kernels.topk import topk_workspace
+        from .streams import StepStreams
         g, spec = self.geometry, self.spec
         layer_cache, cache_spec = cache.pools.layers[self.layer_index], cache.spec.layers[self.layer_index]
         page_tokens, main = cache.spec.page_tokens, cache_spec.main
         positions = plan.positions
         rows = positions.shape[0]
+        device = p.q.device
+        csa = spec.kind is LayerKind.CSA
+        # everything the side stream touches is allocated here, on the main stream, before the fork (streams.py)
         cos_sin = plan.derived(("rope", spec.rope), lambda: rope_cos_sin(spec.rope, positions))
-        q = rope_rows(p.q, *cos_sin)
-        step_kv = torch.empty((1, main.page_bytes(rows)), dtype=torch.uint8, device=q.device)
-        row_slots = plan.derived("rows", lambda: torch.arange(rows, dtype=torch.int32, device=q.device))
-        kv_insert(p.kv, positions, spec.rope, main, step_kv, rows, row_slots, cos_sin=cos_sin)
-
+        row_slots = plan.derived("rows", lambda: torch.arange(rows, dtype=torch.int32, device=device))
+        q = torch.empty(p.q.shape, dtype=torch.bfloat16, device=device)
+        step_kv = torch.empty((1, main.page_bytes(rows)), dtype=torch.uint8, device=device)
         state_rows, picks = [], None
         entries = max(plan.max_seq_len // spec.ratio, 1) if spec.compressed else None  # per-row bound, host-known
         # the score rows' width: a multiple of 16, so the indexer and top-k kernels see the same alignment class at
         # every step (Triton compiles a variant per class of an int argument; the eager steps' bound moves)
         columns = -(-entries // 16) * 16 if spec.compressed else None
         if spec.compressed:
-            csa = spec.kind is LayerKind.CSA
             entry_cos_sin = plan.derived(("entry rope", spec.rope, spec.ratio),
                                          lambda: rope_cos_sin(spec.rope, plan.entries[spec.ratio].index * spec.ratio))
             insert = dict(ratio=spec.ratio, overlap=csa, eps=g.rms_norm_eps, rope=spec.rope, out_dtype=q.dtype,
                           page_tokens=page_tokens, cos_sin=entry_cos_sin)
+            state_rows.append((layer_cache.state_kv, layer_cache.state_score, *p.state))
+        if csa:
+            idx, index_layout = self.compressor.indexer, cache_spec.index
+            state_rows.append((layer_cache.index_state_kv, layer_cache.index_state_score, *p.index_state))
+            q_index = torch.empty(p.index_q.shape, dtype=torch.float32, device=device)
+            weights = torch.empty(p.index_weights.shape, dtype=torch.float32, device=device)
+
+        def insert_kv():
+            kv_insert(p.kv, positions, spec.rope, main, step_kv, rows, row_slots, cos_sin=cos_sin)
+
+        def append(state):  # a compressor's step rows into its state ring, after the step's last read of the ring
+            ring_kv, ring_logits, kv_rows, logit_rows = state
+            append_state(ring_kv, ring_logits, plan, kv_rows, logit_rows)
+
+        def compress_main():
             compress_insert(layer_cache.state_kv, layer_cache.state_score, plan, *p.state,
                             norm_weight=self.compressor.kv_norm.weight, layout=main, pool=layer_cache.entries,
                             main=True, **insert)
-            state_rows.append((layer_cache.state_kv, layer_cache.state_score, *p.state))
+            append(state_rows[0])  # no later kernel of the step reads the main state ring
+
+        # the main stream keeps the longest chain to attention: the indexer chain (CSA), the main compress (HCA) or
+        # the kv insert (window layers); the rest goes to the side stream
+        streams = StepStreams(device)
+        streams.fork()
+        with streams.on_side():
+            query_done = None
             if csa:
-                idx, index_layout = self.compressor.indexer, cache_spec.index
-                compress_insert(layer_cache.index_state_kv, layer_cache.index_state_score, plan, *p.index_state,
-                                norm_weight=idx.kv_norm.weight, layout=index_layout, pool=layer_cache.index_keys,
-                                main=False, **insert)
-                state_rows.append((layer_cache.index_state_kv, layer_cache.index_state_score, *p.index_state))
-                # RoPE, Hadamard rotation, MXFP4 / FP8 round trip and head weights in one kernel. On the H200 its
-                # query equals the torch path's on ~95% of MXFP4 values (>= 99.99% on the interpreter; open, see
-                # docs/performance.md); the torch path costs ~120 us more per CSA layer at decode and did not change
-                # the prefill check's outcome (the same 20 of 8192 rows beyond tolerance either way)
-                q_index, weights = indexer_query_and_weights(p.index_q, p.index_weights, *cos_sin, index_layout,
-                                                             scale=g.index_n_heads ** -0.5)
-                scores = indexer_scores_paged(q_index, weights, plan, layer_cache.index_keys, index_layout,
-                                              ratio=spec.ratio, page_tokens=page_tokens, max_entries=columns)
-                visible = plan.derived(("visible", spec.ratio),
-                                       lambda: torch.clamp((positions + 1) // spec.ratio, min=0).to(torch.int32))
-                # top-k leaves its workspace zeroed, so one serves every CSA layer of the step
-                workspace = plan.derived(("topk workspace", columns, g.index_topk),
-                                         lambda: topk_workspace(rows, columns, g.index_topk, q.device))
-                picks = topk_indices(scores, visible, g.index_topk, workspace=workspace)
+                # RoPE, Hadamard rotation, MXFP4 / FP8 round trip and head weights in one kernel (bit for bit the
+                # torch path's query); first on the side stream, as the scores wait for it
+                indexer_query_and_weights(p.index_q, p.index_weights, *cos_sin, index_layout,
+                                          scale=g.index_n_heads ** -0.5, out=q_index, weights_out=weights)
+                query_done = streams.side_mark()
+            rope_rows(p.q, *cos_sin, out=q)
+            if spec.compressed:
+                insert_kv()
+            if csa:
+                compress_main()
+        if not spec.compressed:
+            insert_kv()
+        elif not csa:
+            compress_main()
+        if csa:
+            compress_insert(layer_cache.index_state_kv, layer_cache.index_state_score, plan, *p.index_state,
+                            norm_weight=idx.kv_norm.weight, layout=index_layout, pool=layer_cache.index_keys,
+                            main=False, **insert)
+            streams.side_waits(streams.main_mark())
+            with streams.on_side():
+                append(state_rows[1])
+            streams.main_waits(query_done)
+            scores = indexer_scores_paged(q_index, weights, plan, layer_cache.index_keys, index_layout,
+                                          ratio=spec.ratio, page_tokens=page_tokens, max_entries=columns)
+            visible = plan.derived(("visible", spec.ratio),
+                                   lambda: torch.clamp((positions + 1) // spec.ratio, min=0).to(torch.int32))
+            # top-k leaves its workspace zeroed, so one serves every CSA layer of the step
+            workspace = plan.derived(("topk workspace", columns, g.index_topk),
+                                     lambda: topk_workspace(rows, columns, g.index_topk, device))
+            picks = topk_indices(scores, visible, g.index_topk, workspace=workspace)
+        streams.join()
         out = sparse_attention_paged(q, plan, sinks=self.sinks, scale=g.head_dim ** -0.5, layout=main, window=g.window,
                                      window_pool=layer_cache.window, step_kv=step_kv,
                                      entry_pool=layer_cache.entries if spec.compressed else None,
                                      ratio=spec.ratio if spec.compressed else 0, page_tokens=page_tokens, picks=picks,
                                      max_entries=entries)
-
-        append_window(layer_cache.window, main, g.window, plan, step_kv)
-        for state_kv, state_logits, kv_rows, logit_rows in state_rows:
-            append_state(state_kv, state_logits, plan, kv_rows, logit_rows)
+        streams.fork()
+        with streams.on_side():
+            append_window(layer_cache.window, main, g.window, plan, step_kv)
+        out = rope_rows(out, *cos_sin, inverse=True)
+        streams.join()
         if plan.snapshots is not None:  # prefix caching: rows of boundaries inside the step
             cache.capture_boundaries(self.layer_index, plan, step_kv=step_kv, state_rows=state_rows)
-        return rope_rows(out, *cos_sin, inverse=True)
+        return out
 
     def _grouped_o_a(self, out: torch.Tensor) -> torch.Tensor:
         """[N, heads, head_dim] -> [N, o_groups * o_lora_rank]: each contiguous head group through its own block."""

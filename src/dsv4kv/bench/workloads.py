@@ -37,6 +37,7 @@ from ..geometry import LayerKind, ModelGeometry
 from ..layer import DSV4Attention, init_random_weights
 from ..manager import CacheManager
 from ..memory.planner import MemoryPlan
+from .. import streams
 from ..ops.common import require
 from .picks import explain_rows
 from .report import Report, Result
@@ -280,7 +281,7 @@ def core_bytes(g: ModelGeometry, cache: CacheManager, layer_index: int, context:
 
 
 _STAGES = (("_kv_insert", "kv insert"), ("_compress", "compress-and-insert"), ("_indexer_scores", "indexer scores"),
-           ("_topk_kernel", "top-k"),
+           ("_topk", "top-k"),
            ("_sparse_attention", "attention"), ("_merge_kernel", "attention"), ("_copy_entries", "window append"),
            ("_append_state", "state append"), ("_rope_rows", "RoPE of q and the output"),
            ("_indexer_query", "indexer query"))
@@ -333,6 +334,7 @@ def _decode_layer(ctx: Context, cache: CacheManager, layer: DSV4Attention, plan,
     ctx.report.add(Result("decode", f"{kind} core, ctx {context}, batch {batch}", params, core.median_us,
                           bytes=sum(parts.values()), check=check, passed=passed,
                           extra={"stage": "core", **core.as_dict(), "bytes_by_part": parts,
+                                 "streams": 2 if streams.CONCURRENT else 1,
                                  "with_step_tensors_us": first.median_us}))
     ctx.report.add(Result("decode", f"{kind} core + the step's shared tensors, ctx {context}, batch {batch}", params,
                           first.median_us, bytes=sum(parts.values()), check=check, passed=passed,
@@ -341,6 +343,8 @@ def _decode_layer(ctx: Context, cache: CacheManager, layer: DSV4Attention, plan,
                           check=check, passed=passed, extra={"stage": "layer", **whole.as_dict()}))
     ctx.log(f"  {kind}: core {core.median_us:.1f} us ({first.median_us:.1f} us with the step's shared tensors), "
             f"layer {whole.median_us:.1f} us, {check}")
+    if streams.CONCURRENT:
+        ctx.log("    (the core runs on two streams: the kernel times below overlap, their sum exceeds the core's)")
     kernels = profile_kernels(lambda: layer.attention_core(projected, plan, cache), device=ctx.device)
     by_stage: dict[str, list[float]] = {}
     for name, us in kernels:
