@@ -1,6 +1,6 @@
 """Times tile / variant choices of the kernels on the GPU (the figures behind each default, docs/performance.md).
 
-    python scripts/bench_variants.py [indexer] [attention] [insert] [topk]  > variants.txt
+    python scripts/bench_variants.py [indexer] [indexer_waves] [attention] [insert] [topk]  > variants.txt
 
 (`attention` also times the kernel before split-KV when .base/attention_before.py holds it; `topk` times the current
 kernel in its four- and one-launch forms, and a previous kernels/topk.py when TOPK_BEFORE names a copy of it, e.g.
@@ -96,6 +96,42 @@ def _indexer_case(batch: int, history: int, new: int):
                     {"block_t": 2, "block_j": 64, "max_iters": 64, "num_warps": 4, "num_stages": 3},
                     {"block_t": 4, "block_j": 64, "max_iters": 64, "num_warps": 8, "num_stages": 2}]
         variants(label + " stack tiles", run, settings, lambda v: setattr(K, "_STACK_TILES", v))
+
+
+def indexer_waves():
+    """The row (decode) kernel's grid and path: programs per SM (`_GRID_WAVES`: more programs, fewer tiles each) x
+    the bf16 / FP8 MMA path forced (`FP8_MIN_PROGRAMS_PER_SM`) x 1 / 2 stages, at batch 1 / 1M, 8 / 128K and
+    64 / 128K. Scores are checked against the default's first (the paths agree up to summation order)."""
+    import dsv4kv.kernels.indexer as K
+
+    defaults = K._GRID_WAVES, K.FP8_MIN_PROGRAMS_PER_SM, dict(K._ROW_TILES)
+    for batch, history in ((1, (1 << 20) - 1), (8, 131071), (64, 131071)):
+        cache, plan = csa_plan(batch, history, 1)
+        ls = cache.spec.layers[CSA]
+        gen = torch.Generator(device=DEVICE).manual_seed(0)
+        q = indexer_query(torch.randn(batch, G.index_n_heads, G.index_head_dim, generator=gen, device=DEVICE)
+                          .bfloat16(), ls.index).contiguous()
+        w = torch.randn(batch, G.index_n_heads, generator=gen, device=DEVICE) * G.index_n_heads ** -0.5
+        out = torch.empty(batch, (history + 1) // 4, device=DEVICE)
+        pool = cache.pools.layers[CSA].index_keys
+        q_fp8 = K.indexer_query_fp8(q)  # made once per row by the layer's query kernel, so not timed here
+
+        def run():
+            return K.indexer_scores_paged(q, w, plan, pool, ls.index, ratio=4, page_tokens=cache.spec.page_tokens,
+                                          out=out, q_fp8=q_fp8)
+
+        def apply(setting):
+            waves, path, stages = setting
+            K._GRID_WAVES = waves
+            K.FP8_MIN_PROGRAMS_PER_SM = 0 if path == "fp8" else 10 ** 9
+            K._ROW_TILES = {**defaults[2], "num_stages": stages}
+
+        label = f"indexer-waves batch {batch} ctx {history + 1} ({batch * out.shape[1] * 68 / 1e6:.1f} MB)"
+        settings = [(waves, path, stages) for stages in (1, 2) for path in ("bf16", "fp8") for waves in (3, 4, 6, 8)]
+        variants(label, run, settings, apply)
+        K._GRID_WAVES, K.FP8_MIN_PROGRAMS_PER_SM, K._ROW_TILES = defaults
+        del cache, plan, out
+        torch.cuda.empty_cache()
 
 
 def attention():

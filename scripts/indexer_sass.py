@@ -28,7 +28,8 @@ from attention_sass import ptxas_and_sass  # noqa: E402
 from dsv4kv.kernels import indexer  # noqa: E402
 
 POINTERS = {"q_ptr": "*fp32", "w_ptr": "*fp32", "positions_ptr": "*i32", "token_request_ptr": "*i32",
-            "request_slots_ptr": "*i32", "block_table_ptr": "*i32", "pool_ptr": "*u8", "out_ptr": "*fp32"}
+            "request_slots_ptr": "*i32", "block_table_ptr": "*i32", "pool_ptr": "*u8", "out_ptr": "*fp32",
+            "q8_ptr": "*u8", "q8_scale_ptr": "*fp32"}
 DIVISIBLE_BY_16 = {"num_entries", "table_stride", "chunk"}
 
 

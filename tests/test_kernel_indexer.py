@@ -21,7 +21,8 @@ from schedules import admit, random_steps
 from dsv4kv import CacheManager, ModelGeometry, quant
 from dsv4kv.kernels import indexer as kernel_mod
 from dsv4kv.kernels.common import interpreted
-from dsv4kv.kernels.indexer import indexer_scores_paged
+from dsv4kv.kernels.encode import e4m3_grid_code
+from dsv4kv.kernels.indexer import indexer_query_fp8, indexer_scores_paged
 from dsv4kv.layout import indexer_layout, main_layout
 from dsv4kv.ops.common import entry_slots, step_rows
 from dsv4kv.ops.indexer import indexer_query, indexer_scores
@@ -393,33 +394,50 @@ def _e4m3_of_bytes(byte_ptr, lo_ptr, hi_ptr, ASM: tl.constexpr):
 
 
 @triton.jit
-def _q_exact(q_ptr, exact_ptr, H: tl.constexpr, D: tl.constexpr):
-    o_h = tl.arange(0, H)
-    # Triton's code generator takes no starred targets (the interpreter does)
-    _, _, _, _, _, exact = kernel_mod._q_e4m3(q_ptr + tl.program_id(0) * H * D + o_h[None, :] * D, o_h < H, D, H)
-    tl.store(exact_ptr + tl.program_id(0), exact.to(tl.int32))
+def _grid_codes(x_ptr, code_ptr):
+    o = tl.arange(0, 256)
+    tl.store(code_ptr + o, e4m3_grid_code(tl.load(x_ptr + o)))
+
+
+def test_e4m3_grid_code_every_code():
+    """`e4m3_grid_code` (bit moves, no cast) gives back every finite float8_e4m3fn code from its value, -0 included."""
+    codes = torch.arange(256, dtype=torch.uint8)
+    finite = (codes & 0x7F) != 0x7F
+    values = codes.view(torch.float8_e4m3fn).float().to(DEVICE)
+    got = torch.empty(256, dtype=torch.int32, device=DEVICE)
+    _grid_codes[(1,)](values, got)
+    assert torch.equal(got.cpu()[finite], codes[finite].int())
 
 
 def test_fp8_query_check():
-    """`_q_e4m3`'s verdict per row: MXFP4 queries (any magnitude, zeros included) may take the FP8 path; a query
-    with more significant bits (FP8 numerics), values beyond e4m3's range below the row's largest, or a NaN may not."""
+    """`indexer_query_fp8`'s verdict per head: MXFP4 heads (any magnitude, zeros included) get 2^c and e4m3 codes of
+    q * 2^-c exactly; a head with more significant bits (FP8 numerics), values beyond e4m3's range below the head's
+    largest, or a NaN gets 0, and its row takes the bf16 path."""
     heads, dim = 16, 64
     mx, fp8 = indexer_layout("mxfp4", dim), indexer_layout("fp8", dim)
     raw = torch.randn(8, heads, dim, generator=gen(81)).to(torch.bfloat16)
     rows = [indexer_query(raw[0:1], mx), indexer_query(raw[1:2], mx) * 2.0 ** 100, torch.zeros(1, heads, dim),
             indexer_query(raw[2:3] * 2.0 ** -90, mx), indexer_query(raw[3:4], fp8)]
     spread = raw[4:5].float().clone()
-    spread[:, 0] *= 2.0 ** 10
-    spread[:, 1] *= 2.0 ** -10  # values ~2^-24 of the largest: past e4m3's ~2^-17
+    spread[:, 0] *= 2.0 ** 10  # heads 2^20 apart: each head has its own shift, so this row passes
+    spread[:, 1] *= 2.0 ** -10
     rows.append(indexer_query(spread.to(torch.bfloat16), mx))
+    spread = indexer_query(raw[6:7], mx)
+    spread[:, 2, 32:] *= 2.0 ** -22  # a block ~2^-24 below its head's largest: past e4m3's ~2^-17 (still MXFP4)
+    rows.append(spread)
     nan = indexer_query(raw[5:6], mx)
     nan[0, 3, 7] = float("nan")
     rows.append(nan)
-    want = [1, 1, 1, 1, 0, 0, 0]
     q = torch.cat(rows).contiguous().to(DEVICE)
-    exact = torch.empty(len(rows), dtype=torch.int32, device=DEVICE)
-    _q_exact[(len(rows),)](q, exact, H=heads, D=dim)
-    assert exact.tolist() == want
+    codes, scales = indexer_query_fp8(q)
+    exact = scales > 0
+    assert exact.all(dim=1).tolist() == [True, True, True, True, False, True, False, False]
+    assert exact[4].sum() == 0 and exact[6].tolist() == [h != 2 for h in range(heads)]
+    assert exact[7].tolist() == [h != 3 for h in range(heads)]
+    decoded = codes.cpu().view(torch.float8_e4m3fn).float() * scales.cpu()[:, :, None]
+    assert torch.equal(decoded[exact.cpu()], q.cpu().float()[exact.cpu()])
+    bf16_codes, bf16_scales = indexer_query_fp8(q.to(torch.bfloat16))  # MXFP4 values are bf16 values
+    assert torch.equal(bf16_codes, codes) and torch.equal(bf16_scales, scales)
 
 
 def test_e2m1_to_e4m3_every_byte():
@@ -445,10 +463,9 @@ def check_e2m1_to_e4m3(asm):
 
 
 def test_fp8_mma_path_and_its_fallback(monkeypatch):
-    """MXFP4 keys take the FP8 MMA path when the row's query passes `_q_e4m3`'s check, and the bf16 path when it does
-    not (heads 2^22 apart): both give the reference's scores. Under the interpreter the path is observed by counting
-    calls of the per-block MMA; on the GPU the fallback case weights only the tiny head, which the FP8 path would
-    lose."""
+    """MXFP4 keys take the FP8 MMA path when every head of the row's query passes `fp8_query_operand`'s check, and
+    the bf16 path when one does not (two blocks of a head 2^22 apart): both give the reference's scores. Under the
+    interpreter the path is observed by counting calls of the per-block MMA; on the GPU through the check's verdict."""
     cache, layout, pool = make_cache(TINY, "mxfp4", page_tokens=PAGE, max_requests=2, max_tokens=256)
     rid = cache.admit()
     plan = cache.plan_step([(rid, 150)])
@@ -462,12 +479,9 @@ def test_fp8_mma_path_and_its_fallback(monkeypatch):
     for tiny_head, path_calls in ((False, lambda n: n > 0), (True, lambda n: n == 0)):
         calls.clear()
         if tiny_head:
-            raw = torch.randn(150, TINY.index_n_heads, layout.dim, generator=gen(63, DEVICE), device=DEVICE)
-            raw[:, 0] *= 2.0 ** 6
-            raw[:, 1] *= 2.0 ** -16  # its values 2^-22 and more below head 0's largest: beyond e4m3's 2^-17
-            q = indexer_query(raw.to(torch.bfloat16), layout)
-            w = torch.zeros_like(w)
-            w[:, 1] = 1.0  # the scores are the tiny head's alone: an FP8 path that dropped it would show
+            q = q.clone()
+            q[:, 1, 32:] *= 2.0 ** -22  # a block 2^-22 and more below its head's largest: beyond e4m3's 2^-17
+        assert bool((indexer_query_fp8(q)[1] > 0).all(dim=1).all()) != tiny_head
         got = indexer_scores_paged(q, w, plan, pool, layout, ratio=M, page_tokens=PAGE, stack_rows=False, fill=True)
         assert_close_scores(got, reference(plan, pool, layout, q, w, got.shape[1], ratio=M, page_tokens=PAGE))
         if interpreted():

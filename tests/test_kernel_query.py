@@ -17,6 +17,7 @@ import torch
 from dsv4kv import ModelGeometry, quant
 from dsv4kv.geometry import LayerKind, RopeSpec
 from dsv4kv.kernels import query
+from dsv4kv.kernels.indexer import indexer_query_fp8
 from dsv4kv.kernels.query import (
     indexer_query_and_weights,
     indexer_query_rows,
@@ -224,6 +225,20 @@ def test_indexer_query_and_weights(fmt, wdtype, scale):
     w32, want = w.float().clone(), w.float() * scale
     _, in_place = indexer_query_and_weights(q, w32, cos, sin, layout, scale=scale, weights_out=w32)
     assert in_place is w32 and torch.equal(w32, want)
+    if fmt == "mxfp4":
+        check_fp8_operand(q, w, cos, sin, layout)
+
+
+def check_fp8_operand(q, w, cos, sin, layout):
+    """fp8_out: the scores kernel's FP8 operand written by the query kernel, bit for bit `indexer_query_fp8` of the
+    query it wrote; every finite head passes the FP8 path's check (the cases' inf / NaN heads do not)."""
+    codes = torch.full(q.shape, 0xEE, dtype=torch.uint8, device=DEVICE)
+    scales = torch.full(q.shape[:2], NAN, device=DEVICE)
+    got, _ = indexer_query_and_weights(q, w, cos, sin, layout, scale=1.0, fp8_out=(codes, scales))
+    want_codes, want_scales = indexer_query_fp8(got)
+    assert torch.equal(codes, want_codes) and torch.equal(scales, want_scales)
+    finite = torch.isfinite(got).all(dim=2)
+    assert bool((scales[finite] > 0).all()) and bool((scales[~finite] == 0).all())
 
 
 # --- bad input --------------------------------------------------------------------------------------
@@ -315,6 +330,7 @@ def test_cuda_indexer_query_v4(preset, tile, monkeypatch):
     check_rotated_query(q, positions, cos, sin, rope, layouts)
     bf16 = indexer_layout("bf16", geometry.index_head_dim)
     assert_same(indexer_query_rows(q, cos, sin, bf16), indexer_query(apply_rope(q, positions, rope), bf16))
+    check_fp8_operand(q, torch.ones(q.shape[:2], device=DEVICE), cos, sin, layouts[0])
 
 
 @needs_cuda

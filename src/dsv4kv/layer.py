@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from .geometry import LayerKind, ModelGeometry
+from .layout import IndexerMXFP4Layout
 from .manager import CacheManager
 from .ops.append import append_state, append_window, compressor_logits
 from .ops.attention import sparse_attention
@@ -340,6 +341,10 @@ class DSV4Attention(nn.Module):
             state_rows.append((layer_cache.index_state_kv, layer_cache.index_state_score, *p.index_state))
             q_index = torch.empty(p.index_q.shape, dtype=torch.float32, device=device)
             weights = torch.empty(p.index_weights.shape, dtype=torch.float32, device=device)
+            # MXFP4 keys: the query's FP8 MMA operand too, made once per row by the query kernel for the scores kernel
+            q_fp8 = (torch.empty(p.index_q.shape, dtype=torch.uint8, device=device),
+                     torch.empty(p.index_weights.shape, dtype=torch.float32, device=device)
+                     ) if isinstance(index_layout, IndexerMXFP4Layout) else None
 
         def insert_kv():
             kv_insert(p.kv, positions, spec.rope, main, step_kv, rows, row_slots, cos_sin=cos_sin)
@@ -364,7 +369,8 @@ class DSV4Attention(nn.Module):
                 # RoPE, Hadamard rotation, MXFP4 / FP8 round trip and head weights in one kernel (bit for bit the
                 # torch path's query); first on the side stream, as the scores wait for it
                 indexer_query_and_weights(p.index_q, p.index_weights, *cos_sin, index_layout,
-                                          scale=g.index_n_heads ** -0.5, out=q_index, weights_out=weights)
+                                          scale=g.index_n_heads ** -0.5, out=q_index, weights_out=weights,
+                                          fp8_out=q_fp8)
                 query_done = streams.side_mark()
             rope_rows(p.q, *cos_sin, out=q)
             if spec.compressed:
@@ -384,7 +390,8 @@ class DSV4Attention(nn.Module):
                 append(state_rows[1])
             streams.main_waits(query_done)
             scores = indexer_scores_paged(q_index, weights, plan, layer_cache.index_keys, index_layout,
-                                          ratio=spec.ratio, page_tokens=page_tokens, max_entries=columns)
+                                          ratio=spec.ratio, page_tokens=page_tokens, max_entries=columns,
+                                          q_fp8=q_fp8)
             visible = plan.derived(("visible", spec.ratio),
                                    lambda: torch.clamp((positions + 1) // spec.ratio, min=0).to(torch.int32))
             # top-k leaves its workspace zeroed, so one serves every CSA layer of the step

@@ -121,6 +121,17 @@ def e4m3_cast(r):
 
 
 @triton.jit
+def e4m3_grid_code(y):
+    """fp32 y on the e4m3 grid, |y| <= 448 -> its float8_e4m3fn code (int32 0..255), by moving bits (no cast): normal
+    values keep their sign, exponent (rebiased 127 -> 7) and top 3 mantissa bits; below 2^-6 the code is |y| / 2^-9;
+    -0 -> 0x80."""
+    bits = y.to(tl.int32, bitcast=True)
+    mag = tl.abs(y)
+    normal = ((((bits >> 23) & 0xFF) - 120) << 3) | ((bits >> 20) & 7)
+    return ((bits >> 24) & 0x80) | tl.where(mag >= 0.015625, normal, (mag * 512.0).to(tl.int32))
+
+
+@triton.jit
 def e4m3_bits(y):
     """fp32 |y| <= 448 -> float8_e4m3fn code (int32 0..255), round to nearest even; NaN -> 0x7F."""
     return tl.where(y == y, e4m3_cast(e4m3_round(tl.where(y == y, y, 0.0))).to(tl.int32), 0x7F)

@@ -36,17 +36,20 @@ decoded registers feed it directly). Decode (R small, J up to 2^18) gets its par
 
 MXFP4 keys on FP8 MMAs (row kernel, D <= 128, grids of at least `FP8_MIN_PROGRAMS_PER_SM` programs per SM).
 A packed byte becomes two e4m3 bytes by moving bits (`_e2m1_e4m3`: e2m1 * 2^-6 exactly, five ALU ops per eight
-values instead of ~6 per value), and q[t] is shifted by a power of two into e4m3 (`_q_e4m3`). Each 32-value
-scale block is one K = 32 FP8 MMA from a zero accumulator: its 32 products of e2m1 pairs are multiples of 1/4
-and sum below 2^11 (times the scales and shifts), so the sum needs 13 significant bits and is exact within the ~14
-that Hopper's FP8 accumulation keeps; the key's ue8m0 scale (times the shifts' inverse) then scales it and fp32
-adds the blocks in order. The products are the reference's and only the fp32 summation order differs, as on the
-bf16 path (on V4 shapes the two paths' scores are bit-equal: MXFP4 dot products are mostly exact in fp32 either
-way).
-A row whose query is not MXFP4-valued and exact in e4m3 after its shift (`_e4m3_block`) takes the bf16 path. One
-edge differs from the reference: a key scale of 2^127 (ue8m0 0xFE), whose decoded values overflow fp32, scores
-finite here where the reference gives inf or NaN; the quantizer writes no such scale. Small grids keep the bf16
-path, whose shorter per-tile chain wins when every program is resident at once (docs/performance.md).
+values instead of ~6 per value). The query's operand is made once per row, not per program (`fp8_query_operand`:
+by the layer's query kernel, or by `indexer_query_fp8` here): each head of q is shifted by its own power of two 2^-c
+into e4m3, and 2^c goes into that head's weight (ReLU commutes with a positive power of two, and the products
+are exact, so this moves no rounding). Each 32-value scale block is one K = 32 FP8 MMA from a zero accumulator: its
+32 products of e2m1 pairs are multiples of 1/4 and sum below 2^11 (times the scales and shifts), so the sum needs
+13 significant bits and is exact within the ~14 that Hopper's FP8 accumulation keeps; the key's ue8m0 scale
+(times 2^6, undoing the keys' shift) then scales it and fp32 adds the blocks in order. The products are the
+reference's and only the fp32 summation order differs, as on the bf16 path (on V4 shapes the two paths' scores are
+bit-equal: MXFP4 dot products are mostly exact in fp32 either way).
+A row with a head whose query is not MXFP4-valued and exact in e4m3 after its shift takes the bf16 path. Edges that
+differ from the reference: a key scale of 2^127 (ue8m0 0xFE), whose decoded values overflow fp32, scores finite here
+where the reference gives inf or NaN, and a partial sum that leaves fp32's normal range only under the shifts (query
+heads near 2^+-120) rounds differently; the quantizers write neither. Small grids keep the bf16 path, whose shorter
+per-tile chain wins when every program is resident at once (docs/performance.md).
 
 Stacked kernel (prefill: many consecutive rows of a request). Grid (block of BLOCK_T consecutive rows,
 chunk of entries). A block's rows of one request (a segment) share every decoded key tile: q of the
@@ -79,9 +82,9 @@ from ..layout import EntryLayout, IndexerFP8Layout, IndexerMXFP4Layout
 from ..ops.common import require
 from ..plan import StepPlan
 from .common import check_pool, check_tensor, interpreted, padded_rows
-from .encode import round_bf16
+from .encode import e4m3_grid_code, e4m3_round, round_bf16
 
-__all__ = ["indexer_scores_paged"]
+__all__ = ["indexer_scores_paged", "indexer_query_fp8"]
 
 _BF16, _FP8, _MXFP4 = 0, 1, 2
 _SIGN = tl.constexpr(-(2 ** 31))  # fp32 sign bit as an int32 constant
@@ -151,49 +154,54 @@ def _e2m1_e4m3(byte, ASM: tl.constexpr):
 
 
 @triton.jit
-def _q_e4m3(p_q, m_h, D: tl.constexpr, BLOCK_H: tl.constexpr):
-    """A row's MXFP4-numerics query as e4m3 MMA operands: q * 2^-c with 2^c = 2^(e - 8), e the exponent of the row's
-    largest |q|, so the largest e2m1 value (1.5 * 2^e) becomes 384 <= 448 and values down to ~2^(e - 16) stay
-    exact. -> (q^T per 32-dim scale block [32, BLOCK_H], even dims first, x 4 (blocks past D/32 are unused);
-    2^(c + 6), which undoes this shift and the keys' 2^-6; exact: whether the FP8 path may run, else the caller
-    takes the bf16 path)."""
-    o_k = (tl.arange(0, 32) % 16) * 2 + tl.arange(0, 32) // 16  # even dims of a block, then odd (the keys' order)
-    o_k1, o_k2, o_k3 = o_k + 32 * (D >= 64), o_k + 64 * (D >= 128), o_k + 96 * (D >= 128)  # past D: block 0 again
-    b_q0 = tl.load(p_q + o_k[:, None], mask=m_h[None, :], other=0.0).to(tl.float32)  # [32, BLOCK_H]
-    b_q1 = tl.load(p_q + o_k1[:, None], mask=m_h[None, :], other=0.0).to(tl.float32)
-    b_q2 = tl.load(p_q + o_k2[:, None], mask=m_h[None, :], other=0.0).to(tl.float32)
-    b_q3 = tl.load(p_q + o_k3[:, None], mask=m_h[None, :], other=0.0).to(tl.float32)
-    # one reduction over the four blocks (each reduction is a chain of shuffles and barriers in the program's setup)
-    amax = _max2d(tl.maximum(tl.maximum(tl.abs(b_q0), tl.abs(b_q1)), tl.maximum(tl.abs(b_q2), tl.abs(b_q3))))
-    biased = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF
-    biased = tl.minimum(tl.maximum(biased, 9), 254)  # 2^-c, 2^c and 2^(c + 6) stay normal fp32 numbers
+def fp8_query_operand(q):
+    """An MXFP4-valued query's heads as FP8 MMA operands: q fp32 [BLOCK_H, NB, 32] (heads, 32-value scale blocks) ->
+    (e4m3 codes uint8 [BLOCK_H, NB, 32] of q * 2^-c, per head 2^c fp32 [BLOCK_H], or 0 where the head breaks the FP8
+    path's exactness). 2^c = 2^(e - 8), e the exponent of the head's largest |q|: the largest e2m1 value (1.5 * 2^e)
+    becomes 384 <= 448 and values down to ~2^(e - 17) stay on the e4m3 grid.
+    Exact means each nonzero value a normal number of at most 2 significant bits and at least 1/12 of its block's
+    largest (so a block's 32 products with e2m1 keys share a quantum and sum within 13 bits), and q * 2^-c on the e4m3
+    grid (no rounding, no underflow; inf and NaN fail)."""
+    mag = tl.abs(q)
+    block_max = tl.max(mag, axis=2)  # [BLOCK_H, NB]
+    biased = (tl.max(block_max, axis=1).to(tl.int32, bitcast=True) >> 23) & 0xFF
+    biased = tl.minimum(tl.maximum(biased, 9), 254)  # 2^-c and 2^c stay normal fp32 numbers
     shift = ((262 - biased) << 23).to(tl.float32, bitcast=True)  # 2^-c = 2^(135 - biased)
-    two_c = ((biased - 8) << 23).to(tl.float32, bitcast=True)
-    unshift = ((biased - 2) << 23).to(tl.float32, bitcast=True)  # 2^(c + 6)
-    b_q0, miss = _e4m3_block(b_q0, shift, two_c)
-    b_q1, miss1 = _e4m3_block(b_q1, shift, two_c)
-    b_q2, miss2 = _e4m3_block(b_q2, shift, two_c)
-    b_q3, miss3 = _e4m3_block(b_q3, shift, two_c)
-    return b_q0, b_q1, b_q2, b_q3, unshift, tl.sum(tl.sum(miss + miss1 + miss2 + miss3, axis=1), axis=0) == 0
-
-
-@triton.jit
-def _e4m3_block(q, shift, two_c):
-    """One scale block of q [32, BLOCK_H] -> (q * 2^-c as e4m3, int32 1 where a value breaks the FP8 path's exactness).
-    The path needs MXFP4 values: each nonzero value a normal number of at most 2 significant bits and at least 1/12
-    of its (head, block)'s largest, so a block's 32 products with e2m1 keys share a quantum and sum within 13 bits;
-    and q * 2^-c back exactly through e4m3 (no rounding, no underflow, no NaN)."""
-    q8 = (q * shift).to(tl.float8e4nv)
+    y = q * shift[:, None, None]
     bits = q.to(tl.int32, bitcast=True)
-    block_max = tl.max(tl.abs(q), axis=0)
     normal_2bit = ((bits & 0x7F800000) != 0) & ((bits & 0x003FFFFF) == 0)
-    mxfp4 = (q == 0) | (normal_2bit & (tl.abs(q) * 12 >= block_max[None, :]))
-    return q8, ((q8.to(tl.float32) * two_c != q) | ~mxfp4).to(tl.int32)
+    mxfp4 = (q == 0) | (normal_2bit & (mag * 12 >= block_max[:, :, None]))
+    ok = mxfp4 & (tl.abs(y) <= 448.0) & (e4m3_round(y) == y)
+    exact = tl.min(tl.min(ok.to(tl.int32), axis=2), axis=1) == 1
+    two_c = ((biased - 8) << 23).to(tl.float32, bitcast=True)
+    return e4m3_grid_code(tl.where(ok, y, 0.0)).to(tl.uint8), tl.where(exact, two_c, 0.0)
 
 
 @triton.jit
-def _max2d(x):
-    return tl.max(tl.max(x, axis=1), axis=0)
+def _q_fp8_kernel(q_ptr, q8_ptr, scale_ptr, H: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Row i_t, heads i_h * BLOCK_H ..: `fp8_query_operand` of q (fp32 or bf16 [R, H, D]) -> q8 uint8 [R, H, D],
+    scale fp32 [R, H]."""
+    i_t, i_h = tl.program_id(0), tl.program_id(1)
+    o_h = i_h * BLOCK_H + tl.arange(0, BLOCK_H)
+    m_h = o_h < H
+    offs = i_t.to(tl.int64) * (H * D) + o_h[:, None] * D + tl.arange(0, D)[None, :]
+    b_q = tl.load(q_ptr + offs, mask=m_h[:, None], other=0.0).to(tl.float32)
+    codes, scale = fp8_query_operand(tl.reshape(b_q, (BLOCK_H, D // 32, 32)))
+    tl.store(q8_ptr + offs, tl.reshape(codes, (BLOCK_H, D)), mask=m_h[:, None])
+    tl.store(scale_ptr + i_t * H + o_h, scale, mask=m_h)
+
+
+@triton.jit
+def _q8_blocks(p_q8, m_h, D: tl.constexpr):
+    """q's FP8 MMA operand (`fp8_query_operand`'s codes at p_q8 [1, BLOCK_H] head pointers) -> q^T per 32-dim scale
+    block [32, BLOCK_H] as e4m3, even dims first (the keys' order), x 4 (blocks past D/32 repeat block 0, unused)."""
+    o_k = (tl.arange(0, 32) % 16) * 2 + tl.arange(0, 32) // 16  # even dims of a block, then odd
+    o_k1, o_k2, o_k3 = o_k + 32 * (D >= 64), o_k + 64 * (D >= 128), o_k + 96 * (D >= 128)  # past D: block 0 again
+    b_q0 = tl.load(p_q8 + o_k[:, None], mask=m_h[None, :], other=0).to(tl.float8e4nv, bitcast=True)
+    b_q1 = tl.load(p_q8 + o_k1[:, None], mask=m_h[None, :], other=0).to(tl.float8e4nv, bitcast=True)
+    b_q2 = tl.load(p_q8 + o_k2[:, None], mask=m_h[None, :], other=0).to(tl.float8e4nv, bitcast=True)
+    b_q3 = tl.load(p_q8 + o_k3[:, None], mask=m_h[None, :], other=0).to(tl.float8e4nv, bitcast=True)
+    return b_q0, b_q1, b_q2, b_q3
 
 
 @triton.jit
@@ -331,6 +339,7 @@ def _indexer_scores_kernel(
     block_table_ptr,  # int32 [max_requests, table_stride]
     pool_ptr,  # uint8 [pages, PAGE_BYTES]
     out_ptr,  # fp32 [R, num_entries]
+    q8_ptr, q8_scale_ptr,  # MMA8: uint8 [R, H, D], fp32 [R, H] (`fp8_query_operand`); unread otherwise
     num_heads, num_entries, table_stride, score_scale, chunk,
     FORMAT: tl.constexpr, RATIO: tl.constexpr, D: tl.constexpr, P: tl.constexpr, PAGE_BYTES: tl.constexpr,
     DATA_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr,
@@ -338,7 +347,8 @@ def _indexer_scores_kernel(
     FILL: tl.constexpr, MMA8: tl.constexpr, ASM: tl.constexpr,
 ):
     """The row kernel: one token row, one chunk of `chunk` entries (a multiple of BLOCK_J). MMA8: MXFP4 keys on FP8
-    MMAs (`_mxfp4_fp8_scores`) when the row's query passes `_q_e4m3`'s check, else the bf16 path."""
+    MMAs (`_mxfp4_fp8_scores`) when every head of the row's query passed `fp8_query_operand`'s check, else the bf16
+    path."""
     i_t, i_c = tl.program_id(0), tl.program_id(1)
     t = i_t.to(tl.int64)
     position = tl.load(positions_ptr + i_t)
@@ -359,10 +369,14 @@ def _indexer_scores_kernel(
         p_table = block_table_ptr + slot.to(tl.int64) * table_stride
         exact = False
         if MMA8:
-            b_q8_0, b_q8_1, b_q8_2, b_q8_3, unshift, exact = _q_e4m3(p_q, m_h, D, BLOCK_H)
+            # q's FP8 operand, made once per row (`fp8_query_operand`); 2^c per head goes into the head weights
+            # (ReLU commutes with a positive power of two), a scale of 0 sends the row to the bf16 path
+            q_scale = tl.load(q8_scale_ptr + t * num_heads + o_h, mask=m_h, other=1.0)
+            exact = tl.min(q_scale, axis=0) > 0
             if exact:
+                b_q8_0, b_q8_1, b_q8_2, b_q8_3 = _q8_blocks(q8_ptr + t * num_heads * D + o_h[None, :] * D, m_h, D)
                 _mxfp4_fp8_scores(pool_ptr, p_table, p_out, chunk_lo, tl.minimum(chunk_hi, visible), visible,
-                                  num_entries, b_w, b_q8_0, b_q8_1, b_q8_2, b_q8_3, unshift, D, P, PAGE_BYTES,
+                                  num_entries, b_w * q_scale, b_q8_0, b_q8_1, b_q8_2, b_q8_3, 64.0, D, P, PAGE_BYTES,
                                   DATA_BYTES, SCALE_BYTES, BLOCK_J, BLOCK_H, ASM)
         if not exact:
             o_d0, o_d1 = _q_dims(FORMAT, D)
@@ -524,10 +538,30 @@ def _format(layout: EntryLayout) -> int:
     return _BF16
 
 
+def indexer_query_fp8(q: torch.Tensor, *, out: tuple[torch.Tensor, torch.Tensor] | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The FP8 MMA operand of an indexer query in MXFP4 numerics (`fp8_query_operand`, per head): fp32 or bf16 q
+    [R, H, D] (D a power of two >= 32) -> (uint8 [R, H, D] e4m3 codes of q * 2^-c, fp32 [R, H] 2^c, or 0 where the
+    head's values are not MXFP4-valued and exact in e4m3 after the shift: such a row takes the bf16 path)."""
+    require(isinstance(q, torch.Tensor), f"q: expected a tensor, got {type(q).__name__}")
+    check_tensor("q", q, dtype=(torch.float32, torch.bfloat16), shape=(None, None, None), device=q.device)
+    rows, heads, dim = q.shape
+    require(dim >= 32 and dim & (dim - 1) == 0, f"q: the operand needs a power-of-two dim >= 32, got {dim}")
+    codes, scales = out if out is not None else (torch.empty(q.shape, dtype=torch.uint8, device=q.device),
+                                                 torch.empty((rows, heads), dtype=torch.float32, device=q.device))
+    check_tensor("out codes", codes, dtype=torch.uint8, shape=tuple(q.shape), device=q.device)
+    check_tensor("out scales", scales, dtype=torch.float32, shape=(rows, heads), device=q.device)
+    if q.numel():
+        block_h = min(16, triton.next_power_of_2(heads))
+        _q_fp8_kernel[(rows, triton.cdiv(heads, block_h))](q, codes, scales, H=heads, D=dim, BLOCK_H=block_h,
+                                                             num_warps=4)
+    return codes, scales
+
+
 def indexer_scores_paged(q: torch.Tensor, weights: torch.Tensor, plan, key_pool: torch.Tensor, layout: EntryLayout,
                          *, ratio: int, page_tokens: int, out: torch.Tensor | None = None,
                          max_entries: int | None = None, stack_rows: bool | None = None,
-                         fill: bool = False) -> torch.Tensor:
+                         fill: bool = False, q_fp8: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Indexer scores of every plan row against its request's compressed keys -> fp32 [R, J].
 
     Args:
@@ -549,8 +583,12 @@ def indexer_scores_paged(q: torch.Tensor, weights: torch.Tensor, plan, key_pool:
         fill: also write -inf to every column j >= visible(t) and to padding rows. By default those columns
             are left as they were (beyond the -inf a score tile stores up to its end): top-k never reads them.
 
+        q_fp8: `indexer_query_fp8(q)` (uint8 [R, H, D], fp32 [R, H]) when the caller already has it (the layer's
+            query kernel writes it); computed here (one more launch) when the FP8 path runs without it.
+
     MXFP4 keys run on FP8 MMAs in the row kernel when its grid has at least FP8_MIN_PROGRAMS_PER_SM programs per SM
-    and the row's q is MXFP4-valued (`_e4m3_block`); the scores are those of the bf16 path up to summation order.
+    and every head of the row's q is MXFP4-valued (`fp8_query_operand`); the scores are those of the bf16 path up to
+    summation order.
 
     Returns `out`: scores for j < visible(t); -inf elsewhere with fill=True, else unspecified there.
     """
@@ -576,6 +614,10 @@ def indexer_scores_paged(q: torch.Tensor, weights: torch.Tensor, plan, key_pool:
     require(stack_rows is None or isinstance(stack_rows, bool),
             f"stack_rows: expected True, False or None, got {stack_rows!r}")
     require(isinstance(fill, bool), f"fill: expected a bool, got {fill!r}")
+    if q_fp8 is not None:
+        require(isinstance(q_fp8, tuple) and len(q_fp8) == 2, "q_fp8: expected (codes, scales) from indexer_query_fp8")
+        check_tensor("q_fp8 codes", q_fp8[0], dtype=torch.uint8, shape=tuple(q.shape), device=device)
+        check_tensor("q_fp8 scales", q_fp8[1], dtype=torch.float32, shape=(rows, heads), device=device)
     if out is not None:
         check_tensor("out", out, dtype=torch.float32, shape=(rows, None), device=device)
         require(max_entries is None or max_entries == out.shape[1],
@@ -611,11 +653,15 @@ def indexer_scores_paged(q: torch.Tensor, weights: torch.Tensor, plan, key_pool:
         chunk = block_j * iters
         grid = (rows, triton.cdiv(entries, chunk))
         mma8 = fmt == _MXFP4 and dim <= 128 and _fp8_pays(grid[0] * grid[1], device)
-        # the FP8 path's query check peaks at ~185 registers (sm_90a, scripts/indexer_sass.py) where its key loop needs
-        # 128: capped, the check spills 8 bytes once per program and 4 programs still fit an SM, as timed
+        if mma8 and q_fp8 is None:
+            q_fp8 = indexer_query_fp8(q)
+        q8, q8_scale = q_fp8 if mma8 else (q, q)  # unread without MMA8
+        # the FP8 build takes 152 registers uncapped (sm_90a, scripts/indexer_sass.py), 3 programs per SM; capped at
+        # 128 it spills 4 bytes and 4 programs fit
         cap = {"maxnreg": FP8_MAX_REGISTERS} if mma8 and not interpreted() else {}
         # FILL_J (the chunk, a tile shape) matters only with fill: without, one kernel serves every chunk size
-        _indexer_scores_kernel[grid](*args, heads, entries, plan.block_table.stride(0), dim ** -0.5, chunk,
+        _indexer_scores_kernel[grid](*args, q8, q8_scale, heads, entries, plan.block_table.stride(0), dim ** -0.5,
+                                     chunk,
                                      **common, BLOCK_J=block_j, FILL_J=chunk if fill else block_j, MMA8=mma8,
                                      ASM=not interpreted(), num_warps=num_warps, num_stages=_ROW_TILES["num_stages"],
                                      **cap)

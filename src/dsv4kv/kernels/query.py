@@ -29,7 +29,7 @@ from ..layout import EntryLayout
 from ..ops.common import require
 from .common import check_tensor
 from .encode import e2m1_bits, e4m3_round, exp2_int, nan_amax, pow2_exponent, rotate_keys, round_bf16
-from .indexer import _BF16
+from .indexer import _BF16, _MXFP4, fp8_query_operand
 from .indexer import _format as _layout_format
 
 __all__ = ["indexer_query_and_weights", "indexer_query_rows", "rope_rows"]
@@ -96,10 +96,12 @@ def _e2m1_value(code):
 
 
 @triton.jit
-def _indexer_query_kernel(q_ptr, cos_ptr, sin_ptr, out_ptr, w_ptr, w_out_ptr, w_scale, h_scale,
+def _indexer_query_kernel(q_ptr, cos_ptr, sin_ptr, out_ptr, w_ptr, w_out_ptr, q8_ptr, q8_scale_ptr, w_scale, h_scale,
                           H: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, COLS: tl.constexpr,
-                          LOG_D: tl.constexpr, BLOCK_H: tl.constexpr, FORMAT: tl.constexpr, WEIGHTS: tl.constexpr):
-    """Row i_t, heads i_h * BLOCK_H ..: q bf16 -> roped (bf16 values) -> FORMAT's query numerics, fp32 out."""
+                          LOG_D: tl.constexpr, BLOCK_H: tl.constexpr, FORMAT: tl.constexpr, WEIGHTS: tl.constexpr,
+                          FP8_OUT: tl.constexpr):
+    """Row i_t, heads i_h * BLOCK_H ..: q bf16 -> roped (bf16 values) -> FORMAT's query numerics, fp32 out; FP8_OUT
+    (MXFP4): also the scores kernel's FP8 MMA operand of those values (`indexer.fp8_query_operand`)."""
     i_t, i_h = tl.program_id(0), tl.program_id(1)
     t = i_t.to(tl.int64)
     o_h = i_h * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -122,7 +124,12 @@ def _indexer_query_kernel(q_ptr, cos_ptr, sin_ptr, out_ptr, w_ptr, w_out_ptr, w_
             b_blk = tl.reshape(b_r, (BLOCK_H, D // 32, 32))
             e, finite = pow2_exponent(nan_amax(b_blk, 2), 2, 0x400000)  # 6 = 1.5 * 2^2
             b_y = _e2m1_value(e2m1_bits(b_blk * exp2_int(-e)[:, :, None])) * exp2_int(e)[:, :, None]
-            b_y = tl.reshape(tl.where(finite[:, :, None], b_y, float("nan")), (BLOCK_H, D))
+            b_y = tl.where(finite[:, :, None], b_y, float("nan"))
+            if FP8_OUT:
+                codes, q8_scale = fp8_query_operand(b_y)
+                tl.store(q8_ptr + offs, tl.reshape(codes, (BLOCK_H, D)), mask=m)
+                tl.store(q8_scale_ptr + t * H + o_h, q8_scale, mask=m_h)
+            b_y = tl.reshape(b_y, (BLOCK_H, D))
         else:
             b_y = b_r
     tl.store(out_ptr + offs, b_y, mask=m)
@@ -175,7 +182,7 @@ def rope_rows(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, inverse:
     return out
 
 
-def _indexer_query(q, cos, sin, layout, out, weights, scale, weights_out, fmt=None) -> torch.Tensor:
+def _indexer_query(q, cos, sin, layout, out, weights, scale, weights_out, fmt=None, fp8_out=None) -> torch.Tensor:
     require(isinstance(layout, EntryLayout), f"layout: expected an EntryLayout, got {type(layout).__name__}")
     fmt = _layout_format(layout) if fmt is None else fmt
     require(isinstance(q, torch.Tensor), f"q: expected a tensor, got {type(q).__name__}")
@@ -200,15 +207,21 @@ def _indexer_query(q, cos, sin, layout, out, weights, scale, weights_out, fmt=No
                 "weights_out: overlaps out or q")
         require(weights_out.data_ptr() == weights.data_ptr() or not _overlaps(weights_out, weights),
                 "weights_out: overlaps weights without being weights")
+    if fp8_out is not None:
+        require(fmt == _MXFP4, f"fp8_out: the FP8 MMA operand is made for MXFP4 keys only, not {layout.name!r}")
+        require(isinstance(fp8_out, tuple) and len(fp8_out) == 2, "fp8_out: expected (codes, scales)")
+        check_tensor("fp8_out codes", fp8_out[0], dtype=torch.uint8, shape=(n, heads, dim), device=device)
+        check_tensor("fp8_out scales", fp8_out[1], dtype=torch.float32, shape=(n, heads), device=device)
     if out.numel() > 0:
         block_h, warps = _tiles("indexer", heads)
         # the matrix entries of quant.hadamard_matrix: D^-0.5 rounded once to fp32
         h_scale = float(torch.tensor(dim ** -0.5, dtype=torch.float64).float())
         _indexer_query_kernel[(n, triton.cdiv(heads, block_h))](
             q, cos, sin, out, weights if weights is not None else out, weights_out if weights is not None else out,
+            *(fp8_out if fp8_out is not None else (out, out)),
             float(scale) if weights is not None else 1.0, h_scale, H=heads, D=dim, HALF=half,
             COLS=triton.next_power_of_2(dim), LOG_D=max(dim.bit_length() - 1, 0), BLOCK_H=block_h, FORMAT=fmt,
-            WEIGHTS=weights is not None, num_warps=warps, enable_fp_fusion=False)
+            WEIGHTS=weights is not None, FP8_OUT=fp8_out is not None, num_warps=warps, enable_fp_fusion=False)
     return out if weights is None else (out, weights_out)
 
 
@@ -224,11 +237,15 @@ def indexer_query_rows(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, la
 
 def indexer_query_and_weights(q: torch.Tensor, weights: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                               layout: EntryLayout, *, scale: float, out: torch.Tensor | None = None,
-                              weights_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                              weights_out: torch.Tensor | None = None,
+                              fp8_out: tuple[torch.Tensor, torch.Tensor] | None = None
+                              ) -> tuple[torch.Tensor, torch.Tensor]:
     """`indexer_query_rows` and, in the same launch, the head weights `weights.float() * scale` (bit for bit).
 
     weights: bf16 or fp32 [N, H] (weights_proj's output); scale: e.g. index_n_heads^-0.5 (applied as an fp32,
-    as torch does for a Python scalar); weights_out: fp32 [N, H], contiguous (may be weights itself when fp32).
+    as torch does for a Python scalar); weights_out: fp32 [N, H], contiguous (may be weights itself when fp32);
+    fp8_out (MXFP4 keys): (uint8 [N, H, D], fp32 [N, H]) for the scores kernel's FP8 operand of the query, written in
+    the same launch, bit for bit `indexer.indexer_query_fp8(query)`.
     Returns (query fp32 [N, H, D], weights fp32 [N, H])."""
     require(weights is not None, "weights: expected a tensor, got None")
-    return _indexer_query(q, cos, sin, layout, out, weights, scale, weights_out)
+    return _indexer_query(q, cos, sin, layout, out, weights, scale, weights_out, fp8_out=fp8_out)
