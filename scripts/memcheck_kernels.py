@@ -10,8 +10,7 @@ from dsv4kv.layer import DSV4Attention, init_random_weights
 geometry = ModelGeometry.preset("flash")
 layers = [init_random_weights(DSV4Attention(geometry, i, device="cuda", backend="triton"), i) for i in (0, 2, 3)]
 gen = torch.Generator(device="cuda").manual_seed(0)
-# MXFP4 twice: the indexer's row kernel on its FP8 MMA path for every grid, then on its bf16 path (the grids here
-# are small, so the default threshold would pick bf16 only)
+# MXFP4 twice: the indexer's row kernel on its FP8 MMA path (the default), then forced onto its bf16 path
 default_fp8_from = indexer_kernels.FP8_MIN_PROGRAMS_PER_SM
 for kv_format, indexer_format, fp8_from in (("fp8", "mxfp4", 0), ("fp8", "mxfp4", 1 << 30),
                                             ("fp8", "fp8", default_fp8_from), ("bf16", "bf16", default_fp8_from)):

@@ -34,7 +34,7 @@ loads q[t] ([H, D] = [64, 128] for V4, as bf16 q^T) and the head weights once, t
 [BLOCK_J, D] keys in registers and runs a [BLOCK_J, D] x [D, H] MMA (the keys are the A operand so the
 decoded registers feed it directly). Decode (R small, J up to 2^18) gets its parallelism from the chunks.
 
-MXFP4 keys on FP8 MMAs (row kernel, D <= 128, grids of at least `FP8_MIN_PROGRAMS_PER_SM` programs per SM).
+MXFP4 keys on FP8 MMAs (row kernel, D <= 128; `FP8_MIN_PROGRAMS_PER_SM` can keep small grids on the bf16 path).
 A packed byte becomes two e4m3 bytes by moving bits (`_e2m1_e4m3`: e2m1 * 2^-6 exactly, five ALU ops per eight
 values instead of ~6 per value). The query's operand is made once per row, not per program (`fp8_query_operand`:
 by the layer's query kernel, or by `indexer_query_fp8` here): each head of q is shifted by its own power of two 2^-c
@@ -48,8 +48,7 @@ bit-equal: MXFP4 dot products are mostly exact in fp32 either way).
 A row with a head whose query is not MXFP4-valued and exact in e4m3 after its shift takes the bf16 path. Edges that
 differ from the reference: a key scale of 2^127 (ue8m0 0xFE), whose decoded values overflow fp32, scores finite here
 where the reference gives inf or NaN, and a partial sum that leaves fp32's normal range only under the shifts (query
-heads near 2^+-120) rounds differently; the quantizers write neither. Small grids keep the bf16 path, whose shorter
-per-tile chain wins when every program is resident at once (docs/performance.md).
+heads near 2^+-120) rounds differently; the quantizers write neither.
 
 Stacked kernel (prefill: many consecutive rows of a request). Grid (block of BLOCK_T consecutive rows,
 chunk of entries). A block's rows of one request (a segment) share every decoded key tile: q of the
@@ -97,10 +96,11 @@ _FILL_ELEMS = 2048  # elements per -inf store tile: 16 per thread at 4 warps, i.
 _ROW_TILES = {"block_j": 64, "max_iters": 16, "num_warps": 4, "num_stages": 1}
 _STACK_TILES = {"block_t": 4, "block_j": 128, "max_iters": 32, "num_warps": 8, "num_stages": 3}
 # MXFP4 keys on FP8 MMAs in the row kernel (`_mxfp4_fp8_scores`) from this many programs per SM up (the
-# interpreter counts as one SM). Below it every program is resident at once (4 per SM) and the bf16 path's shorter
-# per-tile chain wins (H100: FP8 12-14% slower at 3.9 programs per SM); from 5.8 up the FP8 path's fewer
-# instructions win (5-20%)
-FP8_MIN_PROGRAMS_PER_SM = 5
+# interpreter counts as one SM; tests raise it to force the bf16 path). 0 since the query's FP8 operand is made once
+# per row: the FP8 path is the faster at every grid timed (H100, 2026-11-25: 26.5 against 29.9 us at batch 1 / 1M,
+# 3.9 programs per SM; 142.6 against 171.8 us at batch 64 / 128K). While each program checked and converted q itself
+# it lost at 3.9 programs per SM (30.4 against 29.9 us; 1.12-1.14x in an earlier run).
+FP8_MIN_PROGRAMS_PER_SM = 0
 FP8_MAX_REGISTERS = 128  # the FP8 path's register cap: 4 programs of 4 warps per SM (see the launch)
 _GRID_WAVES = 3  # programs per SM the chunking aims for: one decode row at 1M, 29 us at 3 against 36 us at 1
 _STACK_MIN_ROWS_PER_REQUEST = 2  # the automatic choice of the stacked kernel (`_stacked`)
