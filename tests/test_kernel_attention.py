@@ -30,11 +30,13 @@ from dsv4kv import CacheManager, ModelGeometry
 from dsv4kv.geometry import LayerKind
 from dsv4kv.kernels import attention
 from dsv4kv.kernels.attention import sparse_attention_paged
+from dsv4kv.kernels.query import rope_rows
 from dsv4kv.layout import indexer_layout, main_layout
 from dsv4kv.ops.append import append_window
 from dsv4kv.ops.attention import sparse_attention
 from dsv4kv.ops.common import step_rows
 from dsv4kv.ops.gather import gather_entries, gather_window, visible_entries
+from dsv4kv.ops.rope import rope_cos_sin
 
 TINY = ModelGeometry.preset("tiny")  # layers: 0 window, 1 CSA m=4, 2 HCA m=16
 # the small tests run under the interpreter on the CPU, or compiled where a GPU exists
@@ -299,6 +301,35 @@ def test_empty_splits_and_padding_rows(monkeypatch, splits):
     assert rel_error(got[:2], single[:2]) < TOL
     assert rel_error(got[:2], reference(q, plan, layout, TINY.window, lc.window, kv, entry_pool=lc.entries, ratio=16,
                                         page_tokens=PAGE)) < TOL
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_inverse_rope_output_is_rope_rows_of_the_output(splits):
+    """inverse_rope: the bf16 output is bit for bit `rope_rows(fp32 output, cos, sin, inverse=True)`, whether the
+    merge applies it (3 splits) or rope_rows follows the single pass; padding rows stay zeros."""
+    cache = CacheManager(TINY, max_requests=3, max_tokens=300, kv_format="fp8", indexer_format="bf16",
+                         page_tokens=PAGE, device=DEVICE, poison=True)
+    spec = TINY.layers[2]
+    layout, lc = cache.spec.layers[2].main, cache.pools.layers[2]
+    rid = cache.admit()
+    g = gen(14)
+    history = cache.plan_step([(rid, 90)])
+    writes = history.entries[16]
+    layout.write(lc.entries, PAGE // 16, writes.slots[:writes.count], randn(writes.count, TINY.head_dim, g=g))
+    append_window(lc.window, layout, TINY.window, history, randn(90, TINY.head_dim, g=g))
+    plan = cache.plan_step([(rid, 3)], buffers=cache.step_buffers(max_tokens=5, max_requests=3))
+    q = randn(5, TINY.num_heads, TINY.head_dim, g=g, dtype=torch.bfloat16)
+    cos_sin = rope_cos_sin(spec.rope, plan.positions)
+    args = dict(sinks=sinks_of(q), scale=TINY.head_dim ** -0.5, layout=layout, window=TINY.window,
+                window_pool=lc.window, step_kv=encode_step_kv(layout, 5, randn(3, TINY.head_dim, g=g)),
+                entry_pool=lc.entries, ratio=16, page_tokens=PAGE, splits=splits)
+    want = rope_rows(sparse_attention_paged(q, plan, **args), *cos_sin, inverse=True)
+    out = torch.full(q.shape, float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    got = sparse_attention_paged(q, plan, out=out, inverse_rope=cos_sin, **args)
+    assert got is out and got.dtype == torch.bfloat16
+    assert torch.equal(got, want) and torch.equal(got[3:], torch.zeros_like(got[3:]))
+    with pytest.raises(ValueError, match="out"):
+        sparse_attention_paged(q, plan, out=torch.empty(q.shape, device=DEVICE), inverse_rope=cos_sin, **args)
 
 
 def test_config_splits_only_grids_that_leave_the_gpu_idle(monkeypatch):

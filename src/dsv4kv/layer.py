@@ -306,7 +306,7 @@ class DSV4Attention(nn.Module):
 
         On CUDA the longest chain to attention (CSA: the indexer's compress, scores and top-k; HCA: the main
         compress; window layers: the kv insert) stays on the current stream and the kernels that do not feed it
-        (q RoPE, the indexer query, kv insert, main compress, the state and window appends) run beside it on a
+        (q RoPE, the indexer query, kv insert, main compress, the state appends) run beside it on a
         side stream (`streams.StepStreams`); elsewhere everything runs in the order written, one of the orders the
         events allow."""
         from .kernels import (append_state, append_window, compress_insert, indexer_query_and_weights,
@@ -403,12 +403,8 @@ class DSV4Attention(nn.Module):
                                      window_pool=layer_cache.window, step_kv=step_kv,
                                      entry_pool=layer_cache.entries if spec.compressed else None,
                                      ratio=spec.ratio if spec.compressed else 0, page_tokens=page_tokens, picks=picks,
-                                     max_entries=entries)
-        streams.fork()
-        with streams.on_side():
-            append_window(layer_cache.window, main, g.window, plan, step_kv)
-        out = rope_rows(out, *cos_sin, inverse=True)
-        streams.join()
+                                     max_entries=entries, inverse_rope=cos_sin)  # the output's inverse RoPE too
+        append_window(layer_cache.window, main, g.window, plan, step_kv)
         if plan.snapshots is not None:  # prefix caching: rows of boundaries inside the step
             cache.capture_boundaries(self.layer_index, plan, step_kv=step_kv, state_rows=state_rows)
         return out

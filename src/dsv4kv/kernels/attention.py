@@ -55,6 +55,8 @@ from ..ops.common import require
 from ..plan import StepPlan
 from .common import check_pool, check_tensor, interpreted, padded_rows
 from .encode import round_bf16
+from .query import _check_cos_sin, _rope_pairs, rope_rows
+from .encode import round_bf16
 
 __all__ = ["sparse_attention_paged"]
 
@@ -385,11 +387,13 @@ def _sparse_attention_kernel(
 
 
 @triton.jit(do_not_specialize=["splits"])
-def _merge_kernel(p_ws, p_sinks, p_out, p_positions, n_picks, H, splits, RATIO: tl.constexpr, WINDOW: tl.constexpr,
-                  D: tl.constexpr, ENTRIES: tl.constexpr, BLOCK_N: tl.constexpr, MERGE_S: tl.constexpr):
+def _merge_kernel(p_ws, p_sinks, p_out, p_positions, p_cos, p_sin, n_picks, H, splits, RATIO: tl.constexpr,
+                  WINDOW: tl.constexpr, D: tl.constexpr, ENTRIES: tl.constexpr, BLOCK_N: tl.constexpr,
+                  MERGE_S: tl.constexpr, ROPE_HALF: tl.constexpr):
     """One program per (token row, head): merges the row's splits that hold keys (the first ceil(blocks /
-    per_split)) with the sink, in fp32, into out [R, H, D]. Splits are read MERGE_S at a time: the loads of a chunk
-    do not wait on the previous chunk's arithmetic."""
+    per_split)) with the sink, in fp32, into out [R, H, D]: fp32, or (ROPE_HALF > 0) with the layer's inverse RoPE
+    over the last 2 * ROPE_HALF dims and rounded to bf16, bit for bit `query.rope_rows(fp32 out, inverse=True)`.
+    Splits are read MERGE_S at a time: the loads of a chunk do not wait on the previous chunk's arithmetic."""
     i_t = tl.program_id(0)
     i_h = tl.program_id(1)
     o_d = tl.arange(0, D)
@@ -415,7 +419,13 @@ def _merge_kernel(p_ws, p_sinks, p_out, p_positions, n_picks, H, splits, RATIO: 
         l_i = l_i * alpha + tl.sum(b_l * beta, 0)
         acc = acc * alpha + tl.sum(b_acc * beta[:, None], 0)
         m_i = m_new
-    tl.store(p_out + (i_t.to(tl.int64) * H + i_h) * D + o_d, acc / l_i)
+    p_head = p_out + (i_t.to(tl.int64) * H + i_h) * D + o_d
+    if ROPE_HALF > 0:
+        b_x = _rope_pairs((acc / l_i)[None, :], p_cos, p_sin, i_t.to(tl.int64), 1, D, 0, D // 2 - ROPE_HALF,
+                          ROPE_HALF, True)
+        tl.store(p_head[None, :], round_bf16(b_x).to(tl.bfloat16))
+    else:
+        tl.store(p_head, acc / l_i)
 
 
 def _layout_dims(layout: EntryLayout) -> tuple[int, int]:
@@ -432,8 +442,10 @@ def sparse_attention_paged(q: torch.Tensor, plan: StepPlan, *, sinks: torch.Tens
                            entry_pool: torch.Tensor | None = None, ratio: int = 0, page_tokens: int = 0,
                            picks: torch.Tensor | None = None, out: torch.Tensor | None = None,
                            max_entries: int | None = None, splits: int | None = None,
-                           workspace: torch.Tensor | None = None) -> torch.Tensor:
-    """Sparse attention with sink over the window (ring + this step's kv) and compressed entries -> fp32 [R, H, D].
+                           workspace: torch.Tensor | None = None,
+                           inverse_rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """Sparse attention with sink over the window (ring + this step's kv) and compressed entries -> fp32 [R, H, D]
+    (bf16 with `inverse_rope`).
 
     Args:
         q: bf16 / fp32 [R, H, D] roped queries, R = the plan's padded rows (plan.positions.shape[0]).
@@ -459,6 +471,10 @@ def sparse_attention_paged(q: torch.Tensor, plan: StepPlan, *, sinks: torch.Tens
         workspace: optional fp32 [R, S, H, D + 2] for S > 1 splits: per (row, split, head) the unnormalized
             output [D], then the running max (log2 domain) and sum. Its S is the split count (unless `splits`
             says otherwise, then they must agree); S = 1 runs the single pass and leaves it untouched.
+        inverse_rope: (cos, sin) fp32 [R, rope_dim // 2] of the rows' positions: the output then gets the layer's
+            inverse RoPE and is rounded to bf16, bit for bit `query.rope_rows(output, cos, sin, inverse=True)`
+            (`out`, if given, is bf16). With S > 1 splits the merge applies it (no extra launch); the single pass is
+            followed by `rope_rows`.
     """
     require(isinstance(plan, StepPlan), f"plan: expected a StepPlan, got {type(plan).__name__}")
     require(isinstance(layout, EntryLayout), f"layout: expected an EntryLayout, got {type(layout).__name__}")
@@ -506,10 +522,14 @@ def sparse_attention_paged(q: torch.Tensor, plan: StepPlan, *, sinks: torch.Tens
             check_tensor("picks", picks, dtype=(torch.int32, torch.int64), shape=(rows, None), device=device)
             require(picks.shape[1] >= 1, "picks: needs at least one column")
             mode, n_picks, max_keys = _PICKS, picks.shape[1], window + picks.shape[1]
+    out_dtype = torch.float32 if inverse_rope is None else torch.bfloat16
     if out is None:
-        out = torch.empty((rows, heads, dim), dtype=torch.float32, device=device)
+        out = torch.empty((rows, heads, dim), dtype=out_dtype, device=device)
     else:
-        check_tensor("out", out, dtype=torch.float32, shape=(rows, heads, dim), device=device)
+        check_tensor("out", out, dtype=out_dtype, shape=(rows, heads, dim), device=device)
+    if inverse_rope is not None:
+        require(isinstance(inverse_rope, tuple) and len(inverse_rope) == 2, "inverse_rope: expected (cos, sin)")
+        rope_half = _check_cos_sin(*inverse_rope, rows, dim, device)
     require(splits is None or (isinstance(splits, int) and not isinstance(splits, bool) and 1 <= splits <= 65535),
             f"splits: expected an int in 1..65535 (a grid dimension) or None, got {splits!r}")
     config = _config(rows, heads, max_keys, device)
@@ -523,6 +543,9 @@ def sparse_attention_paged(q: torch.Tensor, plan: StepPlan, *, sinks: torch.Tens
         return out
 
     split = config.splits > 1
+    final = out  # the single pass's fp32 output, then RoPE'd into out; with splits the merge does both
+    if inverse_rope is not None and not split:
+        out = torch.empty((rows, heads, dim), dtype=torch.float32, device=device)
     if split and workspace is None:
         workspace = torch.empty((rows, config.splits, heads, dim + 2), dtype=torch.float32, device=device)
     grid = (rows, triton.cdiv(heads, config.block_h), config.splits)
@@ -545,9 +568,14 @@ def sparse_attention_paged(q: torch.Tensor, plan: StepPlan, *, sinks: torch.Tens
         SPLIT=split, QK_SCRATCH=qk_scratch, num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if split:
+        cos, sin = inverse_rope if inverse_rope is not None else (sinks, sinks)  # unread without the RoPE
         _merge_kernel[(rows, heads)](
-            workspace, sinks, out, plan.positions, n_picks, heads, config.splits,
+            workspace, sinks, out, plan.positions, cos, sin, n_picks, heads, config.splits,
             RATIO=max(ratio, 1), WINDOW=window, D=dim, ENTRIES=mode, BLOCK_N=config.block_n, MERGE_S=MERGE_S,
-            num_warps=MERGE_WARPS,
+            ROPE_HALF=rope_half if inverse_rope is not None else 0, num_warps=MERGE_WARPS,
+            # rope_rows' rounding (separately rounded products), and the same fp32 merge with or without the RoPE
+            enable_fp_fusion=False,
         )
-    return out
+    elif inverse_rope is not None:
+        rope_rows(out, *inverse_rope, inverse=True, out=final)
+    return final
