@@ -440,6 +440,30 @@ def test_fp8_query_check():
     assert torch.equal(bf16_codes, codes) and torch.equal(bf16_scales, scales)
 
 
+def test_fp8_query_wanted(monkeypatch):
+    """`fp8_query_wanted` (whether a caller should make q's FP8 operand) follows the wrapper's own choice: decode
+    rows with MXFP4 keys take the FP8 path; a prefill step (the stacked kernel), FP8 keys, an empty score row or a
+    threshold above the grid do not. The wrapper reads the operand exactly then: a poisoned one given to a step
+    that does not want it changes nothing."""
+    cache, layout, pool = make_cache(TINY, "mxfp4", page_tokens=PAGE, max_requests=2, max_tokens=256)
+    rid = cache.admit()
+    prefill = cache.plan_step([(rid, 150)])
+    write_all_keys(cache, rid, layout, pool, torch.randn(40, layout.dim, generator=gen(65)).to(DEVICE), M, PAGE)
+    decode = cache.plan_step([(rid, 1)])
+    assert not kernel_mod.fp8_query_wanted(prefill, layout, 48)
+    assert kernel_mod.fp8_query_wanted(decode, layout, 48)
+    assert not kernel_mod.fp8_query_wanted(decode, indexer_layout("fp8", layout.dim), 48)
+    assert not kernel_mod.fp8_query_wanted(decode, layout, 0)
+    q, w = make_query(layout, 1, TINY.index_n_heads, seed=66)
+    poisoned = (torch.full(q.shape, 0x7F, dtype=torch.uint8, device=DEVICE),  # e4m3 NaN codes
+                torch.ones(q.shape[:2], device=DEVICE))
+    monkeypatch.setattr(kernel_mod, "FP8_MIN_PROGRAMS_PER_SM", 1 << 30)
+    assert not kernel_mod.fp8_query_wanted(decode, layout, 48)
+    want = indexer_scores_paged(q, w, decode, pool, layout, ratio=M, page_tokens=PAGE, fill=True)
+    got = indexer_scores_paged(q, w, decode, pool, layout, ratio=M, page_tokens=PAGE, fill=True, q_fp8=poisoned)
+    assert torch.equal(got, want)
+
+
 def test_e2m1_to_e4m3_every_byte():
     """Every packed MXFP4 byte -> its two nibbles as e4m3 bytes of value * 2^-6, bit for bit (signed zeros too): the
     plain form, which the interpreter runs."""

@@ -24,7 +24,6 @@ import torch
 from torch import nn
 
 from .geometry import LayerKind, ModelGeometry
-from .layout import IndexerMXFP4Layout
 from .manager import CacheManager
 from .ops.append import append_state, append_window, compressor_logits
 from .ops.attention import sparse_attention
@@ -311,6 +310,7 @@ class DSV4Attention(nn.Module):
         events allow."""
         from .kernels import (append_state, append_window, compress_insert, indexer_query_and_weights,
                               indexer_scores_paged, kv_insert, rope_rows, sparse_attention_paged, topk_indices)
+        from .kernels.indexer import fp8_query_wanted
         from .kernels.topk import topk_workspace
         from .streams import StepStreams
         g, spec = self.geometry, self.spec
@@ -341,10 +341,11 @@ class DSV4Attention(nn.Module):
             state_rows.append((layer_cache.index_state_kv, layer_cache.index_state_score, *p.index_state))
             q_index = torch.empty(p.index_q.shape, dtype=torch.float32, device=device)
             weights = torch.empty(p.index_weights.shape, dtype=torch.float32, device=device)
-            # MXFP4 keys: the query's FP8 MMA operand too, made once per row by the query kernel for the scores kernel
+            # MXFP4 decode rows: the query's FP8 MMA operand too, made once per row by the query kernel for the
+            # scores kernel (a host decision, the scores wrapper's own)
             q_fp8 = (torch.empty(p.index_q.shape, dtype=torch.uint8, device=device),
                      torch.empty(p.index_weights.shape, dtype=torch.float32, device=device)
-                     ) if isinstance(index_layout, IndexerMXFP4Layout) else None
+                     ) if fp8_query_wanted(plan, index_layout, columns) else None
 
         def insert_kv():
             kv_insert(p.kv, positions, spec.rope, main, step_kv, rows, row_slots, cos_sin=cos_sin)

@@ -83,7 +83,7 @@ from ..plan import StepPlan
 from .common import check_pool, check_tensor, interpreted, padded_rows
 from .encode import e4m3_grid_code, e4m3_round, round_bf16
 
-__all__ = ["indexer_scores_paged", "indexer_query_fp8"]
+__all__ = ["indexer_scores_paged", "indexer_query_fp8", "fp8_query_wanted"]
 
 _BF16, _FP8, _MXFP4 = 0, 1, 2
 _SIGN = tl.constexpr(-(2 ** 31))  # fp32 sign bit as an int32 constant
@@ -536,6 +536,18 @@ def _format(layout: EntryLayout) -> int:
             and not layout.rotated,
             f"layout: expected an indexer layout (dsv4kv.layout.indexer_layout: mxfp4, fp8 or bf16), got {layout!r}")
     return _BF16
+
+
+def fp8_query_wanted(plan: StepPlan, layout: EntryLayout, entries: int) -> bool:
+    """Whether `indexer_scores_paged` over `plan` with `entries` score columns (the automatic kernel choice) runs
+    the row kernel's FP8 MMA path, which reads q's FP8 operand (`q_fp8=`). Host facts only, as the wrapper's own
+    choice, so a caller makes the operand only where it is read (not for prefill steps, which take the stacked
+    kernel)."""
+    if not isinstance(layout, IndexerMXFP4Layout) or layout.dim > 128 or _stacked(plan) or entries <= 0:
+        return False
+    rows, device = padded_rows(plan), plan.positions.device
+    block_j, iters, _ = _config(rows, entries, device)
+    return _fp8_pays(rows * triton.cdiv(entries, block_j * iters), device)
 
 
 def indexer_query_fp8(q: torch.Tensor, *, out: tuple[torch.Tensor, torch.Tensor] | None = None
