@@ -328,8 +328,12 @@ def test_inverse_rope_output_is_rope_rows_of_the_output(splits):
     got = sparse_attention_paged(q, plan, out=out, inverse_rope=cos_sin, **args)
     assert got is out and got.dtype == torch.bfloat16
     assert torch.equal(got, want) and torch.equal(got[3:], torch.zeros_like(got[3:]))
-    with pytest.raises(ValueError, match="out"):
+    with pytest.raises(ValueError, match="out: expected torch.bfloat16"):
         sparse_attention_paged(q, plan, out=torch.empty(q.shape, device=DEVICE), inverse_rope=cos_sin, **args)
+    with pytest.raises(ValueError, match="inverse_rope: expected"):
+        sparse_attention_paged(q, plan, inverse_rope=list(cos_sin), **args)
+    with pytest.raises(ValueError, match=r"cos: expected torch.float32 \[5, \*\]"):
+        sparse_attention_paged(q, plan, inverse_rope=(cos_sin[0][:2], cos_sin[1]), **args)
 
 
 def test_config_splits_only_grids_that_leave_the_gpu_idle(monkeypatch):

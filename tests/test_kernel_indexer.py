@@ -640,6 +640,17 @@ def test_rejects_bad_input():
     with pytest.raises(ValueError, match=r"max_entries: expected a non-negative int"):
         run(max_entries=-1)
     assert run(max_entries=0).shape == (8, 0)
+    codes, scales = indexer_query_fp8(q)
+    with pytest.raises(ValueError, match=r"q_fp8: expected \(codes, scales\)"):
+        run(q_fp8=[codes, scales])
+    with pytest.raises(ValueError, match=r"q_fp8 codes: expected torch.uint8 \[8, 4, 64\]"):
+        run(q_fp8=(codes[:5], scales))
+    with pytest.raises(ValueError, match=r"q_fp8 scales: expected torch.float32 \[8, 4\]"):
+        run(q_fp8=(codes, scales.double()))
+    with pytest.raises(ValueError, match=r"q: the operand needs a power-of-two dim >= 32, got 48"):
+        indexer_query_fp8(torch.zeros(2, 4, 48, device=DEVICE))
+    with pytest.raises(ValueError, match=r"out scales: expected torch.float32 \[8, 4\]"):
+        indexer_query_fp8(q, out=(codes, scales[:3]))
 
 
 # --- V4 shapes, on the GPU ------------------------------------------------------------------------------

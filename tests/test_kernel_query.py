@@ -290,6 +290,16 @@ def test_bad_input():
     out = torch.zeros(3, 4, 128, device=DEVICE)
     cases += [(lambda: indexer_query_and_weights(q, w, cos, sin, mx, scale=1.0, out=out,
                                                  weights_out=out.view(-1)[:12].view(3, 4)), "weights_out: overlaps")]
+    codes, scales = torch.zeros(3, 4, 128, dtype=torch.uint8, device=DEVICE), torch.zeros(3, 4, device=DEVICE)
+    cases += [
+        (lambda: indexer_query_and_weights(q, w, cos, sin, indexer_layout("fp8", 128), scale=1.0,
+                                           fp8_out=(codes, scales)), "fp8_out: the FP8 MMA operand is made for MXFP4"),
+        (lambda: indexer_query_and_weights(q, w, cos, sin, mx, scale=1.0, fp8_out=codes), "fp8_out: expected"),
+        (lambda: indexer_query_and_weights(q, w, cos, sin, mx, scale=1.0, fp8_out=(codes.float(), scales)),
+         "fp8_out codes: expected torch.uint8"),
+        (lambda: indexer_query_and_weights(q, w, cos, sin, mx, scale=1.0, fp8_out=(codes, scales[:2])),
+         r"fp8_out scales: expected torch.float32 \[3, 4\]"),
+    ]
     for call, message in cases:
         with pytest.raises(ValueError, match=message):
             call()

@@ -56,7 +56,6 @@ from ..plan import StepPlan
 from .common import check_pool, check_tensor, interpreted, padded_rows
 from .encode import round_bf16
 from .query import _check_cos_sin, _rope_pairs, rope_rows
-from .encode import round_bf16
 
 __all__ = ["sparse_attention_paged"]
 
@@ -543,7 +542,7 @@ def sparse_attention_paged(q: torch.Tensor, plan: StepPlan, *, sinks: torch.Tens
         return out
 
     split = config.splits > 1
-    final = out  # the single pass's fp32 output, then RoPE'd into out; with splits the merge does both
+    final = out  # returned; with inverse_rope the single pass writes an fp32 temporary that rope_rows turns into it
     if inverse_rope is not None and not split:
         out = torch.empty((rows, heads, dim), dtype=torch.float32, device=device)
     if split and workspace is None:
