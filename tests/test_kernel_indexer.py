@@ -428,10 +428,15 @@ def test_fp8_query_check():
     nan = indexer_query(raw[5:6], mx)
     nan[0, 3, 7] = float("nan")
     rows.append(nan)
+    wide = indexer_query(raw[7:8], mx)
+    wide[:, 4, :32] *= 2.0 ** 100
+    wide[:, 4, 32:] *= 2.0 ** -60  # under the head's shift these values underflow fp32 to 0: not exact
+    rows.append(wide)
     q = torch.cat(rows).contiguous().to(DEVICE)
     codes, scales = indexer_query_fp8(q)
     exact = scales > 0
-    assert exact.all(dim=1).tolist() == [True, True, True, True, False, True, False, False]
+    assert exact.all(dim=1).tolist() == [True, True, True, True, False, True, False, False, False]
+    assert exact[8].tolist() == [h != 4 for h in range(heads)]
     assert exact[4].sum() == 0 and exact[6].tolist() == [h != 2 for h in range(heads)]
     assert exact[7].tolist() == [h != 3 for h in range(heads)]
     decoded = codes.cpu().view(torch.float8_e4m3fn).float() * scales.cpu()[:, :, None]
@@ -443,8 +448,8 @@ def test_fp8_query_check():
 def test_fp8_query_wanted(monkeypatch):
     """`fp8_query_wanted` (whether a caller should make q's FP8 operand) follows the wrapper's own choice: decode
     rows with MXFP4 keys take the FP8 path; a prefill step (the stacked kernel), FP8 keys, an empty score row or a
-    threshold above the grid do not. The wrapper reads the operand exactly then: a poisoned one given to a step
-    that does not want it changes nothing."""
+    threshold above the grid do not. The wrapper reads the operand exactly then: a poisoned one (e4m3 NaN codes)
+    turns the scores NaN where it is wanted and changes nothing where it is not."""
     cache, layout, pool = make_cache(TINY, "mxfp4", page_tokens=PAGE, max_requests=2, max_tokens=256)
     rid = cache.admit()
     prefill = cache.plan_step([(rid, 150)])
@@ -457,6 +462,13 @@ def test_fp8_query_wanted(monkeypatch):
     q, w = make_query(layout, 1, TINY.index_n_heads, seed=66)
     poisoned = (torch.full(q.shape, 0x7F, dtype=torch.uint8, device=DEVICE),  # e4m3 NaN codes
                 torch.ones(q.shape[:2], device=DEVICE))
+    visible = (int(decode.positions[0]) + 1) // M
+    read = indexer_scores_paged(q, w, decode, pool, layout, ratio=M, page_tokens=PAGE, fill=True, q_fp8=poisoned)
+    if interpreted():  # the interpreter decodes an e4m3 NaN byte as +-480 (kernels/indexer.py): wrong, not NaN
+        assert not torch.equal(read, indexer_scores_paged(q, w, decode, pool, layout, ratio=M, page_tokens=PAGE,
+                                                          fill=True))
+    else:
+        assert torch.isnan(read[0, :visible]).all()
     monkeypatch.setattr(kernel_mod, "FP8_MIN_PROGRAMS_PER_SM", 1 << 30)
     assert not kernel_mod.fp8_query_wanted(decode, layout, 48)
     want = indexer_scores_paged(q, w, decode, pool, layout, ratio=M, page_tokens=PAGE, fill=True)

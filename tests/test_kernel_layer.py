@@ -92,6 +92,7 @@ def test_side_stream_changes_no_byte(monkeypatch):
     import dataclasses
 
     from dsv4kv import streams
+    assert streams.StepStreams(torch.device("cuda")).enabled
     layers = [init_random_weights(DSV4Attention(TINY, i, device="cuda", backend="triton"), i) for i in range(4)]
     caches = [CacheManager(TINY, max_requests=4, max_tokens=1200, page_tokens=PAGE, poison=True, device="cuda")
               for _ in range(2)]

@@ -364,42 +364,44 @@ class DSV4Attention(nn.Module):
         # the kv insert (window layers); the rest goes to the side stream
         streams = StepStreams(device)
         streams.fork()
-        with streams.on_side():
-            query_done = None
-            if csa:
-                # RoPE, Hadamard rotation, MXFP4 / FP8 round trip and head weights in one kernel (bit for bit the
-                # torch path's query); first on the side stream, as the scores wait for it
-                indexer_query_and_weights(p.index_q, p.index_weights, *cos_sin, index_layout,
-                                          scale=g.index_n_heads ** -0.5, out=q_index, weights_out=weights,
-                                          fp8_out=q_fp8)
-                query_done = streams.side_mark()
-            rope_rows(p.q, *cos_sin, out=q)
-            if spec.compressed:
-                insert_kv()
-            if csa:
-                compress_main()
-        if not spec.compressed:
-            insert_kv()
-        elif not csa:
-            compress_main()
-        if csa:
-            compress_insert(layer_cache.index_state_kv, layer_cache.index_state_score, plan, *p.index_state,
-                            norm_weight=idx.kv_norm.weight, layout=index_layout, pool=layer_cache.index_keys,
-                            main=False, **insert)
-            streams.side_waits(streams.main_mark())
+        try:  # the side stream is joined whatever happens: no tensor it uses is freed under it
             with streams.on_side():
-                append(state_rows[1])
-            streams.main_waits(query_done)
-            scores = indexer_scores_paged(q_index, weights, plan, layer_cache.index_keys, index_layout,
-                                          ratio=spec.ratio, page_tokens=page_tokens, max_entries=columns,
-                                          q_fp8=q_fp8)
-            visible = plan.derived(("visible", spec.ratio),
-                                   lambda: torch.clamp((positions + 1) // spec.ratio, min=0).to(torch.int32))
-            # top-k leaves its workspace zeroed, so one serves every CSA layer of the step
-            workspace = plan.derived(("topk workspace", columns, g.index_topk),
-                                     lambda: topk_workspace(rows, columns, g.index_topk, device))
-            picks = topk_indices(scores, visible, g.index_topk, workspace=workspace)
-        streams.join()
+                query_done = None
+                if csa:
+                    # RoPE, Hadamard rotation, MXFP4 / FP8 round trip and head weights in one kernel (bit for bit the
+                    # torch path's query); first on the side stream, as the scores wait for it
+                    indexer_query_and_weights(p.index_q, p.index_weights, *cos_sin, index_layout,
+                                              scale=g.index_n_heads ** -0.5, out=q_index, weights_out=weights,
+                                              fp8_out=q_fp8)
+                    query_done = streams.side_mark()
+                rope_rows(p.q, *cos_sin, out=q)
+                if spec.compressed:
+                    insert_kv()
+                if csa:
+                    compress_main()
+            if not spec.compressed:
+                insert_kv()
+            elif not csa:
+                compress_main()
+            if csa:
+                compress_insert(layer_cache.index_state_kv, layer_cache.index_state_score, plan, *p.index_state,
+                                norm_weight=idx.kv_norm.weight, layout=index_layout, pool=layer_cache.index_keys,
+                                main=False, **insert)
+                streams.side_waits(streams.main_mark())
+                with streams.on_side():
+                    append(state_rows[1])
+                streams.main_waits(query_done)
+                scores = indexer_scores_paged(q_index, weights, plan, layer_cache.index_keys, index_layout,
+                                              ratio=spec.ratio, page_tokens=page_tokens, max_entries=columns,
+                                              q_fp8=q_fp8)
+                visible = plan.derived(("visible", spec.ratio),
+                                       lambda: torch.clamp((positions + 1) // spec.ratio, min=0).to(torch.int32))
+                # top-k leaves its workspace zeroed, so one serves every CSA layer of the step
+                workspace = plan.derived(("topk workspace", columns, g.index_topk),
+                                         lambda: topk_workspace(rows, columns, g.index_topk, device))
+                picks = topk_indices(scores, visible, g.index_topk, workspace=workspace)
+        finally:
+            streams.join()
         out = sparse_attention_paged(q, plan, sinks=self.sinks, scale=g.head_dim ** -0.5, layout=main, window=g.window,
                                      window_pool=layer_cache.window, step_kv=step_kv,
                                      entry_pool=layer_cache.entries if spec.compressed else None,

@@ -167,13 +167,14 @@ def fp8_query_operand(q):
     biased = (tl.max(block_max, axis=1).to(tl.int32, bitcast=True) >> 23) & 0xFF
     biased = tl.minimum(tl.maximum(biased, 9), 254)  # 2^-c and 2^c stay normal fp32 numbers
     shift = ((262 - biased) << 23).to(tl.float32, bitcast=True)  # 2^-c = 2^(135 - biased)
+    two_c = ((biased - 8) << 23).to(tl.float32, bitcast=True)
     y = q * shift[:, None, None]
     bits = q.to(tl.int32, bitcast=True)
     normal_2bit = ((bits & 0x7F800000) != 0) & ((bits & 0x003FFFFF) == 0)
     mxfp4 = (q == 0) | (normal_2bit & (mag * 12 >= block_max[:, :, None]))
-    ok = mxfp4 & (tl.abs(y) <= 448.0) & (e4m3_round(y) == y)
+    # on the e4m3 grid, and back to q exactly (a value that underflowed fp32 under the shift is not)
+    ok = mxfp4 & (tl.abs(y) <= 448.0) & (e4m3_round(y) == y) & (y * two_c[:, None, None] == q)
     exact = tl.min(tl.min(ok.to(tl.int32), axis=2), axis=1) == 1
-    two_c = ((biased - 8) << 23).to(tl.float32, bitcast=True)
     return e4m3_grid_code(tl.where(ok, y, 0.0)).to(tl.uint8), tl.where(exact, two_c, 0.0)
 
 
@@ -238,13 +239,13 @@ def _mxfp4_tile(pool_ptr, p_table, o_j, m_j, D: tl.constexpr, P: tl.constexpr, P
 
 @triton.jit
 def _mxfp4_block_mma(b_byte, code, b_q8, unshift, acc, BLOCK_J: tl.constexpr, ASM: tl.constexpr):
-    """acc + (one scale block of the keys, as e4m3 values * 2^-6) x (that block of q) * (the keys' ue8m0 scales *
-    unshift): one K = 32 FP8 MMA from a zero accumulator, then one exact power-of-two scaling added in fp32 (terms at
-    the reference's magnitude). The 32 products of e2m1 pairs are multiples of 1/4 of their common scale (q's block
+    """acc + (one scale block of the keys, as e4m3 values * 2^-6) x (that block of q's operand) * (the keys' ue8m0
+    scales * unshift = 2^6): one K = 32 FP8 MMA from a zero accumulator, then one exact power-of-two scaling added in
+    fp32 (terms at the reference's magnitude times each head's 2^-c, which its weight undoes). The 32 products of e2m1 pairs are multiples of 1/4 of their common scale (q's block
     scale and the shifts) and sum below 2^11 of it: 13 significant bits, exact within the ~14 that Hopper's FP8
     accumulation keeps (each MMA starts from zero, so no other block's sum passes through it)."""
     b_lo, b_hi = _e2m1_e4m3(b_byte, ASM)
-    # dims in `_q_e4m3`'s order: the block's low nibbles (even dims), then its high nibbles (odd dims); the
+    # dims in `_q8_blocks`'s order: the block's low nibbles (even dims), then its high nibbles (odd dims); the
     # natural order would interleave bytes (a PRMT per pair of values)
     b_k = tl.reshape(tl.permute(tl.join(b_lo, b_hi), (0, 2, 1)), (BLOCK_J, 32)).to(tl.float8e4nv, bitcast=True)
     b_sc = _ue8m0(code.to(tl.int32)) * unshift
