@@ -62,16 +62,23 @@ def ptxas_and_sass(compiled) -> tuple[str, str]:
     return ptxas, sass
 
 
-def loop_mix(sass: str) -> tuple[int, collections.Counter]:
-    """Instructions of the longest backward branch's body (the key loop) and their opcodes."""
+def loops(sass: str, at_least: int = 100) -> list[tuple[int, collections.Counter]]:
+    """(instructions, opcode counts) of every backward branch's body of at least `at_least` instructions."""
     code = [(int(a, 16), t) for a, t in re.findall(r"/\*([0-9a-f]+)\*/\s+([^;]*);", sass)]
-    lo, hi = 0, -1
+    found = []
     for addr, text in code:
         target = re.search(r"BRA\s.*?0x([0-9a-f]+)", text)
-        if target and int(target.group(1), 16) < addr and addr - int(target.group(1), 16) > hi - lo:
-            lo, hi = int(target.group(1), 16), addr
-    ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0] for a, t in code if lo <= a <= hi)
-    return sum(ops.values()), ops
+        if target and int(target.group(1), 16) < addr:
+            lo = int(target.group(1), 16)
+            ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0] for a, t in code if lo <= a <= addr)
+            if sum(ops.values()) >= at_least:
+                found.append((sum(ops.values()), ops))
+    return found
+
+
+def loop_mix(sass: str) -> tuple[int, collections.Counter]:
+    """Instructions of the longest backward branch's body (the key loop) and their opcodes."""
+    return max(loops(sass, at_least=1), key=lambda loop: loop[0], default=(0, collections.Counter()))
 
 
 def main() -> int:

@@ -13,7 +13,6 @@ by register-limited occupancy and a serial tile chain): only the GPU decides."""
 from __future__ import annotations
 
 import argparse
-import collections
 import os
 import re
 import sys
@@ -23,7 +22,7 @@ import triton.language as tl
 from triton.backends.compiler import GPUTarget
 
 sys.path.insert(0, os.path.dirname(__file__))
-from attention_sass import ptxas_and_sass  # noqa: E402
+from attention_sass import loops, ptxas_and_sass  # noqa: E402
 
 from dsv4kv.kernels import indexer  # noqa: E402
 
@@ -31,20 +30,6 @@ POINTERS = {"q_ptr": "*fp32", "w_ptr": "*fp32", "positions_ptr": "*i32", "token_
             "request_slots_ptr": "*i32", "block_table_ptr": "*i32", "pool_ptr": "*u8", "out_ptr": "*fp32",
             "q8_ptr": "*u8", "q8_scale_ptr": "*fp32"}
 DIVISIBLE_BY_16 = {"num_entries", "table_stride", "chunk"}
-
-
-def loops(sass: str, at_least: int = 100) -> list[tuple[int, collections.Counter]]:
-    """(instructions, opcode counts) of every backward branch's body of at least `at_least` instructions."""
-    code = [(int(a, 16), t) for a, t in re.findall(r"/\*([0-9a-f]+)\*/\s+([^;]*);", sass)]
-    found = []
-    for addr, text in code:
-        target = re.search(r"BRA\s.*?0x([0-9a-f]+)", text)
-        if target and int(target.group(1), 16) < addr:
-            lo = int(target.group(1), 16)
-            ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0] for a, t in code if lo <= a <= addr)
-            if sum(ops.values()) >= at_least:
-                found.append((sum(ops.values()), ops))
-    return found
 
 
 def compile_row_kernel(fp8: bool, stages: int, block_j: int = 64, warps: int = 4, maxnreg: int | None = None):

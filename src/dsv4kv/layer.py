@@ -295,6 +295,14 @@ class DSV4Attention(nn.Module):
                 projected.index_weights = idx.scorer.weights_proj(x)
         return projected
 
+    def indexer_takes_fp8(self, plan: StepPlan, cache: CacheManager) -> bool:
+        """Whether this layer's indexer scores over `plan` take the FP8 MMA path in `attention_core` (the host's
+        choice: CSA, MXFP4 keys, decode rows; a row whose query fails the path's exactness check still takes the
+        bf16 path)."""
+        from .kernels.indexer import fp8_query_wanted
+        return self.spec.kind is LayerKind.CSA and fp8_query_wanted(
+            plan, cache.spec.layers[self.layer_index].index, _score_columns(plan, self.spec.ratio))
+
     def attention_core(self, p: "Projected", plan: StepPlan, cache: CacheManager) -> torch.Tensor:
         """The attention core on the kernels, over the plan's padded rows: kv insert, compress-and-insert (main,
         then the indexer's keys), indexer scores and top-k (CSA), sparse attention, appends, inverse RoPE ->
@@ -310,7 +318,6 @@ class DSV4Attention(nn.Module):
         events allow."""
         from .kernels import (append_state, append_window, compress_insert, indexer_query_and_weights,
                               indexer_scores_paged, kv_insert, rope_rows, sparse_attention_paged, topk_indices)
-        from .kernels.indexer import fp8_query_wanted
         from .kernels.topk import topk_workspace
         from .streams import StepStreams
         g, spec = self.geometry, self.spec
@@ -327,9 +334,7 @@ class DSV4Attention(nn.Module):
         step_kv = torch.empty((1, main.page_bytes(rows)), dtype=torch.uint8, device=device)
         state_rows, picks = [], None
         entries = max(plan.max_seq_len // spec.ratio, 1) if spec.compressed else None  # per-row bound, host-known
-        # the score rows' width: a multiple of 16, so the indexer and top-k kernels see the same alignment class at
-        # every step (Triton compiles a variant per class of an int argument; the eager steps' bound moves)
-        columns = -(-entries // 16) * 16 if spec.compressed else None
+        columns = _score_columns(plan, spec.ratio) if spec.compressed else None
         if spec.compressed:
             entry_cos_sin = plan.derived(("entry rope", spec.rope, spec.ratio),
                                          lambda: rope_cos_sin(spec.rope, plan.entries[spec.ratio].index * spec.ratio))
@@ -345,7 +350,7 @@ class DSV4Attention(nn.Module):
             # scores kernel (a host decision, the scores wrapper's own)
             q_fp8 = (torch.empty(p.index_q.shape, dtype=torch.uint8, device=device),
                      torch.empty(p.index_weights.shape, dtype=torch.float32, device=device)
-                     ) if fp8_query_wanted(plan, index_layout, columns) else None
+                     ) if self.indexer_takes_fp8(plan, cache) else None
 
         def insert_kv():
             kv_insert(p.kv, positions, spec.rope, main, step_kv, rows, row_slots, cos_sin=cos_sin)
@@ -451,6 +456,13 @@ class DSV4Attention(nn.Module):
             require(kernels_can_run(x.device), f"backend 'triton': the kernels need a CUDA device (or "
                                                f"TRITON_INTERPRET=1 on the CPU), the layer is on {x.device}")
             require(x.dtype == torch.bfloat16, f"backend 'triton': the kernels take bf16 activations, got {x.dtype}")
+
+
+def _score_columns(plan: StepPlan, ratio: int) -> int:
+    """The width of a step's indexer score rows: the per-row entry bound rounded up to a multiple of 16, so the
+    indexer and top-k kernels see the same alignment class at every step (Triton compiles a variant per class of an
+    int argument; the eager steps' bound moves)."""
+    return -(-max(plan.max_seq_len // ratio, 1) // 16) * 16
 
 
 def init_random_weights(module: nn.Module, seed: int = 0) -> nn.Module:

@@ -322,6 +322,7 @@ def _decode_layer(ctx: Context, cache: CacheManager, layer: DSV4Attention, plan,
     projected = layer.project(x, plan.positions)
     params = {"kind": kind, "context": context, "batch": batch}
     parts = core_bytes(g, cache, layer.layer_index, context, batch)
+    fp8 = layer.indexer_takes_fp8(plan, cache)
     def cold():  # the step's shared tensors (RoPE tables, visible counts, ...) made inside the graph too
         plan.memo.clear()
         return layer.attention_core(projected, plan, cache)
@@ -334,7 +335,7 @@ def _decode_layer(ctx: Context, cache: CacheManager, layer: DSV4Attention, plan,
     ctx.report.add(Result("decode", f"{kind} core, ctx {context}, batch {batch}", params, core.median_us,
                           bytes=sum(parts.values()), check=check, passed=passed,
                           extra={"stage": "core", **core.as_dict(), "bytes_by_part": parts,
-                                 "streams": 2 if streams.CONCURRENT else 1,
+                                 "streams": 2 if streams.CONCURRENT else 1, "indexer_fp8": fp8,
                                  "with_step_tensors_us": first.median_us}))
     ctx.report.add(Result("decode", f"{kind} core + the step's shared tensors, ctx {context}, batch {batch}", params,
                           first.median_us, bytes=sum(parts.values()), check=check, passed=passed,
@@ -345,6 +346,9 @@ def _decode_layer(ctx: Context, cache: CacheManager, layer: DSV4Attention, plan,
             f"layer {whole.median_us:.1f} us, {check}")
     if streams.CONCURRENT:
         ctx.log("    (the core runs on two streams: the kernel times below overlap, their sum exceeds the core's)")
+    if kind == "csa":
+        ctx.log(f"    indexer scores on {'FP8' if fp8 else 'bf16'} MMAs (the host's choice; a row whose query fails the "
+                f"FP8 path's exactness check takes bf16)")
     kernels = profile_kernels(lambda: layer.attention_core(projected, plan, cache), device=ctx.device)
     by_stage: dict[str, list[float]] = {}
     for name, us in kernels:

@@ -241,9 +241,10 @@ def _mxfp4_tile(pool_ptr, p_table, o_j, m_j, D: tl.constexpr, P: tl.constexpr, P
 def _mxfp4_block_mma(b_byte, code, b_q8, unshift, acc, BLOCK_J: tl.constexpr, ASM: tl.constexpr):
     """acc + (one scale block of the keys, as e4m3 values * 2^-6) x (that block of q's operand) * (the keys' ue8m0
     scales * unshift = 2^6): one K = 32 FP8 MMA from a zero accumulator, then one exact power-of-two scaling added in
-    fp32 (terms at the reference's magnitude times each head's 2^-c, which its weight undoes). The 32 products of e2m1 pairs are multiples of 1/4 of their common scale (q's block
-    scale and the shifts) and sum below 2^11 of it: 13 significant bits, exact within the ~14 that Hopper's FP8
-    accumulation keeps (each MMA starts from zero, so no other block's sum passes through it)."""
+    fp32 (terms at the reference's magnitude times each head's 2^-c, which its weight undoes). The 32 products of
+    e2m1 pairs are multiples of 1/4 of their common scale (q's block scale and the shifts) and sum below 2^11 of it:
+    13 significant bits, exact within the ~14 that Hopper's FP8 accumulation keeps (each MMA starts from zero, so no
+    other block's sum passes through it)."""
     b_lo, b_hi = _e2m1_e4m3(b_byte, ASM)
     # dims in `_q8_blocks`'s order: the block's low nibbles (even dims), then its high nibbles (odd dims); the
     # natural order would interleave bytes (a PRMT per pair of values)
@@ -483,10 +484,15 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _fp8_pays(programs: int, device: torch.device) -> bool:
-    """The FP8 MMA path for a row-kernel grid of `programs` (a host fact: a captured graph keeps its choice). The
-    interpreter counts as one SM, so its tests take both paths."""
-    return programs >= FP8_MIN_PROGRAMS_PER_SM * (_num_sms(device) if device.type == "cuda" else 1)
+def _row_takes_fp8(fmt: int, dim: int, rows: int, entries: int, device: torch.device) -> bool:
+    """The row kernel's host choice of the FP8 MMA path for scores [rows, entries]: MXFP4 keys, D <= 128 and a grid
+    of at least FP8_MIN_PROGRAMS_PER_SM programs per SM (the interpreter counts as one SM, so its tests take both
+    paths). Host facts only, so a captured graph keeps its choice; the wrapper's launch and `fp8_query_wanted` both
+    ask here."""
+    block_j, iters, _ = _config(rows, entries, device)
+    programs = rows * triton.cdiv(entries, block_j * iters)
+    return fmt == _MXFP4 and dim <= 128 and programs >= FP8_MIN_PROGRAMS_PER_SM * (
+        _num_sms(device) if device.type == "cuda" else 1)
 
 
 def _iters(programs_per_chunk: int, tiles: int, device: torch.device, max_iters: int) -> int:
@@ -544,11 +550,9 @@ def fp8_query_wanted(plan: StepPlan, layout: EntryLayout, entries: int) -> bool:
     the row kernel's FP8 MMA path, which reads q's FP8 operand (`q_fp8=`). Host facts only, as the wrapper's own
     choice, so a caller makes the operand only where it is read (not for prefill steps, which take the stacked
     kernel)."""
-    if not isinstance(layout, IndexerMXFP4Layout) or layout.dim > 128 or _stacked(plan) or entries <= 0:
+    if not isinstance(layout, IndexerMXFP4Layout) or _stacked(plan) or entries <= 0:
         return False
-    rows, device = padded_rows(plan), plan.positions.device
-    block_j, iters, _ = _config(rows, entries, device)
-    return _fp8_pays(rows * triton.cdiv(entries, block_j * iters), device)
+    return _row_takes_fp8(_MXFP4, layout.dim, padded_rows(plan), entries, plan.positions.device)
 
 
 def indexer_query_fp8(q: torch.Tensor, *, out: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -665,7 +669,7 @@ def indexer_scores_paged(q: torch.Tensor, weights: torch.Tensor, plan, key_pool:
         block_j, iters, num_warps = _config(rows, entries, device)
         chunk = block_j * iters
         grid = (rows, triton.cdiv(entries, chunk))
-        mma8 = fmt == _MXFP4 and dim <= 128 and _fp8_pays(grid[0] * grid[1], device)
+        mma8 = _row_takes_fp8(fmt, dim, rows, entries, device)
         if mma8 and q_fp8 is None:
             q_fp8 = indexer_query_fp8(q)
         q8, q8_scale = q_fp8 if mma8 else (q, q)  # unread without MMA8
