@@ -5,8 +5,9 @@
 # copy of it, the same phases in four launches, one launch at 1 / 2 / 4 programs per SM), `dsv4kv bench topk --quick`
 # with the default --device cuda, and (stage decode) `dsv4kv bench decode --quick`; then prints a short table.
 #
-#   bash scripts/device_issue12.sh [tests] [variants] [bench] [decode] [sequential] [memcheck]
-#   (default: tests variants bench; sequential: the decode stage with every kernel on one stream)
+#   bash scripts/device_issue12.sh [tests] [variants] [bench] [decode] [sequential] [plain] [memcheck]
+#   (default: tests variants bench; sequential: the decode stage with every kernel on one stream; plain: the decode
+#   stage without programmatic dependent launch)
 #
 # Each stage has a timeout (TESTS_TIMEOUT, VARIANTS_TIMEOUT, BENCH_TIMEOUT, DECODE_TIMEOUT, MEMCHECK_TIMEOUT s) so the
 # default run fits one 10-minute device call on a warm machine; run the stages in separate calls otherwise.
@@ -63,6 +64,12 @@ from dsv4kv.cli import main; sys.exit(main(sys.argv[1:]))" bench decode --quick 
             --name decode-sequential > "$OUT/bench-decode-sequential.txt" 2>&1
         echo "exit $?" >> "$OUT/bench-decode-sequential.txt"
         ;;
+    plain)  # the same decode core with plain launches (kernels.launch.DEPENDENT_LAUNCH = False), for comparison
+        timeout "${DECODE_TIMEOUT:-300}" python3 -c "import sys; from dsv4kv.kernels import launch; launch.DEPENDENT_LAUNCH = False
+from dsv4kv.cli import main; sys.exit(main(sys.argv[1:]))" bench decode --quick --runs 20 --out "$OUT/bench-plain" \
+            --name decode-plain > "$OUT/bench-decode-plain.txt" 2>&1
+        echo "exit $?" >> "$OUT/bench-decode-plain.txt"
+        ;;
     memcheck)  # the changed kernels under compute-sanitizer: top-k in one and four launches, unfilled scores
         timeout "${MEMCHECK_TIMEOUT:-300}" compute-sanitizer --tool memcheck --leak-check no python3 -m pytest \
             tests/test_kernel_topk.py tests/test_kernel_indexer.py -k "gpu_batches or gpu_graph or unfilled" \
@@ -70,7 +77,7 @@ from dsv4kv.cli import main; sys.exit(main(sys.argv[1:]))" bench decode --quick 
         echo "exit $?" >> "$OUT/memcheck.log"
         ;;
     *)
-        echo "unknown stage $stage (tests, variants, bench, decode, sequential, memcheck)" >&2
+        echo "unknown stage $stage (tests, variants, bench, decode, sequential, plain, memcheck)" >&2
         ;;
     esac
 done
@@ -101,6 +108,10 @@ fi
 if [ -e "$OUT/bench-decode-sequential.txt" ]; then
     echo "dsv4kv bench decode --quick, one stream: $(tail -1 "$OUT/bench-decode-sequential.txt")"
     grep -E "  csa: core" "$OUT/bench-decode-sequential.txt" | cut -c1-160 | sed 's/^/  /'
+fi
+if [ -e "$OUT/bench-decode-plain.txt" ]; then
+    echo "dsv4kv bench decode --quick, plain launches: $(tail -1 "$OUT/bench-decode-plain.txt")"
+    grep -E "  csa: core" "$OUT/bench-decode-plain.txt" | cut -c1-160 | sed 's/^/  /'
 fi
 if [ -e "$OUT/memcheck.log" ]; then
     echo "memcheck: $(grep -E "ERROR SUMMARY" "$OUT/memcheck.log" | tail -1) ($(tail -1 "$OUT/memcheck.log"))"

@@ -4,6 +4,7 @@ decode step (DecodeGraph) against eager steps.
 On the CPU the kernels run under Triton's interpreter (small sizes); the DecodeGraph tests need a GPU.
 """
 
+import contextlib
 import random
 
 import pytest
@@ -85,14 +86,20 @@ def test_backend_choice_and_bad_input():
 
 
 @cuda
-def test_side_stream_changes_no_byte(monkeypatch):
-    """The tiny model's 4 layers chained, with the side stream (`streams.CONCURRENT`) and without, over the same
-    random prefill / decode schedule on twin caches: every output and every cache tensor equal bit for bit (a
-    missing event between the streams would let a kernel read bytes before or after their writer)."""
+@pytest.mark.parametrize("switch", ["side stream", "dependent launch"])
+def test_step_overlap_changes_no_byte(monkeypatch, switch):
+    """The tiny model's 4 layers chained, with the side stream (`streams.CONCURRENT`) and without, or with
+    programmatic dependent launch (`launch.DEPENDENT_LAUNCH`) and without, over the same random prefill / decode
+    schedule on twin caches: every output and every cache tensor equal bit for bit (a missing event between the
+    streams, or a kernel touching memory before its grid-dependency wait, would let a kernel read bytes before or
+    after their writer)."""
     import dataclasses
 
     from dsv4kv import streams
+    from dsv4kv.kernels import launch
+    module, flag = (streams, "CONCURRENT") if switch == "side stream" else (launch, "DEPENDENT_LAUNCH")
     assert streams.StepStreams(torch.device("cuda")).enabled
+    assert launch.launch_options(torch.device("cuda")) == {"launch_pdl": True}
     layers = [init_random_weights(DSV4Attention(TINY, i, device="cuda", backend="triton"), i) for i in range(4)]
     caches = [CacheManager(TINY, max_requests=4, max_tokens=1200, page_tokens=PAGE, poison=True, device="cuda")
               for _ in range(2)]
@@ -101,8 +108,8 @@ def test_side_stream_changes_no_byte(monkeypatch):
     for step in random_steps(5, (300, 41, 170), chunks=(1, 1, 1, 9, 64)):
         x = torch.randn(sum(n for _, n in step), TINY.hidden_size, generator=gen, device="cuda").to(torch.bfloat16)
         outs = []
-        for concurrent, cache, ids in zip((True, False), caches, rids):
-            monkeypatch.setattr(streams, "CONCURRENT", concurrent)
+        for on, cache, ids in zip((True, False), caches, rids):
+            monkeypatch.setattr(module, flag, on)
             outs.append(chain(layers, x, cache.plan_step([(ids[i], n) for i, n in step]), cache))
         assert torch.equal(outs[0], outs[1])
     for mine, theirs in zip(caches[0].pools.layers, caches[1].pools.layers):
@@ -145,9 +152,20 @@ def chain(layers, x, plan, cache):
     return x
 
 
+@contextlib.contextmanager
+def dependent_launch(on: bool):
+    from dsv4kv.kernels import launch
+    before, launch.DEPENDENT_LAUNCH = launch.DEPENDENT_LAUNCH, on
+    try:
+        yield
+    finally:
+        launch.DEPENDENT_LAUNCH = before
+
+
 def run_decode_graph(geometry, *, batch, prompts, steps, page_tokens, max_seq_len, seed=0, formats=("fp8", "mxfp4")):
     """Prefill `prompts`, then decode `steps` steps through a DecodeGraph and, on a twin cache, eagerly over the
-    same padded plans; requests leave and join on the way. Returns the per-step max |graph - eager| and stats."""
+    same padded plans (the graph with programmatic dependent launch, the eager steps without); requests leave and
+    join on the way. Returns the per-step max |graph - eager| and stats."""
     torch.manual_seed(seed)
     layers = [init_random_weights(DSV4Attention(geometry, i, device="cuda", backend="triton"), seed + i)
               for i in range(geometry.num_layers)]
@@ -186,7 +204,8 @@ def run_decode_graph(geometry, *, batch, prompts, steps, page_tokens, max_seq_le
         blocks_taken += caches[0].num_used_blocks - used
         plan = caches[1].plan_step([(ids[1], 1) for ids in active], buffers=eager_buffers)
         padded = torch.cat((x, x.new_zeros(batch - len(active), x.shape[1])))
-        want = chain(layers, padded, plan, caches[1])[:len(active)]
+        with dependent_launch(False):  # the graph's kernels wait on each other's grids; the eager ones launch plainly
+            want = chain(layers, padded, plan, caches[1])[:len(active)]
         diffs.append(float((got.float() - want.float()).abs().max()))
     return diffs, blocks_taken, entries_completed, replay_alloc, graph
 

@@ -317,6 +317,8 @@ def decode(ctx: Context) -> None:
 
 def _decode_layer(ctx: Context, cache: CacheManager, layer: DSV4Attention, plan, x, kind: str, context: int,
                   batch: int) -> None:
+    from ..kernels.launch import launch_options
+
     g = ctx.geometry
     check, passed = check_layer(layer, x, plan, cache, "layer vs reference")
     projected = layer.project(x, plan.positions)
@@ -336,6 +338,7 @@ def _decode_layer(ctx: Context, cache: CacheManager, layer: DSV4Attention, plan,
                           bytes=sum(parts.values()), check=check, passed=passed,
                           extra={"stage": "core", **core.as_dict(), "bytes_by_part": parts,
                                  "streams": 2 if streams.CONCURRENT else 1, "indexer_fp8": fp8,
+                                 "dependent_launch": bool(launch_options(ctx.device)),
                                  "with_step_tensors_us": first.median_us}))
     ctx.report.add(Result("decode", f"{kind} core + the step's shared tensors, ctx {context}, batch {batch}", params,
                           first.median_us, bytes=sum(parts.values()), check=check, passed=passed,
@@ -346,6 +349,8 @@ def _decode_layer(ctx: Context, cache: CacheManager, layer: DSV4Attention, plan,
             f"layer {whole.median_us:.1f} us, {check}")
     if streams.CONCURRENT:
         ctx.log("    (the core runs on two streams: the kernel times below overlap, their sum exceeds the core's)")
+    if not launch_options(ctx.device):
+        ctx.log("    (kernels launched without programmatic dependent launch: kernels.launch.DEPENDENT_LAUNCH is off)")
     if kind == "csa":
         ctx.log(f"    indexer scores on {'FP8' if fp8 else 'bf16'} MMAs (the host's choice; a row whose query fails the "
                 f"FP8 path's exactness check takes bf16)")

@@ -55,6 +55,7 @@ from ..ops.common import require
 from ..plan import StepPlan
 from .common import check_pool, check_tensor, interpreted, padded_rows
 from .encode import round_bf16
+from .launch import launch_options, wait_for_prior_grids
 from .query import _check_cos_sin, _rope_pairs, rope_rows
 
 __all__ = ["sparse_attention_paged"]
@@ -314,6 +315,7 @@ def _sparse_attention_kernel(
     program_id(2)'s partial softmax to the workspace; else (splits = 1) the row's normalized output. The heads
     of the block are the M dimension of both products, so each key tile is read and decoded once per head
     block (once per row for V4-Flash's 64 heads)."""
+    wait_for_prior_grids()
     i_t = tl.program_id(0)
     i_h = tl.program_id(1)
     i_s = tl.program_id(2)
@@ -393,6 +395,7 @@ def _merge_kernel(p_ws, p_sinks, p_out, p_positions, p_cos, p_sin, n_picks, H, s
     per_split)) with the sink, in fp32, into out [R, H, D]: fp32, or (ROPE_HALF > 0) with the layer's inverse RoPE
     over the last 2 * ROPE_HALF dims and rounded to bf16, bit for bit `query.rope_rows(fp32 out, inverse=True)`.
     Splits are read MERGE_S at a time: the loads of a chunk do not wait on the previous chunk's arithmetic."""
+    wait_for_prior_grids()
     i_t = tl.program_id(0)
     i_h = tl.program_id(1)
     o_d = tl.arange(0, D)
@@ -565,6 +568,7 @@ def sparse_attention_paged(q: torch.Tensor, plan: StepPlan, *, sinks: torch.Tens
         WINDOW=window, D=dim, NOPE=nope, DATA_BYTES=layout.data_bytes, SCALE_BYTES=scale_bytes, ENTRIES=mode,
         Q_SPLIT=q.dtype == torch.float32, DOT_F32=interpreted(), BLOCK_H=config.block_h, BLOCK_N=config.block_n,
         SPLIT=split, QK_SCRATCH=qk_scratch, num_warps=config.num_warps, num_stages=config.num_stages,
+        **launch_options(device),
     )
     if split:
         cos, sin = inverse_rope if inverse_rope is not None else (sinks, sinks)  # unread without the RoPE
@@ -573,7 +577,7 @@ def sparse_attention_paged(q: torch.Tensor, plan: StepPlan, *, sinks: torch.Tens
             RATIO=max(ratio, 1), WINDOW=window, D=dim, ENTRIES=mode, BLOCK_N=config.block_n, MERGE_S=MERGE_S,
             ROPE_HALF=rope_half if inverse_rope is not None else 0, num_warps=MERGE_WARPS,
             # rope_rows' rounding (separately rounded products), and the same fp32 merge with or without the RoPE
-            enable_fp_fusion=False,
+            enable_fp_fusion=False, **launch_options(device),
         )
     elif inverse_rope is not None:
         rope_rows(out, *inverse_rope, inverse=True, out=final)

@@ -32,6 +32,7 @@ from ..layout import EntryLayout, IndexerFP8Layout, IndexerMXFP4Layout, MainFP8L
 from ..ops.common import require
 from ..ops.rope import rope_cos_sin
 from .common import check_plan, check_pool, check_tensor
+from .launch import launch_options, wait_for_prior_grids
 from .encode import (
     last_block,
     program_rows,
@@ -78,6 +79,7 @@ def _compress_kernel(kv_rows_ptr, logit_rows_ptr, state_kv_ptr, state_logit_ptr,
                      DATA_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr, BLOCK_E: tl.constexpr,
                      CHUNK: tl.constexpr):
     """Entries i_e * BLOCK_E .. of the plan: pool their rows (CHUNK at a time), norm, rope, encode, store."""
+    wait_for_prior_grids()
     o_e = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
     m_e = o_e < count
     j = tl.load(index_ptr + o_e, mask=m_e, other=-1)
@@ -207,13 +209,15 @@ def compress_insert(state_kv: torch.Tensor, state_logits: torch.Tensor, plan, kv
         pool, count, pool.shape[1], page_tokens // ratio, h_scale, eps,
         RATIO=ratio, OVERLAP=overlap, D=d, LOG_D=d.bit_length() - 1, RING=state_kv.shape[1], MAIN=main,
         FORMAT=_format_code(layout, main), ROUND=out_dtype == torch.bfloat16, DATA_BYTES=layout.data_bytes,
-        SCALE_BYTES=max(layout.scale_bytes, 1), BLOCK_E=block_e, CHUNK=chunk, num_warps=warps)
+        SCALE_BYTES=max(layout.scale_bytes, 1), BLOCK_E=block_e, CHUNK=chunk, num_warps=warps,
+        **launch_options(device))
 
 
 @triton.jit
 def _append_state_kernel(kv_rows_ptr, logit_rows_ptr, state_kv_ptr, state_logit_ptr, positions_ptr,
                          token_request_ptr, request_slots_ptr, seq_lens_ptr,
                          RING: tl.constexpr, WIDTH: tl.constexpr, BLOCK: tl.constexpr):
+    wait_for_prior_grids()
     t = tl.program_id(0)
     pos = tl.load(positions_ptr + t)
     b = tl.maximum(tl.load(token_request_ptr + t), 0)
@@ -244,4 +248,4 @@ def append_state(state_kv: torch.Tensor, state_logits: torch.Tensor, plan, kv_ro
         return
     _append_state_kernel[(rows,)](kv_rows, logit_rows, state_kv, state_logits, plan.positions, plan.token_request,
                                   plan.request_slots, plan.seq_lens, RING=state_kv.shape[1], WIDTH=width,
-                                  BLOCK=min(1024, triton.next_power_of_2(width)), num_warps=4)
+                                  BLOCK=min(1024, triton.next_power_of_2(width)), num_warps=4, **launch_options(device))

@@ -82,6 +82,7 @@ from ..ops.common import require
 from ..plan import StepPlan
 from .common import check_pool, check_tensor, interpreted, padded_rows
 from .encode import e4m3_grid_code, e4m3_round, round_bf16
+from .launch import launch_options, wait_for_prior_grids
 
 __all__ = ["indexer_scores_paged", "indexer_query_fp8", "fp8_query_wanted"]
 
@@ -182,6 +183,7 @@ def fp8_query_operand(q):
 def _q_fp8_kernel(q_ptr, q8_ptr, scale_ptr, H: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr):
     """Row i_t, heads i_h * BLOCK_H ..: `fp8_query_operand` of q (fp32 or bf16 [R, H, D]) -> q8 uint8 [R, H, D],
     scale fp32 [R, H]."""
+    wait_for_prior_grids()
     i_t, i_h = tl.program_id(0), tl.program_id(1)
     o_h = i_h * BLOCK_H + tl.arange(0, BLOCK_H)
     m_h = o_h < H
@@ -351,6 +353,7 @@ def _indexer_scores_kernel(
     """The row kernel: one token row, one chunk of `chunk` entries (a multiple of BLOCK_J). MMA8: MXFP4 keys on FP8
     MMAs (`_mxfp4_fp8_scores`) when every head of the row's query passed `fp8_query_operand`'s check, else the bf16
     path."""
+    wait_for_prior_grids()
     i_t, i_c = tl.program_id(0), tl.program_id(1)
     t = i_t.to(tl.int64)
     position = tl.load(positions_ptr + i_t)
@@ -414,6 +417,7 @@ def _indexer_scores_stacked_kernel(
     FILL: tl.constexpr,
 ):
     """The stacked kernel: BLOCK_T consecutive token rows, one chunk of `chunk` entries (a multiple of BLOCK_J)."""
+    wait_for_prior_grids()
     i_b, i_c = tl.program_id(0), tl.program_id(1)
     o_t = i_b * BLOCK_T + tl.arange(0, BLOCK_T)
     m_t = o_t < num_rows
@@ -571,7 +575,7 @@ def indexer_query_fp8(q: torch.Tensor, *, out: tuple[torch.Tensor, torch.Tensor]
     if q.numel():
         block_h = min(16, triton.next_power_of_2(heads))
         _q_fp8_kernel[(rows, triton.cdiv(heads, block_h))](q, codes, scales, H=heads, D=dim, BLOCK_H=block_h,
-                                                             num_warps=4)
+                                                             num_warps=4, **launch_options(q.device))
     return codes, scales
 
 
@@ -664,7 +668,7 @@ def indexer_scores_paged(q: torch.Tensor, weights: torch.Tensor, plan, key_pool:
         _indexer_scores_stacked_kernel[grid](
             *args, rows, heads, entries, plan.block_table.stride(0), dim ** -0.5, chunk, **common, BLOCK_T=block_t,
             BLOCK_J=block_j, FILL_J=min(chunk, max(block_j, _FILL_ELEMS // block_t)) if fill else block_j,
-            num_warps=num_warps, num_stages=num_stages)
+            num_warps=num_warps, num_stages=num_stages, **launch_options(device))
     else:
         block_j, iters, num_warps = _config(rows, entries, device)
         chunk = block_j * iters
@@ -681,5 +685,5 @@ def indexer_scores_paged(q: torch.Tensor, weights: torch.Tensor, plan, key_pool:
                                      chunk,
                                      **common, BLOCK_J=block_j, FILL_J=chunk if fill else block_j, MMA8=mma8,
                                      ASM=not interpreted(), num_warps=num_warps, num_stages=_ROW_TILES["num_stages"],
-                                     **cap)
+                                     **cap, **launch_options(device))
     return out

@@ -31,6 +31,7 @@ from .common import check_tensor
 from .encode import e2m1_bits, e4m3_round, exp2_int, nan_amax, pow2_exponent, rotate_keys, round_bf16
 from .indexer import _BF16, _MXFP4, fp8_query_operand
 from .indexer import _format as _layout_format
+from .launch import launch_options, wait_for_prior_grids
 
 __all__ = ["indexer_query_and_weights", "indexer_query_rows", "rope_rows"]
 
@@ -74,6 +75,7 @@ def _rope_rows_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr,
                       COLS: tl.constexpr, BLOCK_H: tl.constexpr, INVERSE: tl.constexpr):
     """Row i_t, heads i_h * BLOCK_H ..: dims START .. D - 1 of each head (START = 0: the whole head, rounded
     to bf16; START = D - 2 * HALF: the rope dims only, for an in-place call)."""
+    wait_for_prior_grids()
     i_t, i_h = tl.program_id(0), tl.program_id(1)
     t = i_t.to(tl.int64)
     o_h = i_h * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -102,6 +104,7 @@ def _indexer_query_kernel(q_ptr, cos_ptr, sin_ptr, out_ptr, w_ptr, w_out_ptr, q8
                           FP8_OUT: tl.constexpr):
     """Row i_t, heads i_h * BLOCK_H ..: q bf16 -> roped (bf16 values) -> FORMAT's query numerics, fp32 out; FP8_OUT
     (MXFP4): also the scores kernel's FP8 MMA operand of those values (`indexer.fp8_query_operand`)."""
+    wait_for_prior_grids()
     i_t, i_h = tl.program_id(0), tl.program_id(1)
     t = i_t.to(tl.int64)
     o_h = i_h * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -178,7 +181,7 @@ def rope_rows(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, inverse:
     block_h, warps = _tiles("rope_inplace" if in_place else "rope", heads)
     _rope_rows_kernel[(n, triton.cdiv(heads, block_h))](
         x, cos, sin, out, H=heads, D=dim, HALF=half, START=start, COLS=triton.next_power_of_2(dim - start),
-        BLOCK_H=block_h, INVERSE=inverse, num_warps=warps, enable_fp_fusion=False)
+        BLOCK_H=block_h, INVERSE=inverse, num_warps=warps, enable_fp_fusion=False, **launch_options(x.device))
     return out
 
 
@@ -221,7 +224,8 @@ def _indexer_query(q, cos, sin, layout, out, weights, scale, weights_out, fmt=No
             *(fp8_out if fp8_out is not None else (out, out)),
             float(scale) if weights is not None else 1.0, h_scale, H=heads, D=dim, HALF=half,
             COLS=triton.next_power_of_2(dim), LOG_D=max(dim.bit_length() - 1, 0), BLOCK_H=block_h, FORMAT=fmt,
-            WEIGHTS=weights is not None, FP8_OUT=fp8_out is not None, num_warps=warps, enable_fp_fusion=False)
+            WEIGHTS=weights is not None, FP8_OUT=fp8_out is not None, num_warps=warps, enable_fp_fusion=False,
+            **launch_options(device))
     return out if weights is None else (out, weights_out)
 
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 __all__ = ["Launches", "record_launches", "jit_kernels", "specialization_key"]
 
-_OPTIONS = ("num_warps", "num_stages", "num_ctas", "enable_fp_fusion", "maxnreg")
+_OPTIONS = ("num_warps", "num_stages", "num_ctas", "enable_fp_fusion", "maxnreg", "launch_pdl")
 
 
 def jit_kernels() -> dict[str, object]:

@@ -65,6 +65,7 @@ import torch
 
 from ..ops.common import require
 from .common import check_tensor
+from .launch import launch_options, wait_for_prior_grids
 
 try:
     import triton
@@ -182,7 +183,8 @@ def topk_indices(scores: torch.Tensor, lengths: torch.Tensor, k: int, *, out: to
         per_thread = 64 if rows >= ROW_MANY else 32  # the faster on the H100: fewer warps a row when rows fill the GPU
         _topk_row_kernel[(rows,)](scores, lengths, out, cols, k, BLOCK=row_tile,
                                   OUT_BLOCK=min(triton.next_power_of_2(k), 1024),
-                                  num_warps=max(4, min(32, row_tile // (32 * per_thread))))
+                                  num_warps=max(4, min(32, row_tile // (32 * per_thread))),
+                                  **launch_options(device))
         return out
     width = workspace.shape[1]
     capacity = (width - _HEADER - _BINS * splits) // 2
@@ -191,7 +193,7 @@ def topk_indices(scores: torch.Tensor, lengths: torch.Tensor, k: int, *, out: to
     # SPLITS (the width of the per-chunk count vector) is the device's bound, not this call's S, and S is a plain
     # runtime int (do_not_specialize): S follows the row count, so it would otherwise compile a kernel per step shape
     meta = dict(BLOCK=block, SPLITS=triton.next_power_of_2(_programs(device)), SELECT=select,
-                num_warps=4 if select <= 1024 else 8)
+                num_warps=4 if select <= 1024 else 8, **launch_options(device))
     if FUSED:
         _topk_kernel[(rows, 3 * splits + 1)](*args, PHASE=-1, **meta)
     else:
@@ -388,6 +390,7 @@ if triton is not None:
         each step counts the keys >= mid (a compare and an add per key and one block reduction, where a 256-bin
         tl.histogram costs ~80 instructions per key for 8 bits), stopping early once a count is exactly k. Then the
         picks: every key > T and the first k - #(key > T) keys == T in column order, written in column order."""
+        wait_for_prior_grids()
         i_r = tl.program_id(0)
         n = tl.minimum(tl.maximum(tl.load(lengths_ptr + i_r), 0), J)
         o_c = tl.arange(0, BLOCK)
@@ -420,6 +423,7 @@ if triton is not None:
                      SPLITS: tl.constexpr, SELECT: tl.constexpr, PHASE: tl.constexpr):
         """Row i_r. PHASE -1: one launch of 3S + 1 programs per row, the role from a ticket; 0..3: that phase
         alone (grid (R, S), or (R, 1) for D), ordered by the launches."""
+        wait_for_prior_grids()
         i_r = tl.program_id(0)
         n = tl.minimum(tl.maximum(tl.load(lengths_ptr + i_r), 0), J)
         p_row = scores_ptr + i_r.to(tl.int64) * J

@@ -25,6 +25,7 @@ from ..ops.common import require
 from ..ops.rope import rope_cos_sin
 from .common import check_plan, check_pool, check_tensor
 from .encode import program_rows, rope_block, store_main_entries
+from .launch import launch_options, wait_for_prior_grids
 
 __all__ = ["kv_insert", "append_window", "check_main_layout"]
 
@@ -51,6 +52,7 @@ def _kv_insert_kernel(kv_ptr, cos_ptr, sin_ptr, slots_ptr, pool_ptr, n, page_byt
                       NB: tl.constexpr, FP8: tl.constexpr, DATA_BYTES: tl.constexpr,
                       SCALE_BYTES: tl.constexpr, BLOCK_R: tl.constexpr):
     """Rows pid * BLOCK_R ..: kv bf16 [n, 64 * NB] -> RoPE on the last 64 dims -> entry bytes at slot slots[row]."""
+    wait_for_prior_grids()
     o_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     m_r = o_r < n
     given = tl.load(slots_ptr + o_r, mask=m_r, other=-1)
@@ -95,12 +97,13 @@ def kv_insert(kv: torch.Tensor, positions: torch.Tensor, rope: RopeSpec, layout:
     _kv_insert_kernel[(triton.cdiv(n, block_r),)](
         kv, cos, sin, slots, pool, n, pool.shape[1], entries, NB=layout.dim // 64, FP8=layout.name == "fp8",
         DATA_BYTES=layout.data_bytes, SCALE_BYTES=max(layout.scale_bytes, 1), BLOCK_R=block_r,
-        enable_fp_fusion=False, num_warps=warps)
+        enable_fp_fusion=False, num_warps=warps, **launch_options(pool.device))
 
 
 @triton.jit(do_not_specialize=["src_page_bytes", "src_entries"])  # the step page: the step's row count
 def _copy_entries_kernel(src_ptr, src_page_bytes, src_entries, dst_ptr, dst_page_bytes, dst_entries, slots_ptr,
                          DATA_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr, BLOCK: tl.constexpr):
+    wait_for_prior_grids()
     row = tl.program_id(0)
     given = tl.load(slots_ptr + row).to(tl.int64)
     dst = tl.maximum(given, 0)
@@ -132,4 +135,4 @@ def append_window(window_pool: torch.Tensor, layout: EntryLayout, window: int, p
     _copy_entries_kernel[(rows,)](step_kv, step_kv.shape[1], rows, window_pool, window_pool.shape[1], window,
                                   plan.window_slots, DATA_BYTES=layout.data_bytes, SCALE_BYTES=layout.scale_bytes,
                                   BLOCK=triton.next_power_of_2(max(layout.data_bytes, layout.scale_bytes)),
-                                  num_warps=4)
+                                  num_warps=4, **launch_options(window_pool.device))
