@@ -1,19 +1,21 @@
 """Programmatic dependent launch (PDL) between the kernels of a step.
 
-A decode step is a chain of short kernels, and between two of them the GPU drains one grid before it launches the
-next. Launched with PDL (`launch_options`), a kernel may be launched while the kernel before it in its stream still
-runs. Its programs then wait in `wait_for_prior_grids`, which every kernel here calls before it reads or writes
-global memory:
-- the wait returns once the grid before it has completed and its writes are visible;
-- then it lets the next kernel launch.
+A decode step is a chain of short kernels, and without PDL the GPU launches a kernel only after the kernel before it
+has completed. Launched with PDL (`launch_options`), a kernel is launched as soon as every program of the kernel
+before it in its stream has exited, and its programs wait in `wait_for_prior_grids` until that kernel has completed
+and its writes are visible. Every kernel here calls it before it reads or writes global memory.
 
-The wait is transitive: a kernel completes only after its own wait has returned, so when a wait returns, everything
-earlier in the stream is complete. Every read and write happens in stream order, as without PDL. What PDL hides is
-the launch. A kernel before it that was not launched with PDL (a torch op) lets the next launch only when it
-completes. Without PDL the wait returns at once.
+The wait is transitive: a kernel's programs exit only after their own wait has returned, so when a wait returns,
+everything earlier in the stream is complete. Every read and write happens in stream order, as without PDL; what PDL
+hides is part of the launch. A kernel before it that was not launched with PDL (a torch op) is waited for as usual.
 
-`DEPENDENT_LAUNCH = False` launches without PDL (read at each launch; the bench compares the two). The interpreter
-runs no inline PTX and launches nothing early, so there the wait is compiled out.
+No kernel lets the next one launch early (`griddepcontrol.launch_dependents` right after the wait): the next grid's
+programs would then hold SM slots while they wait. Measured on the H100, `dsv4kv bench decode --quick`, CSA core:
+without PDL 43.3 / 73.7 / 265.5 us (16K and 1M at batch 1, 128K at batch 64), with PDL 38.5 / 70.6 / 262.7, with PDL
+and the early trigger 40.8 / 72.0 / 286.4 (docs/performance.md).
+
+`DEPENDENT_LAUNCH = False` launches without PDL (read at each launch). The interpreter runs no inline PTX and
+launches nothing early, so there the wait is compiled out.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+from triton.language.extra.cuda import gdc_wait
 
 from ..backend import interpreted
 
@@ -38,8 +40,7 @@ def launch_options(device: torch.device) -> dict:
 
 @triton.jit
 def wait_for_prior_grids():
-    """Wait for the grid before this one in the stream (complete, its writes visible), then let the next launch.
-    The first statement of every kernel here."""
+    """Wait until the grid before this one in the stream has completed and its writes are visible (at once without
+    PDL). The first statement of every kernel here."""
     if _GPU:
         gdc_wait()
-        gdc_launch_dependents()
