@@ -99,12 +99,12 @@ def _indexer_case(batch: int, history: int, new: int):
 
 
 def indexer_waves():
-    """The row (decode) kernel's grid and path: programs per SM (`_GRID_WAVES`: more programs, fewer tiles each) x
-    the bf16 / FP8 MMA path forced (`FP8_MIN_PROGRAMS_PER_SM`) x 1 / 2 stages, at batch 1 / 1M, 8 / 128K and
-    64 / 128K. Scores are checked against the default's first (the paths agree up to summation order)."""
+    """The row (decode) kernel's FP8 path: register loads (one tile at a time) against TMA tiles
+    (`TMA_KEYS`, `TMA_STAGES`), x programs per SM (`_GRID_WAVES`: more programs, fewer tiles each), at batch 1 / 1M,
+    8 / 128K and 64 / 128K. Scores are checked against the first variant's."""
     import dsv4kv.kernels.indexer as K
 
-    defaults = K._GRID_WAVES, K.FP8_MIN_PROGRAMS_PER_SM, dict(K._ROW_TILES)
+    defaults = K._GRID_WAVES, K.TMA_KEYS, K.TMA_STAGES
     for batch, history in ((1, (1 << 20) - 1), (8, 131071), (64, 131071)):
         cache, plan = csa_plan(batch, history, 1)
         ls = cache.spec.layers[CSA]
@@ -121,15 +121,12 @@ def indexer_waves():
                                           out=out, q_fp8=q_fp8)
 
         def apply(setting):
-            waves, path, stages = setting
-            K._GRID_WAVES = waves
-            K.FP8_MIN_PROGRAMS_PER_SM = 0 if path == "fp8" else 10 ** 9
-            K._ROW_TILES = {**defaults[2], "num_stages": stages}
+            K._GRID_WAVES, K.TMA_KEYS, K.TMA_STAGES = setting
 
-        label = f"indexer-waves batch {batch} ctx {history + 1} ({batch * out.shape[1] * 68 / 1e6:.1f} MB)"
-        settings = [(waves, path, stages) for stages in (1, 2) for path in ("bf16", "fp8") for waves in (3, 4, 6, 8)]
+        label = f"indexer-tma batch {batch} ctx {history + 1} ({batch * out.shape[1] * 68 / 1e6:.1f} MB)"
+        settings = [(3, False, 1), (4, False, 1)] + [(waves, True, stages) for stages in (2, 3) for waves in (2, 3, 4)]
         variants(label, run, settings, apply)
-        K._GRID_WAVES, K.FP8_MIN_PROGRAMS_PER_SM, K._ROW_TILES = defaults
+        K._GRID_WAVES, K.TMA_KEYS, K.TMA_STAGES = defaults
         del cache, plan, out
         torch.cuda.empty_cache()
 
@@ -249,10 +246,11 @@ TOPK_SHAPES = ((1, 262144, 512), (1, 1 << 20, 512), (64, 32768, 512), (8, 262144
 
 
 def topk():
-    """top-k: the kernel before issue 12 (four launches, a looped select), the current phases in four launches, and
-    in one launch (the default; also with 1 and 4 programs per SM and phase instead of 2), on randn scores and on scores that rise with the column (the top-k clustered in
-    the row's last chunks, which then buffer nearly every pick). Each variant's index sets must equal a stable sort's before it
-    is timed. Prints one line per variant, then `TOPK` summary lines."""
+    """top-k, the split kernel in four launches: programs per SM and phase (`PROGRAMS_PER_SM`: S chunks per row) x
+    columns per tile (`_BLOCK`), on randn scores and on scores that rise with the column (the top-k clustered in the
+    row's last chunks, which then buffer nearly every pick). Each variant's index sets must equal a stable sort's
+    before it is timed; the kernel before a change can join as "before" (TOPK_BEFORE names a copy of its topk.py).
+    Prints one line per variant, then `TOPK` summary lines."""
     import dsv4kv.kernels.topk as T
     from dsv4kv.ops.indexer import topk_picks
 
@@ -264,14 +262,17 @@ def topk():
         spec = importlib.util.spec_from_file_location("dsv4kv.kernels._topk_before", os.environ["TOPK_BEFORE"])
         old = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(old)
-    defaults = T.FUSED, T.PROGRAMS_PER_SM
+    defaults = T.PROGRAMS_PER_SM, dict(T._BLOCK)
     row_limits = T.ROW_MAX_COLS, T.ROW_MAX_COLS_MANY
     T.ROW_MAX_COLS = T.ROW_MAX_COLS_MANY = 0  # these variants are the split kernel's: no row goes to the row kernel
+    grid = [(per_sm, block) for per_sm in (2, 4, 8) for block in (512, 1024, 2048)]
+    if os.environ.get("TOPK_GRID"):  # e.g. "2:1024,4:2048"
+        grid = [tuple(int(v) for v in pair.split(":")) for pair in os.environ["TOPK_GRID"].split(",")]
     summary = []
     for rows, cols, k in TOPK_SHAPES:
+        if rows > 64:  # a prefill chunk's rows go to the row kernel
+            continue
         for kind in ("randn", "rising"):
-            if kind == "rising" and rows > 64:
-                continue
             g = torch.Generator(device=DEVICE).manual_seed(rows * cols + k)
             scores = torch.randn(rows, cols, generator=g, device=DEVICE)
             if kind == "rising":
@@ -282,19 +283,17 @@ def topk():
             old_ws = old.topk_workspace(rows, cols, k, DEVICE) if old is not None else None
             new_ws = {}
 
-            def new(fused: bool, per_sm: int):
+            def new(per_sm: int, block: int):
                 def run():
-                    T.FUSED, T.PROGRAMS_PER_SM = fused, per_sm
+                    T.PROGRAMS_PER_SM, T._BLOCK["cuda"] = per_sm, block
                     if per_sm not in new_ws:  # S, so the workspace's width, depends on the programs per SM
                         new_ws[per_sm] = T.topk_workspace(rows, cols, k, DEVICE)
                     return T.topk_indices(scores, lengths, k, out=out, workspace=new_ws[per_sm])
                 return run
 
-            runs = {"phases (4 launches)": new(False, 2), "fused (1 launch)": new(True, 2),
-                    "fused-1/SM": new(True, 1), "fused-4/SM": new(True, 4)}
+            runs = {f"{per_sm}/SM,{block}": new(per_sm, block) for per_sm, block in grid}
             if old is not None:
-                runs = {"before (4 launches)": lambda: old.topk_indices(scores, lengths, k, out=out,
-                                                                        workspace=old_ws), **runs}
+                runs = {"before": lambda: old.topk_indices(scores, lengths, k, out=out, workspace=old_ws), **runs}
             label = f"topk {rows} x {cols} k={k} {kind}"
             times = {}
             for name, run in runs.items():
@@ -308,9 +307,9 @@ def topk():
                 t = time_cuda(run, device=DEVICE, runs=30)
                 times[name] = f"{t.median_us:.1f}"
                 print(f"{label} {name}: {t.median_us:.1f} us (p10 {t.p10_us:.1f}, p90 {t.p90_us:.1f})", flush=True)
-            T.FUSED, T.PROGRAMS_PER_SM = defaults
+            T.PROGRAMS_PER_SM, T._BLOCK = defaults[0], dict(defaults[1])
             summary.append(f"TOPK {rows:>5} x {cols:>7} k={k:<4} {kind:<6} " + "  ".join(
-                f"{name.split(' ')[0]} {value}" for name, value in times.items()))
+                f"{name} {value}" for name, value in times.items()))
             del scores, out, new_ws, old_ws
             torch.cuda.empty_cache()
     T.ROW_MAX_COLS, T.ROW_MAX_COLS_MANY = row_limits
