@@ -99,12 +99,12 @@ def _indexer_case(batch: int, history: int, new: int):
 
 
 def indexer_waves():
-    """The row (decode) kernel's FP8 path: register loads (one tile at a time) against TMA tiles
-    (`TMA_KEYS`, `TMA_STAGES`), x programs per SM (`_GRID_WAVES`: more programs, fewer tiles each), at batch 1 / 1M,
-    8 / 128K and 64 / 128K. Scores are checked against the first variant's."""
+    """The row (decode) kernel's grid and path: programs per SM (`_GRID_WAVES`: more programs, fewer tiles each) x
+    the bf16 / FP8 MMA path forced (`FP8_MIN_PROGRAMS_PER_SM`) x 1 / 2 stages, at batch 1 / 1M, 8 / 128K and
+    64 / 128K. Scores are checked against the default's first (the paths agree up to summation order)."""
     import dsv4kv.kernels.indexer as K
 
-    defaults = K._GRID_WAVES, K.TMA_KEYS, K.TMA_STAGES
+    defaults = K._GRID_WAVES, K.FP8_MIN_PROGRAMS_PER_SM, dict(K._ROW_TILES)
     for batch, history in ((1, (1 << 20) - 1), (8, 131071), (64, 131071)):
         cache, plan = csa_plan(batch, history, 1)
         ls = cache.spec.layers[CSA]
@@ -121,12 +121,15 @@ def indexer_waves():
                                           out=out, q_fp8=q_fp8)
 
         def apply(setting):
-            K._GRID_WAVES, K.TMA_KEYS, K.TMA_STAGES = setting
+            waves, path, stages = setting
+            K._GRID_WAVES = waves
+            K.FP8_MIN_PROGRAMS_PER_SM = 0 if path == "fp8" else 10 ** 9
+            K._ROW_TILES = {**defaults[2], "num_stages": stages}
 
-        label = f"indexer-tma batch {batch} ctx {history + 1} ({batch * out.shape[1] * 68 / 1e6:.1f} MB)"
-        settings = [(3, False, 1), (4, False, 1)] + [(waves, True, stages) for stages in (2, 3) for waves in (2, 3, 4)]
+        label = f"indexer-waves batch {batch} ctx {history + 1} ({batch * out.shape[1] * 68 / 1e6:.1f} MB)"
+        settings = [(waves, path, stages) for stages in (1, 2) for path in ("bf16", "fp8") for waves in (3, 4, 6, 8)]
         variants(label, run, settings, apply)
-        K._GRID_WAVES, K.TMA_KEYS, K.TMA_STAGES = defaults
+        K._GRID_WAVES, K.FP8_MIN_PROGRAMS_PER_SM, K._ROW_TILES = defaults
         del cache, plan, out
         torch.cuda.empty_cache()
 

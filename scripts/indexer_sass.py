@@ -6,8 +6,8 @@ device-free proxy used for `kernels/indexer.py` (docs/performance.md).
     PYTHONPATH=/tmp/t36:src python scripts/indexer_sass.py [--mix 12]
 
 The builds: the bf16 path, the FP8 MMA path, and the FP8 path under its register cap (`FP8_MAX_REGISTERS`, as
-launched) with register loads and with TMA tiles, at the default stage count. The launch is V4-Flash decode (64 heads,
-head dim 128, MXFP4 keys of 68 B, 64 entries a page) with the alignment hints a real launch gets. Fewer loop instructions did not make this kernel faster by themselves (its time is bound
+launched), at the default stage count. The launch is V4-Flash decode (64 heads, head dim 128, MXFP4 keys of 68 B,
+256 entries a page) with the alignment hints a real launch gets. Fewer loop instructions did not make this kernel faster by themselves (its time is bound
 by register-limited occupancy and a serial tile chain): only the GPU decides."""
 
 from __future__ import annotations
@@ -32,23 +32,13 @@ POINTERS = {"q_ptr": "*fp32", "w_ptr": "*fp32", "positions_ptr": "*i32", "token_
 DIVISIBLE_BY_16 = {"num_entries", "table_stride", "chunk"}
 
 
-DESCRIPTORS = ("keys0", "keys1", "keys2", "keys3", "key_scales")
-
-
-def compile_row_kernel(fp8: bool, stages: int, block_j: int = 64, warps: int = 4, maxnreg: int | None = None,
-                       tma: bool = False):
+def compile_row_kernel(fp8: bool, stages: int, block_j: int = 64, warps: int = 4, maxnreg: int | None = None):
     kernel = indexer._indexer_scores_kernel
-    consts = dict(FORMAT=indexer._MXFP4, RATIO=4, D=128, P=64, PAGE_BYTES=64 * 68, DATA_BYTES=64, SCALE_BYTES=4,
-                  BLOCK_H=64, BLOCK_J=block_j, FILL_J=block_j, DOT=tl.bfloat16, FILL=False, MMA8=fp8, ASM=True,
-                  TMA=tma, TMA_STAGES=indexer.TMA_STAGES)
-    if not tma:
-        consts.update({n: None for n in DESCRIPTORS})
+    consts = dict(FORMAT=indexer._MXFP4, RATIO=4, D=128, P=256, PAGE_BYTES=256 * 68, DATA_BYTES=64, SCALE_BYTES=4,
+                  BLOCK_H=64, BLOCK_J=block_j, FILL_J=block_j, DOT=tl.bfloat16, FILL=False, MMA8=fp8, ASM=True)
     names = kernel.arg_names
     signature = {n: "constexpr" if n in consts else POINTERS.get(n, "fp32" if n == "score_scale" else "i32")
                  for n in names}
-    if tma:
-        signature.update({n: f"tensordesc<u8[1,{block_j},16]>" for n in DESCRIPTORS[:4]},
-                         key_scales=f"tensordesc<u8[1,{block_j * 4}]>")
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n in POINTERS or n in DIVISIBLE_BY_16}
     source = triton.compiler.ASTSource(fn=kernel, signature=signature, attrs=attrs,
                                        constexprs={(names.index(n),): v for n, v in consts.items()})
@@ -62,15 +52,13 @@ def main() -> int:
     args = ap.parse_args()
     stages = indexer._ROW_TILES["num_stages"]
     # the default stage count; the FP8 path without and with its register cap (the launch applies the cap)
-    for fp8, cap, tma in ((False, None, False), (True, None, False), (True, indexer.FP8_MAX_REGISTERS, False),
-                          (True, indexer.FP8_MAX_REGISTERS, True)):
-        compiled = compile_row_kernel(fp8, stages, maxnreg=cap, tma=tma)
+    for fp8, cap in ((False, None), (True, None), (True, indexer.FP8_MAX_REGISTERS)):
+        compiled = compile_row_kernel(fp8, stages, maxnreg=cap)
         ptxas, sass = ptxas_and_sass(compiled)
         regs = re.search(r"Used (\d+) registers", ptxas).group(1)
         spills = re.search(r"(\d+) bytes spill stores", ptxas).group(1)
         found = loops(sass)  # with the FP8 path the kernel holds both key loops (the bf16 one is the fallback)
-        print(f"{'FP8 MMA' if fp8 else 'bf16'} path{f', maxnreg {cap}' if cap else ''}{', TMA tiles' if tma else ''}, "
-              f"{stages} stage(s): "
+        print(f"{'FP8 MMA' if fp8 else 'bf16'} path{f', maxnreg {cap}' if cap else ''}, {stages} stage(s): "
               f"{regs} registers, spill stores {spills} B, shared {compiled.metadata.shared} B, key loops "
               f"{[n for n, _ in found]} instructions")
         for _, ops in found if args.mix else ():

@@ -553,52 +553,6 @@ def test_a_block_sum_of_13_significant_bits_is_exact(fp8_path, monkeypatch):
     assert seen.any() and torch.equal(got[seen], torch.full_like(got[seen], 1116.25 * layout.dim ** -0.5))
 
 
-@pytest.mark.parametrize("history", [(700, 301), (64 * 4 * 3,)], ids=["partial-tiles", "whole-tiles"])
-def test_tma_key_tiles_equal_register_loads(history, monkeypatch):
-    """The FP8 path's keys copied by TMA (`_key_descriptors`: 64-entry tiles of one page, two in flight) give the
-    scores of register loads bit for bit (the same products, summed in the same order), over V4-Flash's indexer
-    (64 heads, D = 128, 64 entries a page): partial last tiles whose page holds poisoned never-written entries, rows
-    of different lengths and a padding row. The scores equal the reference's within the tolerance table."""
-    flash = ModelGeometry.preset("flash")
-    cache, layout, pool = make_cache(flash, "mxfp4", page_tokens=V4_PAGE, max_requests=len(history) + 1,
-                                     max_tokens=sum(history) + 2 * V4_PAGE)
-    rids = admit(cache, len(history))
-    for rid, n in zip(rids, history):
-        cache.plan_step([(rid, n)])
-    plan = cache.plan_step([(rid, 1) for rid in rids])
-    g = gen(7, DEVICE)
-    for rid in rids:
-        write_all_keys(cache, rid, layout, pool, torch.randn(cache.length(rid) // 4, 128, generator=g, device=DEVICE),
-                       4, V4_PAGE)
-    assert kernel_mod._key_descriptors(pool, layout, V4_PAGE // 4, kernel_mod._ROW_TILES["block_j"]) is not None
-    q, w = make_query(layout, plan.positions.shape[0], flash.index_n_heads, seed=7)
-    entries = max(history) // 4 + 16
-    outs = {}
-    for tma in (True, False):
-        monkeypatch.setattr(kernel_mod, "TMA_KEYS", tma)
-        outs[tma] = indexer_scores_paged(q, w, plan, pool, layout, ratio=4, page_tokens=V4_PAGE,
-                                         max_entries=entries, stack_rows=False, fill=True)
-    assert torch.equal(outs[True], outs[False])
-    assert_close_scores(outs[True], reference(plan, pool, layout, q, w, entries, ratio=4, page_tokens=V4_PAGE))
-
-
-def test_tma_descriptors_only_where_the_pool_allows():
-    """TMA tiles need MXFP4 keys of D = 128, whole tiles in a page and a 16-byte aligned pool; else register loads."""
-    flash = ModelGeometry.preset("flash")
-    block_j = kernel_mod._ROW_TILES["block_j"]
-    _, layout, pool = make_cache(flash, "mxfp4", page_tokens=V4_PAGE, max_requests=1, max_tokens=V4_PAGE)
-    assert kernel_mod._key_descriptors(pool, layout, V4_PAGE // 4, block_j) is not None
-    # 32 entries a page: a tile would span two pages
-    _, layout32, pool32 = make_cache(flash, "mxfp4", page_tokens=128, max_requests=1, max_tokens=128)
-    assert kernel_mod._key_descriptors(pool32, layout32, 32, block_j) is None
-    _, fp8_layout, fp8_pool = make_cache(flash, "fp8", page_tokens=V4_PAGE, max_requests=1, max_tokens=V4_PAGE)
-    assert kernel_mod._key_descriptors(fp8_pool, fp8_layout, V4_PAGE // 4, block_j) is None
-    unaligned = torch.zeros(pool.numel() + 1, dtype=torch.uint8, device=DEVICE)[1:].view(pool.shape)
-    assert kernel_mod._key_descriptors(unaligned, layout, V4_PAGE // 4, block_j) is None
-    _, tiny_layout, tiny_pool = make_cache(TINY, "mxfp4", page_tokens=V4_PAGE, max_requests=1, max_tokens=V4_PAGE)
-    assert tiny_layout.dim == 64 and kernel_mod._key_descriptors(tiny_pool, tiny_layout, V4_PAGE // 4, block_j) is None
-
-
 @pytest.mark.parametrize("indexer_format", ["mxfp4", "fp8"])
 def test_query_and_keys_are_bf16_values(indexer_format):
     """The claim behind exact MMA products: rotated + round-tripped queries and stored keys are bf16 values,

@@ -103,10 +103,6 @@ _STACK_TILES = {"block_t": 4, "block_j": 128, "max_iters": 32, "num_warps": 8, "
 # it lost at 3.9 programs per SM (30.4 against 29.9 us; 1.12-1.14x in an earlier run).
 FP8_MIN_PROGRAMS_PER_SM = 0
 FP8_MAX_REGISTERS = 128  # the FP8 path's register cap: 4 programs of 4 warps per SM (see the launch)
-# The FP8 path's key tiles copied by TMA into shared memory, STAGES - 1 tiles ahead (`_mxfp4_fp8_scores_tma`), where
-# the pool allows it (`_key_descriptors`); False: register loads, one tile at a time.
-TMA_KEYS = True
-TMA_STAGES = 3
 _GRID_WAVES = 3  # programs per SM the chunking aims for: one decode row at 1M, 29 us at 3 against 36 us at 1
 _STACK_MIN_ROWS_PER_REQUEST = 2  # the automatic choice of the stacked kernel (`_stacked`)
 
@@ -286,36 +282,6 @@ def _mxfp4_fp8_scores(pool_ptr, p_table, p_out, chunk_lo, hi, visible, num_entri
 
 
 @triton.jit
-def _mxfp4_fp8_scores_tma(keys0, keys1, keys2, keys3, key_scales, p_table, p_out, chunk_lo, hi, visible, num_entries,
-                          b_w, b_q0, b_q1, b_q2, b_q3, P: tl.constexpr, BLOCK_J: tl.constexpr,
-                          BLOCK_H: tl.constexpr, ASM: tl.constexpr, STAGES: tl.constexpr):
-    """`_mxfp4_fp8_scores` for D = 128 with each tile's bytes copied by TMA into shared memory (`_key_descriptors`):
-    a tile is one page's BLOCK_J entries (P a multiple of BLOCK_J), its four 16-byte value blocks and its scale bytes
-    five box copies, and the loop keeps STAGES - 1 tiles in flight ahead of the one being computed without holding
-    them in registers. An unallocated page (-1) is out of the descriptors' bounds and reads as zeros. A tile is read
-    whole, so entries past `hi` in its page are loaded too; a key's score depends on its own bytes only, and scores
-    past visible(t) are stored as -inf."""
-    for j0 in tl.range(chunk_lo, hi, BLOCK_J, num_stages=STAGES):
-        page = tl.load(p_table + j0 // P)
-        row = j0 % P
-        k0 = tl.reshape(keys0.load([page, row, 0]), (BLOCK_J, 16))
-        k1 = tl.reshape(keys1.load([page, row, 0]), (BLOCK_J, 16))
-        k2 = tl.reshape(keys2.load([page, row, 0]), (BLOCK_J, 16))
-        k3 = tl.reshape(keys3.load([page, row, 0]), (BLOCK_J, 16))
-        # key j's scale bytes 4j .. 4j + 3 as [j, a, b] = byte 4j + 2a + b: split b, then a
-        s02, s13 = tl.split(tl.reshape(key_scales.load([page, row * 4]), (BLOCK_J, 2, 2)))
-        s0, s2 = tl.split(s02)
-        s1, s3 = tl.split(s13)
-        acc = _mxfp4_block_mma(k0, s0, b_q0, 64.0, tl.zeros((BLOCK_J, BLOCK_H), dtype=tl.float32), BLOCK_J, ASM)
-        acc = _mxfp4_block_mma(k1, s1, b_q1, 64.0, acc, BLOCK_J, ASM)
-        acc = _mxfp4_block_mma(k2, s2, b_q2, 64.0, acc, BLOCK_J, ASM)
-        acc = _mxfp4_block_mma(k3, s3, b_q3, 64.0, acc, BLOCK_J, ASM)
-        o_j = j0 + tl.arange(0, BLOCK_J)
-        b_s = tl.sum(_relu(acc) * b_w[None, :], axis=1)
-        tl.store(p_out + o_j, tl.where(o_j < visible, b_s, float("-inf")), mask=o_j < num_entries)
-
-
-@triton.jit
 def _key_dot(pool_ptr, p_table, o_j, m_j, b_q0, b_q1,
              FORMAT: tl.constexpr, D: tl.constexpr, P: tl.constexpr, PAGE_BYTES: tl.constexpr,
              DATA_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr, BLOCK_J: tl.constexpr, DOT: tl.constexpr):
@@ -378,16 +344,15 @@ def _indexer_scores_kernel(
     pool_ptr,  # uint8 [pages, PAGE_BYTES]
     out_ptr,  # fp32 [R, num_entries]
     q8_ptr, q8_scale_ptr,  # MMA8: uint8 [R, H, D], fp32 [R, H] (`fp8_query_operand`); unread otherwise
-    keys0, keys1, keys2, keys3, key_scales,  # TMA: the pool's descriptors (`_key_descriptors`); None otherwise
     num_heads, num_entries, table_stride, score_scale, chunk,
     FORMAT: tl.constexpr, RATIO: tl.constexpr, D: tl.constexpr, P: tl.constexpr, PAGE_BYTES: tl.constexpr,
     DATA_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_J: tl.constexpr, FILL_J: tl.constexpr, DOT: tl.constexpr,
-    FILL: tl.constexpr, MMA8: tl.constexpr, ASM: tl.constexpr, TMA: tl.constexpr, TMA_STAGES: tl.constexpr,
+    FILL: tl.constexpr, MMA8: tl.constexpr, ASM: tl.constexpr,
 ):
     """The row kernel: one token row, one chunk of `chunk` entries (a multiple of BLOCK_J). MMA8: MXFP4 keys on FP8
-    MMAs (`_mxfp4_fp8_scores`, or with TMA `_mxfp4_fp8_scores_tma`) when every head of the row's query passed
-    `fp8_query_operand`'s check, else the bf16 path."""
+    MMAs (`_mxfp4_fp8_scores`) when every head of the row's query passed `fp8_query_operand`'s check, else the bf16
+    path."""
     wait_for_prior_grids()
     i_t, i_c = tl.program_id(0), tl.program_id(1)
     t = i_t.to(tl.int64)
@@ -415,14 +380,9 @@ def _indexer_scores_kernel(
             exact = tl.min(q_scale, axis=0) > 0
             if exact:
                 b_q8_0, b_q8_1, b_q8_2, b_q8_3 = _q8_blocks(q8_ptr + t * num_heads * D + o_h[None, :] * D, m_h, D)
-                if TMA:
-                    _mxfp4_fp8_scores_tma(keys0, keys1, keys2, keys3, key_scales, p_table, p_out, chunk_lo,
-                                          tl.minimum(chunk_hi, visible), visible, num_entries, b_w * q_scale, b_q8_0,
-                                          b_q8_1, b_q8_2, b_q8_3, P, BLOCK_J, BLOCK_H, ASM, TMA_STAGES)
-                else:
-                    _mxfp4_fp8_scores(pool_ptr, p_table, p_out, chunk_lo, tl.minimum(chunk_hi, visible), visible,
-                                      num_entries, b_w * q_scale, b_q8_0, b_q8_1, b_q8_2, b_q8_3, 64.0, D, P,
-                                      PAGE_BYTES, DATA_BYTES, SCALE_BYTES, BLOCK_J, BLOCK_H, ASM)
+                _mxfp4_fp8_scores(pool_ptr, p_table, p_out, chunk_lo, tl.minimum(chunk_hi, visible), visible,
+                                  num_entries, b_w * q_scale, b_q8_0, b_q8_1, b_q8_2, b_q8_3, 64.0, D, P, PAGE_BYTES,
+                                  DATA_BYTES, SCALE_BYTES, BLOCK_J, BLOCK_H, ASM)
         if not exact:
             o_d0, o_d1 = _q_dims(FORMAT, D)
             # [D/2, BLOCK_H]
@@ -537,27 +497,6 @@ def _row_takes_fp8(fmt: int, dim: int, rows: int, entries: int, device: torch.de
     programs = rows * triton.cdiv(entries, block_j * iters)
     return fmt == _MXFP4 and dim <= 128 and programs >= FP8_MIN_PROGRAMS_PER_SM * (
         _num_sms(device) if device.type == "cuda" else 1)
-
-
-def _key_descriptors(pool: torch.Tensor, layout: EntryLayout, per_page: int, block_j: int):
-    """TMA descriptors of an MXFP4 key pool for `_mxfp4_fp8_scores_tma` (D = 128): the four 16-byte value blocks as
-    [pages, per_page, 16] and the scale bytes as [pages, per_page * 4], one page's block_j entries per box; None where
-    the layout or the pool does not allow it (per_page not a multiple of block_j, an unaligned pool, no TMA: a GPU
-    before Hopper). The interpreter reads the same descriptors."""
-    if not (TMA_KEYS and isinstance(layout, IndexerMXFP4Layout) and layout.dim == 128 and per_page % block_j == 0
-            and pool.shape[0] > 0 and pool.data_ptr() % 16 == 0 and pool.shape[1] % 16 == 0):
-        return None
-    if pool.device.type == "cuda" and torch.cuda.get_device_capability(pool.device)[0] < 9:
-        return None
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    pages, page_bytes = pool.shape
-    flat = pool.view(-1)
-    data = [TensorDescriptor(flat[16 * b:], [pages, per_page, 16], [page_bytes, layout.data_bytes, 1], [1, block_j, 16])
-            for b in range(4)]
-    scales = TensorDescriptor(flat[per_page * layout.data_bytes:], [pages, per_page * layout.scale_bytes],
-                              [page_bytes, 1], [1, block_j * layout.scale_bytes])
-    return (*data, scales)
 
 
 def _iters(programs_per_chunk: int, tiles: int, device: torch.device, max_iters: int) -> int:
@@ -738,15 +677,13 @@ def indexer_scores_paged(q: torch.Tensor, weights: torch.Tensor, plan, key_pool:
         if mma8 and q_fp8 is None:
             q_fp8 = indexer_query_fp8(q)
         q8, q8_scale = q_fp8 if mma8 else (q, q)  # unread without MMA8
-        descriptors = _key_descriptors(key_pool, layout, per_page, block_j) if mma8 else None
         # the FP8 build takes 152 registers uncapped (sm_90a, scripts/indexer_sass.py), 3 programs per SM; capped at
         # 128 it spills 4 bytes and 4 programs fit
         cap = {"maxnreg": FP8_MAX_REGISTERS} if mma8 and not interpreted() else {}
         # FILL_J (the chunk, a tile shape) matters only with fill: without, one kernel serves every chunk size
-        _indexer_scores_kernel[grid](*args, q8, q8_scale, *(descriptors or (None,) * 5), heads, entries,
-                                     plan.block_table.stride(0), dim ** -0.5, chunk,
+        _indexer_scores_kernel[grid](*args, q8, q8_scale, heads, entries, plan.block_table.stride(0), dim ** -0.5,
+                                     chunk,
                                      **common, BLOCK_J=block_j, FILL_J=chunk if fill else block_j, MMA8=mma8,
-                                     ASM=not interpreted(), TMA=descriptors is not None, TMA_STAGES=TMA_STAGES,
-                                     num_warps=num_warps, num_stages=_ROW_TILES["num_stages"],
+                                     ASM=not interpreted(), num_warps=num_warps, num_stages=_ROW_TILES["num_stages"],
                                      **cap, **launch_options(device))
     return out
