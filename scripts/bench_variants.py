@@ -289,9 +289,9 @@ def topk():
             def new(per_sm: int, block: int):
                 def run():
                     T.PROGRAMS_PER_SM, T._BLOCK["cuda"] = per_sm, block
-                    if per_sm not in new_ws:  # S, so the workspace's width, depends on the programs per SM
-                        new_ws[per_sm] = T.topk_workspace(rows, cols, k, DEVICE)
-                    return T.topk_indices(scores, lengths, k, out=out, workspace=new_ws[per_sm])
+                    if (per_sm, block) not in new_ws:  # S, so the workspace's width, depends on both
+                        new_ws[per_sm, block] = T.topk_workspace(rows, cols, k, DEVICE)
+                    return T.topk_indices(scores, lengths, k, out=out, workspace=new_ws[per_sm, block])
                 return run
 
             runs = {f"{per_sm}/SM,{block}": new(per_sm, block) for per_sm, block in grid}
