@@ -249,8 +249,8 @@ TOPK_SHAPES = ((1, 262144, 512), (1, 1 << 20, 512), (64, 32768, 512), (8, 262144
 
 
 def topk():
-    """top-k, the split kernel in four launches: programs per SM and phase (`PROGRAMS_PER_SM`: S chunks per row) x
-    columns per tile (`_BLOCK`), on randn scores and on scores that rise with the column (the top-k clustered in the
+    """top-k, the split kernel in four launches: programs per SM and phase (S chunks per row) x columns per tile
+    (`SPLIT_TILING`, forced for every shape), on randn scores and on scores that rise with the column (the top-k clustered in the
     row's last chunks, which then buffer nearly every pick). Each variant's index sets must equal a stable sort's
     before it is timed; the kernel before a change can join as "before" (TOPK_BEFORE names a copy of its topk.py).
     Prints one line per variant, then `TOPK` summary lines."""
@@ -265,7 +265,7 @@ def topk():
         spec = importlib.util.spec_from_file_location("dsv4kv.kernels._topk_before", os.environ["TOPK_BEFORE"])
         old = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(old)
-    defaults = T.PROGRAMS_PER_SM, dict(T._BLOCK)
+    defaults = dict(T.SPLIT_TILING)
     row_limits = T.ROW_MAX_COLS, T.ROW_MAX_COLS_MANY
     T.ROW_MAX_COLS = T.ROW_MAX_COLS_MANY = 0  # these variants are the split kernel's: no row goes to the row kernel
     grid = [(per_sm, block) for per_sm in (2, 4, 8) for block in (512, 1024, 2048)]
@@ -288,7 +288,7 @@ def topk():
 
             def new(per_sm: int, block: int):
                 def run():
-                    T.PROGRAMS_PER_SM, T._BLOCK["cuda"] = per_sm, block
+                    T.SPLIT_TILING = {"small": (per_sm, block), "big": (per_sm, block)}
                     if (per_sm, block) not in new_ws:  # S, so the workspace's width, depends on both
                         new_ws[per_sm, block] = T.topk_workspace(rows, cols, k, DEVICE)
                     return T.topk_indices(scores, lengths, k, out=out, workspace=new_ws[per_sm, block])
@@ -310,7 +310,7 @@ def topk():
                 t = time_cuda(run, device=DEVICE, runs=30)
                 times[name] = f"{t.median_us:.1f}"
                 print(f"{label} {name}: {t.median_us:.1f} us (p10 {t.p10_us:.1f}, p90 {t.p90_us:.1f})", flush=True)
-            T.PROGRAMS_PER_SM, T._BLOCK = defaults[0], dict(defaults[1])
+            T.SPLIT_TILING = dict(defaults)
             summary.append(f"TOPK {rows:>5} x {cols:>7} k={k:<4} {kind:<6} " + "  ".join(
                 f"{name} {value}" for name, value in times.items()))
             del scores, out, new_ws, old_ws

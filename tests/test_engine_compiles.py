@@ -105,6 +105,9 @@ def test_gpu_launch_configs_take_few_values(monkeypatch):
                for c in [attention_module._config(rows, 64, max_keys, cuda)]}
     assert len(configs) <= 6, configs  # (16 | 64 heads) x (32 | 64 keys) x (split or not), in part
     monkeypatch.setattr(topk_module, "_sm_count", lambda index: 132)
-    assert topk_module._programs(torch.device("cuda", 0)) == 264  # SPLITS = 512 for every shape
+    assert topk_module._max_splits(torch.device("cuda", 0)) == 528  # SPLITS = 1024 for every shape
+    tilings = {topk_module._split(rows, cols, torch.device("cuda", 0))[2]
+               for rows in (1, 2, 3, 64, 8192) for cols in (1, 5000, 1 << 15, 1 << 18, 1 << 20)}
+    assert tilings == {1024, 2048}  # BLOCK: two compilations
     assert max(topk_module._split(rows, cols, torch.device("cuda", 0))[0]
-               for rows in (1, 2, 3, 64) for cols in (1, 5000, 1 << 18)) <= 264
+               for rows in (1, 2, 3, 64) for cols in (1, 5000, 1 << 18, 1 << 20)) <= 528

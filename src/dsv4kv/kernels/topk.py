@@ -84,15 +84,19 @@ ROW_MAX_COLS, ROW_MAX_COLS_MANY, ROW_MANY = 4096, 16384, 64
 _ROW_BLOCK = 4096  # the row kernel's smallest row tile: shorter rows share its compilation
 FUSED = False  # four launches; True: one launch ordered by tickets. H200 (docs/bench/topk-variants-h200.txt): four
 # launches 22.9 / 38.2 / 53.9 us at 256K / 1M / 64 x 32K, one launch 26.9 / 53.3 / 69.2 (the waits cost more than launches)
-PROGRAMS_PER_SM = 2  # programs per SM and phase on a GPU (S = this x SMs / R); a workspace's size depends on it
+# The split kernel's (programs per SM and phase, columns per tile) on a GPU, for problems below / from BIG_FROM scores
+# (S = programs per SM x SMs / R; a workspace's size depends on it). H100, 2026-11-25 (docs/performance.md): 2 / 1024
+# 22.1 us at 1 x 262K against 24.2 with 4 / 2048; 4 / 2048 36.2 against 37.1 at 1 x 1M, 47.6 against 53.3 at 64 x 32K,
+# 47.8 against 54.6 at 8 x 262K. The two tile widths are two compilations (SPLITS is the larger tiling's in both).
+SPLIT_TILING = {"small": (2, 1024), "big": (4, 2048)}
+BIG_FROM = 1 << 20
 _BINS = 256  # 8-bit digits: four levels cover the 32-bit key
 _LINE = 32  # int32s per 128-byte line: each counter on its own line, so spinning readers do not share a line
 _TICKET, _DONE_A, _DONE_B, _DONE_C = 0, _LINE, 2 * _LINE, 3 * _LINE
 _HIST1 = 4 * _LINE
 _HIST2 = _HIST1 + _BINS
 _HEADER = _HIST2 + _BINS  # counters, hist1, hist2; then suffix [S, 256] and the buffer
-_BLOCK = {"cuda": 1024, "cpu": 64}  # columns per tile; small under the interpreter so tests split rows
-_CPU_PROGRAMS = 6  # programs the interpreter aims for when splitting rows (tests exercise S > 1)
+_CPU_TILING = (6, 64)  # the interpreter's programs and tile columns: small, so tests split rows (S > 1)
 
 
 @functools.lru_cache(maxsize=None)
@@ -100,18 +104,26 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def _programs(device: torch.device) -> int:
-    """Programs per phase the split aims for; also the most splits a row can get."""
-    if device.type == "cuda":
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        return PROGRAMS_PER_SM * _sm_count(index)
-    return _CPU_PROGRAMS
+def _tiling(rows: int, cols: int, device: torch.device) -> tuple[int, int]:
+    """(programs per phase the split aims for, columns per tile) for a [rows, cols] problem (`SPLIT_TILING`)."""
+    if device.type != "cuda":
+        return _CPU_TILING
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    per_sm, block = SPLIT_TILING["big" if rows * cols >= BIG_FROM else "small"]
+    return per_sm * _sm_count(index), block
+
+
+def _max_splits(device: torch.device) -> int:
+    """The most splits a row can get on `device` (the width of the kernels' per-chunk count vector)."""
+    if device.type != "cuda":
+        return _CPU_TILING[0]
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return max(per_sm for per_sm, _ in SPLIT_TILING.values()) * _sm_count(index)
 
 
 def _split(rows: int, cols: int, device: torch.device) -> tuple[int, int, int]:
-    """(splits S, chunk columns, tile columns) for a [rows, cols] problem: about two programs per SM per phase."""
-    block = _BLOCK["cuda" if device.type == "cuda" else "cpu"]
-    programs = _programs(device)
+    """(splits S, chunk columns, tile columns) for a [rows, cols] problem (`_tiling`)."""
+    programs, block = _tiling(rows, cols, device)
     splits = max(1, min(-(-programs // max(rows, 1)), -(-cols // block)))
     chunk = max(1, -(-(-(-cols // splits)) // block)) * block
     return max(1, -(-cols // chunk)), chunk, block
@@ -192,7 +204,7 @@ def topk_indices(scores: torch.Tensor, lengths: torch.Tensor, k: int, *, out: to
     args = (scores, lengths, workspace, out, cols, width, chunk, splits, capacity, k)
     # SPLITS (the width of the per-chunk count vector) is the device's bound, not this call's S, and S is a plain
     # runtime int (do_not_specialize): S follows the row count, so it would otherwise compile a kernel per step shape
-    meta = dict(BLOCK=block, SPLITS=triton.next_power_of_2(_programs(device)), SELECT=select,
+    meta = dict(BLOCK=block, SPLITS=triton.next_power_of_2(_max_splits(device)), SELECT=select,
                 num_warps=4 if select <= 1024 else 8, **launch_options(device))
     if FUSED:
         _topk_kernel[(rows, 3 * splits + 1)](*args, PHASE=-1, **meta)
