@@ -71,7 +71,8 @@ NUM_STAGES = 1  # 2 stages were slower at every decode shape (more registers, sp
 # Fewest key blocks per split: a split's fixed cost (q load, partial write, its share of the merge) should not
 # dominate its work.
 MIN_SPLIT_BLOCKS = 2
-MERGE_S = 16  # splits a merge program reads at once
+MERGE_S = 16  # the most splits a merge program reads at once (fewer when the launch has fewer: the rest would be
+# masked loads and arithmetic, 8x the work at batch 64's 2 splits)
 # Round-trip each block's logits through a per-program scratch row in global memory (L2) where a program has two
 # warpgroups (8 warps). Triton lays out a dot whose result feeds another dot with all warps along M (rows per warp,
 # for the softmax): with 64 heads over 8 warps both warpgroups then compute the whole QK^T. Through memory, QK^T is
@@ -574,7 +575,8 @@ def sparse_attention_paged(q: torch.Tensor, plan: StepPlan, *, sinks: torch.Tens
         cos, sin = inverse_rope if inverse_rope is not None else (sinks, sinks)  # unread without the RoPE
         _merge_kernel[(rows, heads)](
             workspace, sinks, out, plan.positions, cos, sin, n_picks, heads, config.splits,
-            RATIO=max(ratio, 1), WINDOW=window, D=dim, ENTRIES=mode, BLOCK_N=config.block_n, MERGE_S=MERGE_S,
+            RATIO=max(ratio, 1), WINDOW=window, D=dim, ENTRIES=mode, BLOCK_N=config.block_n,
+            MERGE_S=min(MERGE_S, triton.next_power_of_2(config.splits)),
             ROPE_HALF=rope_half if inverse_rope is not None else 0, num_warps=MERGE_WARPS,
             # rope_rows' rounding (separately rounded products), and the same fp32 merge with or without the RoPE
             enable_fp_fusion=False, **launch_options(device),
