@@ -336,6 +336,36 @@ def test_inverse_rope_output_is_rope_rows_of_the_output(splits):
         sparse_attention_paged(q, plan, inverse_rope=(cos_sin[0][:2], cos_sin[1]), **args)
 
 
+def test_merge_of_two_splits_reads_two_at_once(monkeypatch):
+    """A launch of 2 splits merges them 2 at a time (`_merge_chunk`): the same bytes as MERGE_S at a time, with and
+    without the inverse RoPE (a sum of two terms and zeros is one rounding in any order); padding rows stay zeros."""
+    cache = CacheManager(TINY, max_requests=3, max_tokens=300, kv_format="fp8", indexer_format="bf16",
+                         page_tokens=PAGE, device=DEVICE, poison=True)
+    spec = TINY.layers[2]
+    layout, lc = cache.spec.layers[2].main, cache.pools.layers[2]
+    rid = cache.admit()
+    g = gen(15)
+    history = cache.plan_step([(rid, 150)])
+    writes = history.entries[16]
+    layout.write(lc.entries, PAGE // 16, writes.slots[:writes.count], randn(writes.count, TINY.head_dim, g=g))
+    append_window(lc.window, layout, TINY.window, history, randn(150, TINY.head_dim, g=g))
+    plan = cache.plan_step([(rid, 2)], buffers=cache.step_buffers(max_tokens=4, max_requests=3))
+    q = randn(4, TINY.num_heads, TINY.head_dim, g=g, dtype=torch.bfloat16)
+    args = dict(sinks=sinks_of(q), scale=TINY.head_dim ** -0.5, layout=layout, window=TINY.window,
+                window_pool=lc.window, step_kv=encode_step_kv(layout, 4, randn(2, TINY.head_dim, g=g)),
+                entry_pool=lc.entries, ratio=16, page_tokens=PAGE, splits=2)
+    assert attention._merge_chunk(2) == 2 and attention._merge_chunk(3) == attention.MERGE_S
+    cos_sin = rope_cos_sin(spec.rope, plan.positions)
+    outs = {}
+    for chunk in (2, attention.MERGE_S):
+        monkeypatch.setattr(attention, "_merge_chunk", lambda splits, chunk=chunk: chunk)
+        outs[chunk] = (sparse_attention_paged(q, plan, **args), sparse_attention_paged(q, plan, inverse_rope=cos_sin,
+                                                                                      **args))
+    for two, sixteen in zip(outs[2], outs[attention.MERGE_S]):
+        assert torch.equal(two, sixteen) and torch.equal(two[2:], torch.zeros_like(two[2:]))
+    assert torch.isfinite(outs[2][0]).all()
+
+
 def test_config_splits_only_grids_that_leave_the_gpu_idle(monkeypatch):
     """`_config` on a 132-SM device (V4-Flash decode shapes: 64 heads, window 128 + 512 picks, or + 8192 HCA entries
     at 1M): small batches split (with 16-head blocks where even the split grid leaves half the SMs idle), a batch
