@@ -285,7 +285,11 @@ def excursion_at(out, k: int):
 
 # --- on a GPU: bf16 weights, the attention on the Triton kernels, decode steps from CUDA graphs ------------
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-AGREEMENT_SLACK = 2  # tokens: the engine may miss the fp32 argmax this many times more often than transformers' bf16
+# tokens: the engine may miss the fp32 argmax by more than a tie (MARGIN) this many times more often than
+# transformers' bf16 forward. Near ties are not counted: a legitimate fp32 rounding change, the attention merge
+# without FMA contraction (6f067cf), moved the V4-Flash geometry's misses of any size from 4 to 6 of 48 (bisected
+# against 6ec2ba6; H100, 2026-11-25), 4 of the 6 within 0.04 of the fp32 best.
+AGREEMENT_SLACK = 2
 
 
 def check_against_bf16_oracle(served, oracle, token_lists, outputs) -> dict:
@@ -295,10 +299,10 @@ def check_against_bf16_oracle(served, oracle, token_lists, outputs) -> dict:
     orders), so at one position either may be near exact while the other is off by the model's bf16 error scale:
     d is the bf16 forward's largest logit error over the request's positions, not at that position (measured on an
     H100, 2026-11-25: V4-Flash geometry, a token 0.73 below the fp32 best where transformers' bf16 error was 0.07).
-    And the engine may miss the fp32 argmax at most AGREEMENT_SLACK times more often than the bf16 forward does, the
-    gate a wrong pick or a stale key would fail. Measured on the H200 (2026-11-25): transformers' bf16 forward
+    And the engine may miss the fp32 argmax by more than MARGIN (a near tie) at most AGREEMENT_SLACK times more often
+    than the bf16 forward does, the gate a wrong pick or a stale key would fail. Measured on the H200 (2026-11-25): transformers' bf16 forward
     itself misses the fp32 argmax on 2 of 72 (tiny) and 4 of 48 (V4-Flash geometry) tokens, by up to 1.37."""
-    figures = dict(tokens=0, engine_off=0, bf16_off=0, engine_gap=0.0, bf16_error=0.0)
+    figures = dict(tokens=0, engine_off=0, bf16_off=0, engine_gap=0.0, bf16_error=0.0, engine_gaps=[])
     for prompt, out in zip(token_lists, outputs):
         assert len(out.token_ids) == NEW_TOKENS
         sequence = list(prompt) + list(out.token_ids)
@@ -314,8 +318,9 @@ def check_against_bf16_oracle(served, oracle, token_lists, outputs) -> dict:
                                  f"the fp32 oracle's argmax {int(exact[k].argmax())}, beyond 2 x transformers' largest "
                                  f"bf16 logit error on this request ({error:.4f})")
         figures["tokens"] += len(tokens)
-        figures["engine_off"] += int((gap > 0).sum())
-        figures["bf16_off"] += int((bf16.argmax(-1) != exact.argmax(-1)).sum())
+        figures["engine_off"] += int((gap > MARGIN).sum())
+        figures["engine_gaps"] += [round(float(v), 4) for v in gap[gap > 0]]
+        figures["bf16_off"] += int((best - exact.gather(1, bf16.argmax(-1, keepdim=True))[:, 0] > MARGIN).sum())
         figures["engine_gap"] = max(figures["engine_gap"], float(gap.max()))
         figures["bf16_error"] = max(figures["bf16_error"], error)
     assert figures["engine_off"] <= figures["bf16_off"] + AGREEMENT_SLACK, figures
