@@ -244,16 +244,16 @@ def insert():
         variants(f"compress_insert 8192 rows {key}", run, settings, apply)
 
 
-TOPK_SHAPES = ((1, 262144, 512), (1, 1 << 20, 512), (64, 32768, 512), (8, 262144, 512), (1, 262144, 1024),
-               (8192, 16384, 512))  # the issue's three targets, a mid batch, V4-Pro's k, a prefill chunk's rows
+TOPK_SHAPES = ((1, 262144, 512), (1, 1 << 20, 512), (64, 32768, 512), (8, 262144, 512),
+               (1, 262144, 1024))  # the issue's three targets, a mid batch, V4-Pro's k
 
 
 def topk():
     """top-k, the split kernel in four launches: programs per SM and phase (S chunks per row) x columns per tile
-    (`SPLIT_TILING`, forced for every shape), on randn scores and on scores that rise with the column (the top-k clustered in the
-    row's last chunks, which then buffer nearly every pick). Each variant's index sets must equal a stable sort's
-    before it is timed; the kernel before a change can join as "before" (TOPK_BEFORE names a copy of its topk.py).
-    Prints one line per variant, then `TOPK` summary lines."""
+    (`SPLIT_TILING`, forced for every shape), on randn scores and on scores that rise with the column (the top-k
+    clustered in the row's last chunks, which then buffer nearly every pick). Each variant's index sets must equal a
+    stable sort's before it is timed; the kernel before a change can join as "before" (TOPK_BEFORE names a copy of
+    its topk.py). Prints one line per variant, then `TOPK` summary lines."""
     import dsv4kv.kernels.topk as T
     from dsv4kv.ops.indexer import topk_picks
 
@@ -272,50 +272,50 @@ def topk():
     if os.environ.get("TOPK_GRID"):  # e.g. "2:1024,4:2048"
         grid = [tuple(int(v) for v in pair.split(":")) for pair in os.environ["TOPK_GRID"].split(",")]
     summary = []
-    for rows, cols, k in TOPK_SHAPES:
-        if rows > 64:  # a prefill chunk's rows go to the row kernel
-            continue
-        for kind in ("randn", "rising"):
-            g = torch.Generator(device=DEVICE).manual_seed(rows * cols + k)
-            scores = torch.randn(rows, cols, generator=g, device=DEVICE)
-            if kind == "rising":
-                scores += torch.linspace(0, 8, cols, device=DEVICE)
-            lengths = torch.full((rows,), cols, dtype=torch.int32, device=DEVICE)
-            want = topk_picks(scores, k).sort(dim=1).values.int()
-            out = torch.empty(rows, k, dtype=torch.int32, device=DEVICE)
-            old_ws = old.topk_workspace(rows, cols, k, DEVICE) if old is not None else None
-            new_ws = {}
+    try:
+        for rows, cols, k in TOPK_SHAPES:
+            for kind in ("randn", "rising"):
+                g = torch.Generator(device=DEVICE).manual_seed(rows * cols + k)
+                scores = torch.randn(rows, cols, generator=g, device=DEVICE)
+                if kind == "rising":
+                    scores += torch.linspace(0, 8, cols, device=DEVICE)
+                lengths = torch.full((rows,), cols, dtype=torch.int32, device=DEVICE)
+                want = topk_picks(scores, k).sort(dim=1).values.int()
+                out = torch.empty(rows, k, dtype=torch.int32, device=DEVICE)
+                old_ws = old.topk_workspace(rows, cols, k, DEVICE) if old is not None else None
+                new_ws = {}
 
-            def new(per_sm: int, block: int):
-                def run():
-                    T.SPLIT_TILING = {"small": (per_sm, block), "big": (per_sm, block)}
-                    if (per_sm, block) not in new_ws:  # S, so the workspace's width, depends on both
-                        new_ws[per_sm, block] = T.topk_workspace(rows, cols, k, DEVICE)
-                    return T.topk_indices(scores, lengths, k, out=out, workspace=new_ws[per_sm, block])
-                return run
+                def new(per_sm: int, block: int):
+                    def run():
+                        T.SPLIT_TILING = {"small": (per_sm, block), "big": (per_sm, block)}
+                        if (per_sm, block) not in new_ws:  # S, so the workspace's width, depends on both
+                            new_ws[per_sm, block] = T.topk_workspace(rows, cols, k, DEVICE)
+                        return T.topk_indices(scores, lengths, k, out=out, workspace=new_ws[per_sm, block])
+                    return run
 
-            runs = {f"{per_sm}/SM,{block}": new(per_sm, block) for per_sm, block in grid}
-            if old is not None:
-                runs = {"before": lambda: old.topk_indices(scores, lengths, k, out=out, workspace=old_ws), **runs}
-            label = f"topk {rows} x {cols} k={k} {kind}"
-            times = {}
-            for name, run in runs.items():
-                out.fill_(-7)
-                run()
-                torch.cuda.synchronize()
-                if not torch.equal(out, want):
-                    print(f"{label} {name}: DIFFERS from a stable sort, not timed", flush=True)
-                    times[name] = "DIFFERS"
-                    continue
-                t = time_cuda(run, device=DEVICE, runs=30)
-                times[name] = f"{t.median_us:.1f}"
-                print(f"{label} {name}: {t.median_us:.1f} us (p10 {t.p10_us:.1f}, p90 {t.p90_us:.1f})", flush=True)
-            T.SPLIT_TILING = dict(defaults)
-            summary.append(f"TOPK {rows:>5} x {cols:>7} k={k:<4} {kind:<6} " + "  ".join(
-                f"{name} {value}" for name, value in times.items()))
-            del scores, out, new_ws, old_ws
-            torch.cuda.empty_cache()
-    T.ROW_MAX_COLS, T.ROW_MAX_COLS_MANY = row_limits
+                runs = {f"{per_sm}/SM,{block}": new(per_sm, block) for per_sm, block in grid}
+                if old is not None:
+                    runs = {"before": lambda: old.topk_indices(scores, lengths, k, out=out, workspace=old_ws), **runs}
+                label = f"topk {rows} x {cols} k={k} {kind}"
+                times = {}
+                for name, run in runs.items():
+                    out.fill_(-7)
+                    run()
+                    torch.cuda.synchronize()
+                    if not torch.equal(out, want):
+                        print(f"{label} {name}: DIFFERS from a stable sort, not timed", flush=True)
+                        times[name] = "DIFFERS"
+                        continue
+                    t = time_cuda(run, device=DEVICE, runs=30)
+                    times[name] = f"{t.median_us:.1f}"
+                    print(f"{label} {name}: {t.median_us:.1f} us (p10 {t.p10_us:.1f}, p90 {t.p90_us:.1f})", flush=True)
+                summary.append(f"TOPK {rows:>5} x {cols:>7} k={k:<4} {kind:<6} " + "  ".join(
+                    f"{name} {value}" for name, value in times.items()))
+                del scores, out, new_ws, old_ws
+                torch.cuda.empty_cache()
+    finally:  # the module's settings back, whatever a variant raised
+        T.SPLIT_TILING = dict(defaults)
+        T.ROW_MAX_COLS, T.ROW_MAX_COLS_MANY = row_limits
     print("\n".join(summary), flush=True)
 
 

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Issue 12 on the H200 (device tool: the repo is the working dir, results go to $OUT). Runs the GPU tests of the
 # files the decode branch touched (top-k, the fused indexer query, the indexer, the bench) and of the layer that
-# uses them, the top-k variant timings (scripts/bench_variants.py topk: the kernel before when TOPK_BEFORE names a
-# copy of it, the same phases in four launches, one launch at 1 / 2 / 4 programs per SM), `dsv4kv bench topk --quick`
+# uses them, the top-k variant timings (scripts/bench_variants.py topk: the split kernel over programs per SM x tile
+# columns, TOPK_GRID to pick them, and the kernel before when TOPK_BEFORE names a copy of it), `dsv4kv bench topk --quick`
 # with the default --device cuda, and (stage decode) `dsv4kv bench decode --quick`; then prints a short table.
 #
 #   bash scripts/device_issue12.sh [tests] [variants] [bench] [decode] [sequential] [plain] [memcheck]

@@ -105,9 +105,10 @@ def test_gpu_launch_configs_take_few_values(monkeypatch):
                for c in [attention_module._config(rows, 64, max_keys, cuda)]}
     assert len(configs) <= 6, configs  # (16 | 64 heads) x (32 | 64 keys) x (split or not), in part
     monkeypatch.setattr(topk_module, "_sm_count", lambda index: 132)
-    assert topk_module._max_splits(torch.device("cuda", 0)) == 528  # SPLITS = 1024 for every shape
-    tilings = {topk_module._split(rows, cols, torch.device("cuda", 0))[2]
-               for rows in (1, 2, 3, 64, 8192) for cols in (1, 5000, 1 << 15, 1 << 18, 1 << 20)}
-    assert tilings == {1024, 2048}  # BLOCK: two compilations
-    assert max(topk_module._split(rows, cols, torch.device("cuda", 0))[0]
-               for rows in (1, 2, 3, 64) for cols in (1, 5000, 1 << 18, 1 << 20)) <= 528
+    shapes = [(rows, cols) for rows in (1, 2, 3, 64, 8192) for cols in (1, 5000, 1 << 15, 1 << 18, 1 << 20)]
+    # (programs, tile columns): two tilings, so two compilations (BLOCK, and SPLITS = 512 or 1024)
+    tilings = {topk_module._tiling(rows, cols, torch.device("cuda", 0)) for rows, cols in shapes}
+    assert tilings == {(264, 1024), (528, 2048)}
+    for rows, cols in shapes:  # S fits the count vector of its own tiling
+        programs, block = topk_module._tiling(rows, cols, torch.device("cuda", 0))
+        assert topk_module._split(rows, cols, torch.device("cuda", 0))[0] <= programs

@@ -303,26 +303,33 @@ def test_empty_splits_and_padding_rows(monkeypatch, splits):
                                         page_tokens=PAGE)) < TOL
 
 
-@pytest.mark.parametrize("splits", [1, 3])
-def test_inverse_rope_output_is_rope_rows_of_the_output(splits):
-    """inverse_rope: the bf16 output is bit for bit `rope_rows(fp32 output, cos, sin, inverse=True)`, whether the
-    merge applies it (3 splits) or rope_rows follows the single pass; padding rows stay zeros."""
+def hca_decode_case(history: int, new: int, rows: int, seed: int):
+    """TINY's HCA layer (2) with `history` tokens of random window keys and entries, then one step of `new` tokens
+    padded to `rows` rows -> (q, plan, sparse_attention_paged's arguments but splits, the step's RoPE tables)."""
     cache = CacheManager(TINY, max_requests=3, max_tokens=300, kv_format="fp8", indexer_format="bf16",
                          page_tokens=PAGE, device=DEVICE, poison=True)
     spec = TINY.layers[2]
     layout, lc = cache.spec.layers[2].main, cache.pools.layers[2]
     rid = cache.admit()
-    g = gen(14)
-    history = cache.plan_step([(rid, 90)])
-    writes = history.entries[16]
+    g = gen(seed)
+    prior = cache.plan_step([(rid, history)])
+    writes = prior.entries[16]
     layout.write(lc.entries, PAGE // 16, writes.slots[:writes.count], randn(writes.count, TINY.head_dim, g=g))
-    append_window(lc.window, layout, TINY.window, history, randn(90, TINY.head_dim, g=g))
-    plan = cache.plan_step([(rid, 3)], buffers=cache.step_buffers(max_tokens=5, max_requests=3))
-    q = randn(5, TINY.num_heads, TINY.head_dim, g=g, dtype=torch.bfloat16)
-    cos_sin = rope_cos_sin(spec.rope, plan.positions)
+    append_window(lc.window, layout, TINY.window, prior, randn(history, TINY.head_dim, g=g))
+    plan = cache.plan_step([(rid, new)], buffers=cache.step_buffers(max_tokens=rows, max_requests=3))
+    q = randn(rows, TINY.num_heads, TINY.head_dim, g=g, dtype=torch.bfloat16)
     args = dict(sinks=sinks_of(q), scale=TINY.head_dim ** -0.5, layout=layout, window=TINY.window,
-                window_pool=lc.window, step_kv=encode_step_kv(layout, 5, randn(3, TINY.head_dim, g=g)),
-                entry_pool=lc.entries, ratio=16, page_tokens=PAGE, splits=splits)
+                window_pool=lc.window, step_kv=encode_step_kv(layout, rows, randn(new, TINY.head_dim, g=g)),
+                entry_pool=lc.entries, ratio=16, page_tokens=PAGE)
+    return q, plan, args, rope_cos_sin(spec.rope, plan.positions)
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_inverse_rope_output_is_rope_rows_of_the_output(splits):
+    """inverse_rope: the bf16 output is bit for bit `rope_rows(fp32 output, cos, sin, inverse=True)`, whether the
+    merge applies it (3 splits) or rope_rows follows the single pass; padding rows stay zeros."""
+    q, plan, args, cos_sin = hca_decode_case(90, 3, 5, seed=14)
+    args["splits"] = splits
     want = rope_rows(sparse_attention_paged(q, plan, **args), *cos_sin, inverse=True)
     out = torch.full(q.shape, float("nan"), dtype=torch.bfloat16, device=DEVICE)
     got = sparse_attention_paged(q, plan, out=out, inverse_rope=cos_sin, **args)
@@ -339,23 +346,9 @@ def test_inverse_rope_output_is_rope_rows_of_the_output(splits):
 def test_merge_of_two_splits_reads_two_at_once(monkeypatch):
     """A launch of 2 splits merges them 2 at a time (`_merge_chunk`): the same bytes as MERGE_S at a time, with and
     without the inverse RoPE (a sum of two terms and zeros is one rounding in any order); padding rows stay zeros."""
-    cache = CacheManager(TINY, max_requests=3, max_tokens=300, kv_format="fp8", indexer_format="bf16",
-                         page_tokens=PAGE, device=DEVICE, poison=True)
-    spec = TINY.layers[2]
-    layout, lc = cache.spec.layers[2].main, cache.pools.layers[2]
-    rid = cache.admit()
-    g = gen(15)
-    history = cache.plan_step([(rid, 150)])
-    writes = history.entries[16]
-    layout.write(lc.entries, PAGE // 16, writes.slots[:writes.count], randn(writes.count, TINY.head_dim, g=g))
-    append_window(lc.window, layout, TINY.window, history, randn(150, TINY.head_dim, g=g))
-    plan = cache.plan_step([(rid, 2)], buffers=cache.step_buffers(max_tokens=4, max_requests=3))
-    q = randn(4, TINY.num_heads, TINY.head_dim, g=g, dtype=torch.bfloat16)
-    args = dict(sinks=sinks_of(q), scale=TINY.head_dim ** -0.5, layout=layout, window=TINY.window,
-                window_pool=lc.window, step_kv=encode_step_kv(layout, 4, randn(2, TINY.head_dim, g=g)),
-                entry_pool=lc.entries, ratio=16, page_tokens=PAGE, splits=2)
+    q, plan, args, cos_sin = hca_decode_case(150, 2, 4, seed=15)
+    args["splits"] = 2
     assert attention._merge_chunk(2) == 2 and attention._merge_chunk(3) == attention.MERGE_S
-    cos_sin = rope_cos_sin(spec.rope, plan.positions)
     outs = {}
     for chunk in (2, attention.MERGE_S):
         monkeypatch.setattr(attention, "_merge_chunk", lambda splits, chunk=chunk: chunk)

@@ -1,46 +1,59 @@
 """Programmatic dependent launch (PDL) between the kernels of a step.
 
 A decode step is a chain of short kernels, and without PDL the GPU launches a kernel only after the kernel before it
-has completed. Launched with PDL (`launch_options`), a kernel is launched as soon as every program of the kernel
+has completed. Launched with PDL (`launch_options`), a kernel may be launched as soon as every program of the kernel
 before it in its stream has exited, and its programs wait in `wait_for_prior_grids` until that kernel has completed
 and its writes are visible. Every kernel here calls it before it reads or writes global memory.
 
 The wait is transitive: a kernel's programs exit only after their own wait has returned, so when a wait returns,
 everything earlier in the stream is complete. Every read and write happens in stream order, as without PDL; what PDL
-hides is part of the launch. A kernel before it that was not launched with PDL (a torch op) is waited for as usual.
+hides is part of the launch. The argument needs every kernel launched with PDL to wait before it touches memory:
+this package launches only its own kernels so. The kernel before ours may be any kernel (a torch op): our wait
+covers it all the same. Copies and cross-stream event waits are full dependencies.
 
 No kernel lets the next one launch early (`griddepcontrol.launch_dependents` right after the wait): the next grid's
 programs would then hold SM slots while they wait. Measured on the H100, `dsv4kv bench decode --quick`, CSA core:
 without PDL 43.3 / 73.7 / 265.5 us (16K and 1M at batch 1, 128K at batch 64), with PDL 38.5 / 70.6 / 262.7, with PDL
 and the early trigger 40.8 / 72.0 / 286.4 (docs/performance.md).
 
-`DEPENDENT_LAUNCH = False` launches without PDL (read at each launch). The interpreter runs no inline PTX and
-launches nothing early, so there the wait is compiled out.
+PDL and the wait's instruction need Hopper (sm_90) or later: on older GPUs the wait is compiled out and kernels are
+launched plainly. `DEPENDENT_LAUNCH = False` launches plainly everywhere (read at each launch). The interpreter runs
+no inline PTX and launches nothing early, so there the wait is compiled out too.
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
-import triton.language as tl
+import triton.language as tl  # noqa: F401 (the interpreter wants it visible to jit functions)
 from triton.language.extra.cuda import gdc_wait
-
-from ..backend import interpreted
+from triton.language.target_info import cuda_capability_geq
 
 __all__ = ["DEPENDENT_LAUNCH", "launch_options", "wait_for_prior_grids"]
 
 DEPENDENT_LAUNCH = True
-_GPU = tl.constexpr(not interpreted())
+
+
+@functools.lru_cache(maxsize=None)
+def _hopper_or_later(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
 
 
 def launch_options(device: torch.device) -> dict:
-    """Launch keywords for a kernel of this package on `device`: PDL on a GPU while DEPENDENT_LAUNCH is set."""
-    return {"launch_pdl": True} if DEPENDENT_LAUNCH and device.type == "cuda" else {}
+    """Launch keywords for a kernel of this package on `device`: PDL on a Hopper or later GPU while DEPENDENT_LAUNCH
+    is set."""
+    if not DEPENDENT_LAUNCH or device.type != "cuda":
+        return {}
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return {"launch_pdl": True} if _hopper_or_later(index) else {}
 
 
 @triton.jit
 def wait_for_prior_grids():
     """Wait until the grid before this one in the stream has completed and its writes are visible (at once without
-    PDL). The first statement of every kernel here."""
-    if _GPU:
+    PDL). The first statement of every kernel here; compiled in for sm_90 and later GPUs only (the compiling
+    device's capability; the interpreter has none)."""
+    if cuda_capability_geq(9, 0):
         gdc_wait()

@@ -87,7 +87,7 @@ FUSED = False  # four launches; True: one launch ordered by tickets. H200 (docs/
 # The split kernel's (programs per SM and phase, columns per tile) on a GPU, for problems below / from BIG_FROM scores
 # (S = programs per SM x SMs / R; a workspace's size depends on it). H100, 2026-11-25 (docs/performance.md): 2 / 1024
 # 22.1 us at 1 x 262K against 24.2 with 4 / 2048; 4 / 2048 36.2 against 37.1 at 1 x 1M, 47.6 against 53.3 at 64 x 32K,
-# 47.8 against 54.6 at 8 x 262K. The two tile widths are two compilations (SPLITS is the larger tiling's in both).
+# 47.8 against 54.6 at 8 x 262K. Two compilations, one per tiling (the tile width and SPLITS).
 SPLIT_TILING = {"small": (2, 1024), "big": (4, 2048)}
 BIG_FROM = 1 << 20
 _BINS = 256  # 8-bit digits: four levels cover the 32-bit key
@@ -111,14 +111,6 @@ def _tiling(rows: int, cols: int, device: torch.device) -> tuple[int, int]:
     index = device.index if device.index is not None else torch.cuda.current_device()
     per_sm, block = SPLIT_TILING["big" if rows * cols >= BIG_FROM else "small"]
     return per_sm * _sm_count(index), block
-
-
-def _max_splits(device: torch.device) -> int:
-    """The most splits a row can get on `device` (the width of the kernels' per-chunk count vector)."""
-    if device.type != "cuda":
-        return _CPU_TILING[0]
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return max(per_sm for per_sm, _ in SPLIT_TILING.values()) * _sm_count(index)
 
 
 def _split(rows: int, cols: int, device: torch.device) -> tuple[int, int, int]:
@@ -202,9 +194,9 @@ def topk_indices(scores: torch.Tensor, lengths: torch.Tensor, k: int, *, out: to
     capacity = (width - _HEADER - _BINS * splits) // 2
     select = _select_block(k, device)
     args = (scores, lengths, workspace, out, cols, width, chunk, splits, capacity, k)
-    # SPLITS (the width of the per-chunk count vector) is the device's bound, not this call's S, and S is a plain
+    # SPLITS (the width of the per-chunk count vector) is the tiling's bound, not this call's S, and S is a plain
     # runtime int (do_not_specialize): S follows the row count, so it would otherwise compile a kernel per step shape
-    meta = dict(BLOCK=block, SPLITS=triton.next_power_of_2(_max_splits(device)), SELECT=select,
+    meta = dict(BLOCK=block, SPLITS=triton.next_power_of_2(_tiling(rows, cols, device)[0]), SELECT=select,
                 num_warps=4 if select <= 1024 else 8, **launch_options(device))
     if FUSED:
         _topk_kernel[(rows, 3 * splits + 1)](*args, PHASE=-1, **meta)
