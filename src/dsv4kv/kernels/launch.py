@@ -18,7 +18,7 @@ and the early trigger 40.8 / 72.0 / 286.4 (docs/performance.md).
 
 PDL and the wait's instruction need Hopper (sm_90) or later: on older GPUs the wait is compiled out and kernels are
 launched plainly. `DEPENDENT_LAUNCH = False` launches plainly everywhere (read at each launch). The interpreter runs
-no inline PTX and launches nothing early, so there the wait is compiled out too.
+no inline PTX and launches nothing early, so there the wait is a plain function that does nothing.
 """
 
 from __future__ import annotations
@@ -27,9 +27,10 @@ import functools
 
 import torch
 import triton
-import triton.language as tl  # noqa: F401 (the interpreter wants it visible to jit functions)
 from triton.language.extra.cuda import gdc_wait
 from triton.language.target_info import cuda_capability_geq
+
+from ..backend import interpreted
 
 __all__ = ["DEPENDENT_LAUNCH", "launch_options", "wait_for_prior_grids"]
 
@@ -50,10 +51,15 @@ def launch_options(device: torch.device) -> dict:
     return {"launch_pdl": True} if _hopper_or_later(index) else {}
 
 
-@triton.jit
-def wait_for_prior_grids():
-    """Wait until the grid before this one in the stream has completed and its writes are visible (at once without
-    PDL). The first statement of every kernel here; compiled in for sm_90 and later GPUs only (the compiling
-    device's capability; the interpreter has none)."""
-    if cuda_capability_geq(9, 0):
-        gdc_wait()
+if interpreted():
+    def wait_for_prior_grids():
+        """Nothing to wait for: the interpreter runs kernels one after another as Python (a plain function, where a
+        jit helper would cost ~0.5 ms per program there)."""
+else:
+    @triton.jit
+    def wait_for_prior_grids():
+        """Wait until the grid before this one in the stream has completed and its writes are visible (at once
+        without PDL). The first statement of every kernel here; compiled in for sm_90 and later GPUs only (the
+        compiling device's capability)."""
+        if cuda_capability_geq(9, 0):
+            gdc_wait()
