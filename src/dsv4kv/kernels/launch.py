@@ -38,17 +38,14 @@ DEPENDENT_LAUNCH = True
 
 
 @functools.lru_cache(maxsize=None)
-def _hopper_or_later(index: int) -> bool:
-    return torch.cuda.get_device_capability(index)[0] >= 9
+def _hopper_or_later(device: torch.device) -> bool:
+    return torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def launch_options(device: torch.device) -> dict:
     """Launch keywords for a kernel of this package on `device`: PDL on a Hopper or later GPU while DEPENDENT_LAUNCH
     is set."""
-    if not DEPENDENT_LAUNCH or device.type != "cuda":
-        return {}
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return {"launch_pdl": True} if _hopper_or_later(index) else {}
+    return {"launch_pdl": True} if DEPENDENT_LAUNCH and device.type == "cuda" and _hopper_or_later(device) else {}
 
 
 if interpreted():
