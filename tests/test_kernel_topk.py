@@ -35,6 +35,8 @@ def make_rows(seed, rows, cols, kind, device="cpu"):
         scores = torch.randint(-6, 7, (rows, cols), generator=g).float()
     elif kind == "equal":
         scores = torch.full((rows, cols), 2.5)
+    elif kind == "wide":  # signed, magnitudes 1e-30..1e30: keys spread over the whole int32 range
+        scores = torch.randn(rows, cols, generator=g).sign() * 10.0 ** (torch.rand(rows, cols, generator=g) * 60 - 30)
     elif kind == "normal":  # a fine grid (ties inside the last radix digits too), 5% -inf: no candidates
         scores = (torch.randn(rows, cols, generator=g) * 64).round() / 64
         scores = scores.masked_fill(torch.rand(rows, cols, generator=g) < 0.05, float("-inf"))
@@ -103,6 +105,32 @@ def test_topk_select_in_registers_or_looped(select, split_mode, monkeypatch):
     for seed, (rows, cols, k, kind) in enumerate(((2, 400, 9, "normal"), (3, 517, 40, "ties"), (1, 300, 1, "ties"))):
         scores, lengths = make_rows(seed, rows, cols, kind, DEVICE)
         assert torch.equal(run(scores, lengths, k), reference(scores, lengths, k)), (rows, cols, k, kind)
+
+
+@pytest.mark.parametrize("ways", [2, 4, 16])
+def test_topk_search_ways(ways, mode, monkeypatch):
+    """The k-th key's search (`_kth_key`: the row kernel's, and phase D's over buffered candidates) counts ways - 1
+    thresholds a step: every width gives the reference's picks, on ties, a fine grid, keys over the whole int32 range
+    and rows with fewer candidates than k."""
+    monkeypatch.setattr(topk_module, "ROW_WAYS", ways)
+    monkeypatch.setattr(topk_module, "SELECT_WAYS", ways)
+    for seed, (rows, cols, k, kind) in enumerate(((2, 400, 9, "normal"), (3, 517, 40, "ties"), (2, 301, 17, "wide"),
+                                                  (2, 90, 128, "wide"))):
+        scores, lengths = make_rows(seed, rows, cols, kind, DEVICE)
+        assert torch.equal(run(scores, lengths, k), reference(scores, lengths, k)), (rows, cols, k, kind)
+
+
+@pytest.mark.parametrize("huge", [9, 10])
+def test_topk_digit1_window(huge, split_mode):
+    """Phase A counts a tile's highest digit-1 values alone (`DIGIT1_WINDOW`) only where they hold k keys or the
+    whole tile: one-tile rows whose `huge` scores sit ~100 binades above the rest take the window at huge = k and
+    all 256 bins at huge = k - 1, where the window's count alone would leave digit 1 unfound. Both are exact."""
+    g = torch.Generator().manual_seed(huge)
+    scores = torch.randn(3, 60, generator=g)
+    for row in scores:
+        row[torch.randperm(60, generator=g)[:huge]] = 1e30 * (1 + torch.rand(huge, generator=g))
+    scores, lengths = scores.to(DEVICE), torch.full((3,), 60, dtype=torch.int32, device=DEVICE)
+    assert torch.equal(run(scores, lengths, 10), reference(scores, lengths, 10))
 
 
 def test_topk_empty_rows_write_no_picks(mode):

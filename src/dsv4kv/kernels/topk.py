@@ -90,6 +90,12 @@ FUSED = False  # four launches; True: one launch ordered by tickets. H200 (docs/
 # 47.8 against 54.6 at 8 x 262K. Two compilations, one per tiling (the tile width and SPLITS).
 SPLIT_TILING = {"small": (2, 1024), "big": (4, 2048)}
 BIG_FROM = 1 << 20
+# Thresholds counted per step of the k-th key's search (`_kth_key`): 2 is a bisection; the row kernel's row (up to
+# 16384 keys) and the select's buffered candidates (digits 3 and 4 of the split kernel's threshold, up to SELECT)
+ROW_WAYS, SELECT_WAYS = 2, 4
+# Digit-1 values phase A counts per tile before it falls back to all 256 (`_phase_a`; a power of two >= 32: a
+# tl.histogram costs ~log2(bins) ballots plus ~bins / 32 popcounts per key); 256: always all
+DIGIT1_WINDOW = 32
 _BINS = 256  # 8-bit digits: four levels cover the 32-bit key
 _LINE = 32  # int32s per 128-byte line: each counter on its own line, so spinning readers do not share a line
 _TICKET, _DONE_A, _DONE_B, _DONE_C = 0, _LINE, 2 * _LINE, 3 * _LINE
@@ -186,7 +192,7 @@ def topk_indices(scores: torch.Tensor, lengths: torch.Tensor, k: int, *, out: to
         row_tile = max(_ROW_BLOCK, triton.next_power_of_2(cols))
         per_thread = 64 if rows >= ROW_MANY else 32  # the faster on the H100: fewer warps a row when rows fill the GPU
         _topk_row_kernel[(rows,)](scores, lengths, out, cols, k, BLOCK=row_tile,
-                                  OUT_BLOCK=min(triton.next_power_of_2(k), 1024),
+                                  OUT_BLOCK=min(triton.next_power_of_2(k), 1024), WAYS=ROW_WAYS,
                                   num_warps=max(4, min(32, row_tile // (32 * per_thread))),
                                   **launch_options(device))
         return out
@@ -197,6 +203,7 @@ def topk_indices(scores: torch.Tensor, lengths: torch.Tensor, k: int, *, out: to
     # SPLITS (the width of the per-chunk count vector) is the tiling's bound, not this call's S, and S is a plain
     # runtime int (do_not_specialize): S follows the row count, so it would otherwise compile a kernel per step shape
     meta = dict(BLOCK=block, SPLITS=triton.next_power_of_2(_tiling(rows, cols, device)[0]), SELECT=select,
+                WAYS=SELECT_WAYS, WINDOW=DIGIT1_WINDOW,
                 num_warps=4 if select <= 1024 else 8, **launch_options(device))
     if FUSED:
         _topk_kernel[(rows, 3 * splits + 1)](*args, PHASE=-1, **meta)
@@ -228,11 +235,11 @@ if triton is not None:
         return o_c, _sortable(b_x), m_c & (b_x != float("-inf"))
 
     @triton.jit
-    def _histogram(digits, mask, BLOCK: tl.constexpr):
-        """int32 [256] counts of digits[mask] (masked lanes go to bin 0 and are taken back out)."""
-        b_h = tl.histogram(tl.where(mask, digits, 0), 256)
+    def _histogram(digits, mask, BLOCK: tl.constexpr, BINS: tl.constexpr = 256):
+        """int32 [BINS] counts of digits[mask] (masked lanes go to bin 0 and are taken back out)."""
+        b_h = tl.histogram(tl.where(mask, digits, 0), BINS)
         missed = BLOCK - tl.sum(mask.to(tl.int32))
-        return b_h - tl.where(tl.arange(0, 256) == 0, missed, 0)
+        return b_h - tl.where(tl.arange(0, BINS) == 0, missed, 0)
 
     @triton.jit
     def _pick(b_h, need):
@@ -281,12 +288,22 @@ if triton is not None:
         tl.debug_barrier()
 
     @triton.jit
-    def _phase_a(p_row, p_ws, lo, hi, BLOCK: tl.constexpr):
-        b_h = tl.zeros([256], dtype=tl.int32)
+    def _phase_a(p_row, p_ws, lo, hi, k, BLOCK: tl.constexpr, WINDOW: tl.constexpr):
+        """hist1 += each tile's digit-1 counts: only its WINDOW highest digit values where they hold k keys or every
+        key of the tile (a WINDOW-bin histogram), else all 256. Exact where phase B reads it: a tile's k keys in
+        [base, top] put the row's digit 1 at base or above, and hist1 is only read from digit 1 up."""
+        o_w = tl.arange(0, WINDOW)
         for start in range(lo, hi, BLOCK):
             o_c, b_key, m_c = _row_tile(p_row, start, hi, BLOCK)
-            b_h += _histogram((b_key >> 24) + 128, m_c, BLOCK)
-        tl.atomic_add(p_ws + _C_HIST1 + tl.arange(0, 256), b_h, mask=b_h != 0, sem="relaxed")
+            digit = (b_key >> 24) + 128
+            base = tl.maximum(tl.max(tl.where(m_c, digit, 0)) - (WINDOW - 1), 0)
+            b_w = _histogram(digit - base, m_c & (digit >= base), BLOCK, WINDOW)
+            counted = tl.sum(b_w)
+            if (counted >= k) | (counted == tl.sum(m_c.to(tl.int32))):
+                tl.atomic_add(p_ws + _C_HIST1 + base + o_w, b_w, mask=b_w != 0, sem="relaxed")
+            else:
+                b_h = _histogram(digit, m_c, BLOCK)
+                tl.atomic_add(p_ws + _C_HIST1 + tl.arange(0, 256), b_h, mask=b_h != 0, sem="relaxed")
 
     @triton.jit
     def _phase_b(p_row, p_ws, i_s, lo, hi, k, BLOCK: tl.constexpr):
@@ -336,16 +353,25 @@ if triton is not None:
         return tl.where(m_buf, b_bcol, o_t), b_key, m_buf | (m_row & (b_x != float("-inf")))
 
     @triton.jit
-    def _threshold(b_key, m_c, prefix16, need2, BLOCK: tl.constexpr):
-        """Digits 3 and 4 of the threshold among candidates held in registers: (threshold key, ties needed)."""
-        d3, need3 = _pick(_histogram((b_key >> 8) & 255, m_c & ((b_key >> 16) == prefix16), BLOCK), need2)
-        prefix24 = prefix16 * 256 + d3
-        d4, need = _pick(_histogram(b_key & 255, m_c & ((b_key >> 8) == prefix24), BLOCK), need3)
-        return prefix24 * 256 + d4, need
+    def _kth_key(b_key, lo, hi, k, WAYS: tl.constexpr):
+        """The largest t in [lo, hi) with #(b_key >= t) >= k, given #(b_key >= lo) >= k > #(b_key >= hi) (int64
+        bounds; with fewer than k keys >= lo, lo itself). A WAYS-ary search: each step counts the keys >= WAYS - 1
+        inner thresholds in one block reduction (a compare and an add per key and threshold), and stops early at a
+        count of exactly k (every key above that threshold is then a pick)."""
+        o_w = tl.arange(0, WAYS)
+        while hi - lo > 1:
+            step = (hi - lo + WAYS - 1) // WAYS
+            b_t = lo + o_w.to(tl.int64) * step  # b_t[0] = lo
+            b_count = tl.sum((b_key[:, None] >= b_t.to(tl.int32)[None, :]).to(tl.int32), axis=0)
+            way = tl.max(tl.where((b_t < hi) & (b_count >= k), o_w, 0), axis=0)
+            exact = tl.sum(tl.where(o_w == way, b_count, 0), axis=0) == k
+            lo = lo + way * step
+            hi = tl.where(exact, lo + 1, tl.minimum(hi, lo + step))
+        return lo.to(tl.int32)
 
     @triton.jit
     def _phase_d(p_row, p_ws, p_out, n, S, CAP, k, BLOCK: tl.constexpr, SPLITS: tl.constexpr,
-                 SELECT: tl.constexpr):
+                 SELECT: tl.constexpr, WAYS: tl.constexpr):
         p_keys = p_ws + _C_HEADER + S * 256
         p_cols = p_keys + CAP
         prefix16, d2, need2 = _prefix16(p_ws, k)
@@ -353,7 +379,11 @@ if triton is not None:
         written = tl.full((), 0, tl.int32)
         if (total <= SELECT) & (total <= CAP):  # the usual case: every buffered candidate in registers at once
             o_c, b_key, m_c = _candidates(p_row, p_keys, p_cols, 0, total, 0, SELECT)
-            threshold, need = _threshold(b_key, m_c, prefix16, need2, SELECT)
+            # T has the 16-bit prefix: #(key >= prefix16 << 16) >= k > #(key >= (prefix16 + 1) << 16) (fewer than
+            # k candidates: prefix16 << 16 is int32 min, where the empty lanes sit, and every candidate is a pick)
+            lo = (prefix16 * 65536).to(tl.int64)
+            threshold = _kth_key(tl.where(m_c, b_key, -2147483648), lo, lo + 65536, k, WAYS)
+            need = k - tl.sum((m_c & (b_key > threshold)).to(tl.int32))
             m_tie = m_c & (b_key == threshold)
             m_pick = (m_c & (b_key > threshold)) | (m_tie & (tl.cumsum(m_tie.to(tl.int32), 0) <= need))
             o_out = tl.cumsum(m_pick.to(tl.int32), 0) - 1
@@ -389,7 +419,8 @@ if triton is not None:
             tl.store(p_out + o_o, tl.full([BLOCK], -1, tl.int32), mask=(o_o >= written) & (o_o < k))
 
     @triton.jit
-    def _topk_row_kernel(scores_ptr, lengths_ptr, out_ptr, J, k, BLOCK: tl.constexpr, OUT_BLOCK: tl.constexpr):
+    def _topk_row_kernel(scores_ptr, lengths_ptr, out_ptr, J, k, BLOCK: tl.constexpr, OUT_BLOCK: tl.constexpr,
+                         WAYS: tl.constexpr):
         """Row i_r whole in one program's registers. The k-th largest key T by bisection on the int32 key space:
         each step counts the keys >= mid (a compare and an add per key and one block reduction, where a 256-bin
         tl.histogram costs ~80 instructions per key for 8 bits), stopping early once a count is exactly k. Then the
@@ -406,12 +437,7 @@ if triton is not None:
         if count > k:
             lo = tl.min(tl.where(b_key > -2147483648, b_key, 2147483647), axis=0).to(tl.int64)  # #(>= lo) >= k
             hi = tl.max(b_key, axis=0).to(tl.int64) + 1  # #(>= hi) < k
-            while hi - lo > 1:
-                mid = lo + (hi - lo) // 2
-                above = tl.sum((b_key >= mid.to(tl.int32)).to(tl.int32), axis=0)
-                hi = tl.where(above >= k, tl.where(above == k, mid + 1, hi), mid)
-                lo = tl.where(above >= k, mid, lo)
-            threshold = lo.to(tl.int32)
+            threshold = _kth_key(b_key, lo, hi, k, WAYS)
         need = k - tl.sum((b_key > threshold).to(tl.int32), axis=0)
         m_tie = (b_key == threshold) & (b_key > -2147483648)
         m_pick = (b_key > threshold) | (m_tie & (tl.cumsum(m_tie.to(tl.int32), 0) <= need))
@@ -424,7 +450,8 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=["S"])
     def _topk_kernel(scores_ptr, lengths_ptr, ws_ptr, out_ptr, J, W, CHUNK, S, CAP, k, BLOCK: tl.constexpr,
-                     SPLITS: tl.constexpr, SELECT: tl.constexpr, PHASE: tl.constexpr):
+                     SPLITS: tl.constexpr, SELECT: tl.constexpr, WAYS: tl.constexpr, WINDOW: tl.constexpr,
+                     PHASE: tl.constexpr):
         """Row i_r. PHASE -1: one launch of 3S + 1 programs per row, the role from a ticket; 0..3: that phase
         alone (grid (R, S), or (R, 1) for D), ordered by the launches."""
         wait_for_prior_grids()
@@ -442,7 +469,7 @@ if triton is not None:
         lo = i_s * CHUNK
         hi = tl.minimum(lo + CHUNK, n)
         if role == 0:
-            _phase_a(p_row, p_ws, lo, hi, BLOCK)
+            _phase_a(p_row, p_ws, lo, hi, k, BLOCK, WINDOW)
             if PHASE < 0:
                 _signal(p_ws + _C_DONE_A)
         elif role == 1:
@@ -462,7 +489,7 @@ if triton is not None:
                 _wait(p_ws + _C_DONE_A, S)  # all three: then every ticket is taken and no program touches
                 _wait(p_ws + _C_DONE_B, S)  # the row's workspace again, so it can be zeroed below
                 _wait(p_ws + _C_DONE_C, S)
-            _phase_d(p_row, p_ws, out_ptr + i_r.to(tl.int64) * k, n, S, CAP, k, BLOCK, SPLITS, SELECT)
+            _phase_d(p_row, p_ws, out_ptr + i_r.to(tl.int64) * k, n, S, CAP, k, BLOCK, SPLITS, SELECT, WAYS)
             # leave the counters and histograms zero for the next call
             tl.debug_barrier()
             o_h = tl.arange(0, 1024)
