@@ -324,8 +324,8 @@ TOPK_ROW_SHAPES = ((1, 4096, 512), (64, 16384, 512), (128, 16384, 512))  # the r
 
 def topk_search():
     """top-k at the default tilings: the k-th key's search width (`SELECT_WAYS` for phase D, `ROW_WAYS` for the row
-    kernel) and phase A's digit-1 window (`DIGIT1_WINDOW`), on the shapes of `topk` (split kernel) and
-    `TOPK_ROW_SHAPES` (row kernel), randn and rising scores; "before" when TOPK_BEFORE names a previous topk.py.
+    kernel) and the warps of phases A-C (`SPLIT_WARPS`), on the shapes of `topk` (split kernel) and `TOPK_ROW_SHAPES` (row kernel), randn and rising scores;
+    "before", "before2", ... for each previous topk.py that TOPK_BEFORE names (comma-separated).
     Every variant's index sets must equal a stable sort's before it is timed. One `TOPKS` summary line per case."""
     import importlib.util
     import os
@@ -333,13 +333,12 @@ def topk_search():
     import dsv4kv.kernels.topk as T
     from dsv4kv.ops.indexer import topk_picks
 
-    old = None
-    if os.environ.get("TOPK_BEFORE"):
-        spec = importlib.util.spec_from_file_location("dsv4kv.kernels._topk_before", os.environ["TOPK_BEFORE"])
-        old = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(old)
-    defaults = T.SELECT_WAYS, T.ROW_WAYS, T.DIGIT1_WINDOW
-    split = [(2, 256), (2, 32), (4, 32), (4, 64), (8, 32), (16, 32), (4, 256)]
+    olds = {}
+    for i, path in enumerate(filter(None, os.environ.get("TOPK_BEFORE", "").split(","))):
+        spec = importlib.util.spec_from_file_location(f"dsv4kv.kernels._topk_before{i}", path)
+        olds["before" + (str(i + 1) if i else "")] = module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    defaults = T.SELECT_WAYS, T.ROW_WAYS, T.SPLIT_WARPS
     summary = []
     try:
         for shapes, by_row in ((TOPK_SHAPES, False), (TOPK_ROW_SHAPES, True)):
@@ -354,20 +353,22 @@ def topk_search():
                     out = torch.empty(rows, k, dtype=torch.int32, device=DEVICE)
                     ws = T.topk_workspace(rows, cols, k, DEVICE)
 
-                    def new(setting):
+                    def new(ways, warps=4):
                         def run():
                             if by_row:
-                                T.ROW_WAYS = setting
+                                T.ROW_WAYS = ways
                             else:
-                                T.SELECT_WAYS, T.DIGIT1_WINDOW = setting
+                                T.SELECT_WAYS, T.SPLIT_WARPS = ways, warps
                             return T.topk_indices(scores, lengths, k, out=out, workspace=ws)
                         return run
 
-                    runs = {str(v): new(v) for v in ((2, 4, 16) if by_row else split)}
-                    if old is not None:
-                        old_ws = old.topk_workspace(rows, cols, k, DEVICE)
-                        runs = {"before": lambda: old.topk_indices(scores, lengths, k, out=out, workspace=old_ws),
-                                **runs}
+                    settings = [(2, 4), (4, 4)] if by_row else [(2, 4), (4, 4), (8, 4), (4, 8), (4, 16)]
+                    runs = {f"ways {ways}" + ("" if by_row else f" warps {warps}"): new(ways, warps)
+                            for ways, warps in settings}
+                    for name, module in reversed(olds.items()):
+                        def previous(module=module, old_ws=module.topk_workspace(rows, cols, k, DEVICE)):
+                            return module.topk_indices(scores, lengths, k, out=out, workspace=old_ws)
+                        runs = {name: previous, **runs}
                     label = f"topk {rows} x {cols} k={k} {kind}"
                     times = {}
                     for name, run in runs.items():
@@ -387,7 +388,7 @@ def topk_search():
                     del scores, out, ws
                     torch.cuda.empty_cache()
     finally:
-        T.SELECT_WAYS, T.ROW_WAYS, T.DIGIT1_WINDOW = defaults
+        T.SELECT_WAYS, T.ROW_WAYS, T.SPLIT_WARPS = defaults
     print("\n".join(summary), flush=True)
 
 

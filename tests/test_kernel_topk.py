@@ -120,19 +120,6 @@ def test_topk_search_ways(ways, mode, monkeypatch):
         assert torch.equal(run(scores, lengths, k), reference(scores, lengths, k)), (rows, cols, k, kind)
 
 
-@pytest.mark.parametrize("huge", [9, 10])
-def test_topk_digit1_window(huge, split_mode):
-    """Phase A counts a tile's highest digit-1 values alone (`DIGIT1_WINDOW`) only where they hold k keys or the
-    whole tile: one-tile rows whose `huge` scores sit ~100 binades above the rest take the window at huge = k and
-    all 256 bins at huge = k - 1, where the window's count alone would leave digit 1 unfound. Both are exact."""
-    g = torch.Generator().manual_seed(huge)
-    scores = torch.randn(3, 60, generator=g)
-    for row in scores:
-        row[torch.randperm(60, generator=g)[:huge]] = 1e30 * (1 + torch.rand(huge, generator=g))
-    scores, lengths = scores.to(DEVICE), torch.full((3,), 60, dtype=torch.int32, device=DEVICE)
-    assert torch.equal(run(scores, lengths, 10), reference(scores, lengths, 10))
-
-
 def test_topk_empty_rows_write_no_picks(mode):
     """Rows of length <= 0 (padding rows of a captured batch) pick nothing, and leave the workspace reusable."""
     scores = torch.randn(4, 300, device=DEVICE)

@@ -93,9 +93,7 @@ BIG_FROM = 1 << 20
 # Thresholds counted per step of the k-th key's search (`_kth_key`): 2 is a bisection; the row kernel's row (up to
 # 16384 keys) and the select's buffered candidates (digits 3 and 4 of the split kernel's threshold, up to SELECT)
 ROW_WAYS, SELECT_WAYS = 2, 4
-# Digit-1 values phase A counts per tile before it falls back to all 256 (`_phase_a`; a power of two >= 32: a
-# tl.histogram costs ~log2(bins) ballots plus ~bins / 32 popcounts per key); 256: always all
-DIGIT1_WINDOW = 32
+SPLIT_WARPS = 4  # warps of a phase A-C program (four launches)
 _BINS = 256  # 8-bit digits: four levels cover the 32-bit key
 _LINE = 32  # int32s per 128-byte line: each counter on its own line, so spinning readers do not share a line
 _TICKET, _DONE_A, _DONE_B, _DONE_C = 0, _LINE, 2 * _LINE, 3 * _LINE
@@ -203,14 +201,14 @@ def topk_indices(scores: torch.Tensor, lengths: torch.Tensor, k: int, *, out: to
     # SPLITS (the width of the per-chunk count vector) is the tiling's bound, not this call's S, and S is a plain
     # runtime int (do_not_specialize): S follows the row count, so it would otherwise compile a kernel per step shape
     meta = dict(BLOCK=block, SPLITS=triton.next_power_of_2(_tiling(rows, cols, device)[0]), SELECT=select,
-                WAYS=SELECT_WAYS, WINDOW=DIGIT1_WINDOW,
-                num_warps=4 if select <= 1024 else 8, **launch_options(device))
+                WAYS=SELECT_WAYS, **launch_options(device))
+    select_warps = 4 if select <= 1024 else 8
     if FUSED:
-        _topk_kernel[(rows, 3 * splits + 1)](*args, PHASE=-1, **meta)
+        _topk_kernel[(rows, 3 * splits + 1)](*args, PHASE=-1, num_warps=select_warps, **meta)
     else:
         for phase in range(3):
-            _topk_kernel[(rows, splits)](*args, PHASE=phase, **meta)
-        _topk_kernel[(rows, 1)](*args, PHASE=3, **meta)
+            _topk_kernel[(rows, splits)](*args, PHASE=phase, num_warps=SPLIT_WARPS, **meta)
+        _topk_kernel[(rows, 1)](*args, PHASE=3, num_warps=select_warps, **meta)
     return out
 
 
@@ -235,11 +233,11 @@ if triton is not None:
         return o_c, _sortable(b_x), m_c & (b_x != float("-inf"))
 
     @triton.jit
-    def _histogram(digits, mask, BLOCK: tl.constexpr, BINS: tl.constexpr = 256):
-        """int32 [BINS] counts of digits[mask] (masked lanes go to bin 0 and are taken back out)."""
-        b_h = tl.histogram(tl.where(mask, digits, 0), BINS)
+    def _histogram(digits, mask, BLOCK: tl.constexpr):
+        """int32 [256] counts of digits[mask] (masked lanes go to bin 0 and are taken back out)."""
+        b_h = tl.histogram(tl.where(mask, digits, 0), 256)
         missed = BLOCK - tl.sum(mask.to(tl.int32))
-        return b_h - tl.where(tl.arange(0, BINS) == 0, missed, 0)
+        return b_h - tl.where(tl.arange(0, 256) == 0, missed, 0)
 
     @triton.jit
     def _pick(b_h, need):
@@ -288,22 +286,12 @@ if triton is not None:
         tl.debug_barrier()
 
     @triton.jit
-    def _phase_a(p_row, p_ws, lo, hi, k, BLOCK: tl.constexpr, WINDOW: tl.constexpr):
-        """hist1 += each tile's digit-1 counts: only its WINDOW highest digit values where they hold k keys or every
-        key of the tile (a WINDOW-bin histogram), else all 256. Exact where phase B reads it: a tile's k keys in
-        [base, top] put the row's digit 1 at base or above, and hist1 is only read from digit 1 up."""
-        o_w = tl.arange(0, WINDOW)
+    def _phase_a(p_row, p_ws, lo, hi, BLOCK: tl.constexpr):
+        b_h = tl.zeros([256], dtype=tl.int32)
         for start in range(lo, hi, BLOCK):
             o_c, b_key, m_c = _row_tile(p_row, start, hi, BLOCK)
-            digit = (b_key >> 24) + 128
-            base = tl.maximum(tl.max(tl.where(m_c, digit, 0)) - (WINDOW - 1), 0)
-            b_w = _histogram(digit - base, m_c & (digit >= base), BLOCK, WINDOW)
-            counted = tl.sum(b_w)
-            if (counted >= k) | (counted == tl.sum(m_c.to(tl.int32))):
-                tl.atomic_add(p_ws + _C_HIST1 + base + o_w, b_w, mask=b_w != 0, sem="relaxed")
-            else:
-                b_h = _histogram(digit, m_c, BLOCK)
-                tl.atomic_add(p_ws + _C_HIST1 + tl.arange(0, 256), b_h, mask=b_h != 0, sem="relaxed")
+            b_h += _histogram((b_key >> 24) + 128, m_c, BLOCK)
+        tl.atomic_add(p_ws + _C_HIST1 + tl.arange(0, 256), b_h, mask=b_h != 0, sem="relaxed")
 
     @triton.jit
     def _phase_b(p_row, p_ws, i_s, lo, hi, k, BLOCK: tl.constexpr):
@@ -354,17 +342,19 @@ if triton is not None:
 
     @triton.jit
     def _kth_key(b_key, lo, hi, k, WAYS: tl.constexpr):
-        """The largest t in [lo, hi) with #(b_key >= t) >= k, given #(b_key >= lo) >= k > #(b_key >= hi) (int64
-        bounds; with fewer than k keys >= lo, lo itself). A WAYS-ary search: each step counts the keys >= WAYS - 1
-        inner thresholds in one block reduction (a compare and an add per key and threshold), and stops early at a
-        count of exactly k (every key above that threshold is then a pick)."""
-        o_w = tl.arange(0, WAYS)
+        """A threshold t with #(b_key > t) <= k <= #(b_key >= t), given #(b_key >= lo) >= k > #(b_key >= hi) (int64
+        bounds; with fewer than k keys >= lo, lo itself). A WAYS-ary search (2: bisection): each step counts the keys
+        >= WAYS - 1 inner thresholds (a compare and an add per key and threshold, one block reduction each), and
+        stops early at a count of exactly k."""
         while hi - lo > 1:
             step = (hi - lo + WAYS - 1) // WAYS
-            b_t = lo + o_w.to(tl.int64) * step  # b_t[0] = lo
-            b_count = tl.sum((b_key[:, None] >= b_t.to(tl.int32)[None, :]).to(tl.int32), axis=0)
-            way = tl.max(tl.where((b_t < hi) & (b_count >= k), o_w, 0), axis=0)
-            exact = tl.sum(tl.where(o_w == way, b_count, 0), axis=0) == k
+            way = lo * 0  # the highest inner threshold counting >= k (0: none, then lo)
+            exact = hi < lo  # False
+            for w in tl.static_range(1, WAYS):
+                count = tl.sum((b_key >= (lo + w * step).to(tl.int32)).to(tl.int32), axis=0)
+                ok = (lo + w * step < hi) & (count >= k)
+                way = tl.where(ok, w, way)
+                exact = tl.where(ok, count == k, exact)
             lo = lo + way * step
             hi = tl.where(exact, lo + 1, tl.minimum(hi, lo + step))
         return lo.to(tl.int32)
@@ -450,8 +440,7 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=["S"])
     def _topk_kernel(scores_ptr, lengths_ptr, ws_ptr, out_ptr, J, W, CHUNK, S, CAP, k, BLOCK: tl.constexpr,
-                     SPLITS: tl.constexpr, SELECT: tl.constexpr, WAYS: tl.constexpr, WINDOW: tl.constexpr,
-                     PHASE: tl.constexpr):
+                     SPLITS: tl.constexpr, SELECT: tl.constexpr, WAYS: tl.constexpr, PHASE: tl.constexpr):
         """Row i_r. PHASE -1: one launch of 3S + 1 programs per row, the role from a ticket; 0..3: that phase
         alone (grid (R, S), or (R, 1) for D), ordered by the launches."""
         wait_for_prior_grids()
@@ -469,7 +458,7 @@ if triton is not None:
         lo = i_s * CHUNK
         hi = tl.minimum(lo + CHUNK, n)
         if role == 0:
-            _phase_a(p_row, p_ws, lo, hi, k, BLOCK, WINDOW)
+            _phase_a(p_row, p_ws, lo, hi, BLOCK)
             if PHASE < 0:
                 _signal(p_ws + _C_DONE_A)
         elif role == 1:
