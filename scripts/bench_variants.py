@@ -1,6 +1,6 @@
 """Times tile / variant choices of the kernels on the GPU (the figures behind each default, docs/performance.md).
 
-    python scripts/bench_variants.py [indexer] [indexer_waves] [attention] [insert] [topk] [topk_search]  > variants.txt
+    python scripts/bench_variants.py [indexer] [indexer_waves] [attention] [insert] [topk]  > variants.txt
 
 (`attention` also times the kernel before split-KV when .base/attention_before.py holds it; `topk` times the current
 kernel in its four- and one-launch forms, and a previous kernels/topk.py when TOPK_BEFORE names a copy of it, e.g.
@@ -316,79 +316,6 @@ def topk():
     finally:  # the module's settings back, whatever a variant raised
         T.SPLIT_TILING = dict(defaults)
         T.ROW_MAX_COLS, T.ROW_MAX_COLS_MANY = row_limits
-    print("\n".join(summary), flush=True)
-
-
-TOPK_ROW_SHAPES = ((1, 4096, 512), (64, 16384, 512), (128, 16384, 512))  # the row kernel's (ROW_MAX_COLS*)
-
-
-def topk_search():
-    """top-k at the default tilings: the k-th key's search width (`SELECT_WAYS` for phase D, `ROW_WAYS` for the row
-    kernel) and the warps of phases A-C (`SPLIT_WARPS`), on the shapes of `topk` (split kernel) and `TOPK_ROW_SHAPES` (row kernel), randn and rising scores;
-    "before", "before2", ... for each previous topk.py that TOPK_BEFORE names (comma-separated).
-    Every variant's index sets must equal a stable sort's before it is timed. One `TOPKS` summary line per case."""
-    import importlib.util
-    import os
-
-    import dsv4kv.kernels.topk as T
-    from dsv4kv.ops.indexer import topk_picks
-
-    olds = {}
-    for i, path in enumerate(filter(None, os.environ.get("TOPK_BEFORE", "").split(","))):
-        spec = importlib.util.spec_from_file_location(f"dsv4kv.kernels._topk_before{i}", path)
-        olds["before" + (str(i + 1) if i else "")] = module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    defaults = T.SELECT_WAYS, T.ROW_WAYS, T.SPLIT_WARPS
-    summary = []
-    try:
-        for shapes, by_row in ((TOPK_SHAPES, False), (TOPK_ROW_SHAPES, True)):
-            for rows, cols, k in shapes[:4]:
-                for kind in ("randn", "rising"):
-                    g = torch.Generator(device=DEVICE).manual_seed(rows * cols + k)
-                    scores = torch.randn(rows, cols, generator=g, device=DEVICE)
-                    if kind == "rising":
-                        scores += torch.linspace(0, 8, cols, device=DEVICE)
-                    lengths = torch.full((rows,), cols, dtype=torch.int32, device=DEVICE)
-                    want = topk_picks(scores, k).sort(dim=1).values.int()
-                    out = torch.empty(rows, k, dtype=torch.int32, device=DEVICE)
-                    ws = T.topk_workspace(rows, cols, k, DEVICE)
-
-                    def new(ways, warps=4):
-                        def run():
-                            if by_row:
-                                T.ROW_WAYS = ways
-                            else:
-                                T.SELECT_WAYS, T.SPLIT_WARPS = ways, warps
-                            return T.topk_indices(scores, lengths, k, out=out, workspace=ws)
-                        return run
-
-                    settings = [(2, 4), (4, 4)] if by_row else [(2, 4), (4, 4), (8, 4), (4, 8), (4, 16)]
-                    runs = {f"ways {ways}" + ("" if by_row else f" warps {warps}"): new(ways, warps)
-                            for ways, warps in settings}
-                    for name, module in reversed(olds.items()):
-                        def previous(module=module, old_ws=module.topk_workspace(rows, cols, k, DEVICE)):
-                            return module.topk_indices(scores, lengths, k, out=out, workspace=old_ws)
-                        runs = {name: previous, **runs}
-                    label = f"topk {rows} x {cols} k={k} {kind}"
-                    times = {}
-                    for name, run in runs.items():
-                        out.fill_(-7)
-                        run()
-                        torch.cuda.synchronize()
-                        if not torch.equal(out, want):
-                            print(f"{label} {name}: DIFFERS from a stable sort, not timed", flush=True)
-                            times[name] = "DIFFERS"
-                            continue
-                        t = time_cuda(run, device=DEVICE, runs=30)
-                        times[name] = f"{t.median_us:.1f}"
-                        print(f"{label} {name}: {t.median_us:.1f} us (p10 {t.p10_us:.1f}, p90 {t.p90_us:.1f})",
-                              flush=True)
-                    summary.append(f"TOPKS {rows:>4} x {cols:>7} {kind:<6} " + "  ".join(
-                        f"{name} {value}" for name, value in times.items()))
-                    del scores, out, ws
-                    torch.cuda.empty_cache()
-    finally:
-        T.SELECT_WAYS, T.ROW_WAYS, T.SPLIT_WARPS = defaults
     print("\n".join(summary), flush=True)
 
 

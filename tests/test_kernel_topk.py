@@ -107,13 +107,9 @@ def test_topk_select_in_registers_or_looped(select, split_mode, monkeypatch):
         assert torch.equal(run(scores, lengths, k), reference(scores, lengths, k)), (rows, cols, k, kind)
 
 
-@pytest.mark.parametrize("ways", [2, 4, 16])
-def test_topk_search_ways(ways, mode, monkeypatch):
-    """The k-th key's search (`_kth_key`: the row kernel's, and phase D's over buffered candidates) counts ways - 1
-    thresholds a step: every width gives the reference's picks, on ties, a fine grid, keys over the whole int32 range
-    and rows with fewer candidates than k."""
-    monkeypatch.setattr(topk_module, "ROW_WAYS", ways)
-    monkeypatch.setattr(topk_module, "SELECT_WAYS", ways)
+def test_topk_wide_keys(mode):
+    """The k-th key's bisection (`_kth_key`: the row kernel's, and phase D's over the buffered candidates' low 16
+    bits) on ties, a fine grid, keys over the whole int32 range and rows with fewer candidates than k."""
     for seed, (rows, cols, k, kind) in enumerate(((2, 400, 9, "normal"), (3, 517, 40, "ties"), (2, 301, 17, "wide"),
                                                   (2, 90, 128, "wide"))):
         scores, lengths = make_rows(seed, rows, cols, kind, DEVICE)

@@ -30,10 +30,10 @@ B  [S per row]  digit 1 from hist1; histogram of digit 2 among keys of that top 
 C  [S per row]  digit 2 from hist2, i.e. the 16-bit prefix P of T; the chunk's candidates with key >> 16 >= P
                 (M in the row, ~k plus one fine bin) go to a per-row buffer (key, column) in column order,
                 offsets from suffix[r, :, d2]
-D  [1 per row]  digits 3 and 4 from two histograms over the buffer, then the picks (cumsum ranks, ties counted
-                in column order) and the -1 tail. With M <= SELECT the buffer is read once into registers and
-                everything after is register work; else three passes over the buffer. It zeroes the row's
-                histograms and counters for the next call.
+D  [1 per row]  the low 16 bits of T, then the picks (cumsum ranks, ties counted in column order) and the -1
+                tail. With M <= SELECT the buffer is read once into registers and T found there by bisection
+                (`_kth_key`, at most 16 steps of one compare per key); else three passes over the buffer, digits 3
+                and 4 from two histograms. It zeroes the row's histograms and counters for the next call.
 
 One launch (`FUSED = True`; four launches are the default, faster on the H200): every program of row r takes a ticket from the row's counter when it starts
 and the ticket gives its role: tickets 0..S-1 run phase A on chunk t, S..2S-1 phase B, 2S..3S-1 phase C, 3S
@@ -90,10 +90,6 @@ FUSED = False  # four launches; True: one launch ordered by tickets. H200 (docs/
 # 47.8 against 54.6 at 8 x 262K. Two compilations, one per tiling (the tile width and SPLITS).
 SPLIT_TILING = {"small": (2, 1024), "big": (4, 2048)}
 BIG_FROM = 1 << 20
-# Thresholds counted per step of the k-th key's search (`_kth_key`): 2 is a bisection; the row kernel's row (up to
-# 16384 keys) and the select's buffered candidates (digits 3 and 4 of the split kernel's threshold, up to SELECT)
-ROW_WAYS, SELECT_WAYS = 2, 4
-SPLIT_WARPS = 4  # warps of a phase A-C program (four launches)
 _BINS = 256  # 8-bit digits: four levels cover the 32-bit key
 _LINE = 32  # int32s per 128-byte line: each counter on its own line, so spinning readers do not share a line
 _TICKET, _DONE_A, _DONE_B, _DONE_C = 0, _LINE, 2 * _LINE, 3 * _LINE
@@ -190,7 +186,7 @@ def topk_indices(scores: torch.Tensor, lengths: torch.Tensor, k: int, *, out: to
         row_tile = max(_ROW_BLOCK, triton.next_power_of_2(cols))
         per_thread = 64 if rows >= ROW_MANY else 32  # the faster on the H100: fewer warps a row when rows fill the GPU
         _topk_row_kernel[(rows,)](scores, lengths, out, cols, k, BLOCK=row_tile,
-                                  OUT_BLOCK=min(triton.next_power_of_2(k), 1024), WAYS=ROW_WAYS,
+                                  OUT_BLOCK=min(triton.next_power_of_2(k), 1024),
                                   num_warps=max(4, min(32, row_tile // (32 * per_thread))),
                                   **launch_options(device))
         return out
@@ -201,14 +197,13 @@ def topk_indices(scores: torch.Tensor, lengths: torch.Tensor, k: int, *, out: to
     # SPLITS (the width of the per-chunk count vector) is the tiling's bound, not this call's S, and S is a plain
     # runtime int (do_not_specialize): S follows the row count, so it would otherwise compile a kernel per step shape
     meta = dict(BLOCK=block, SPLITS=triton.next_power_of_2(_tiling(rows, cols, device)[0]), SELECT=select,
-                WAYS=SELECT_WAYS, **launch_options(device))
-    select_warps = 4 if select <= 1024 else 8
+                num_warps=4 if select <= 1024 else 8, **launch_options(device))
     if FUSED:
-        _topk_kernel[(rows, 3 * splits + 1)](*args, PHASE=-1, num_warps=select_warps, **meta)
+        _topk_kernel[(rows, 3 * splits + 1)](*args, PHASE=-1, **meta)
     else:
         for phase in range(3):
-            _topk_kernel[(rows, splits)](*args, PHASE=phase, num_warps=SPLIT_WARPS, **meta)
-        _topk_kernel[(rows, 1)](*args, PHASE=3, num_warps=select_warps, **meta)
+            _topk_kernel[(rows, splits)](*args, PHASE=phase, **meta)
+        _topk_kernel[(rows, 1)](*args, PHASE=3, **meta)
     return out
 
 
@@ -341,27 +336,21 @@ if triton is not None:
         return tl.where(m_buf, b_bcol, o_t), b_key, m_buf | (m_row & (b_x != float("-inf")))
 
     @triton.jit
-    def _kth_key(b_key, lo, hi, k, WAYS: tl.constexpr):
+    def _kth_key(b_key, lo, hi, k):
         """A threshold t with #(b_key > t) <= k <= #(b_key >= t), given #(b_key >= lo) >= k > #(b_key >= hi) (int64
-        bounds; with fewer than k keys >= lo, lo itself). A WAYS-ary search (2: bisection): each step counts the keys
-        >= WAYS - 1 inner thresholds (a compare and an add per key and threshold, one block reduction each), and
-        stops early at a count of exactly k."""
+        bounds; with fewer than k keys >= lo, lo itself): bisection, each step a compare and an add per key and one
+        block reduction (a 256-bin tl.histogram costs ~80 instructions per key for 8 bits), stopping early once a
+        count is exactly k."""
         while hi - lo > 1:
-            step = (hi - lo + WAYS - 1) // WAYS
-            way = lo * 0  # the highest inner threshold counting >= k (0: none, then lo)
-            exact = hi < lo  # False
-            for w in tl.static_range(1, WAYS):
-                count = tl.sum((b_key >= (lo + w * step).to(tl.int32)).to(tl.int32), axis=0)
-                ok = (lo + w * step < hi) & (count >= k)
-                way = tl.where(ok, w, way)
-                exact = tl.where(ok, count == k, exact)
-            lo = lo + way * step
-            hi = tl.where(exact, lo + 1, tl.minimum(hi, lo + step))
+            mid = lo + (hi - lo) // 2
+            above = tl.sum((b_key >= mid.to(tl.int32)).to(tl.int32), axis=0)
+            hi = tl.where(above >= k, tl.where(above == k, mid + 1, hi), mid)
+            lo = tl.where(above >= k, mid, lo)
         return lo.to(tl.int32)
 
     @triton.jit
     def _phase_d(p_row, p_ws, p_out, n, S, CAP, k, BLOCK: tl.constexpr, SPLITS: tl.constexpr,
-                 SELECT: tl.constexpr, WAYS: tl.constexpr):
+                 SELECT: tl.constexpr):
         p_keys = p_ws + _C_HEADER + S * 256
         p_cols = p_keys + CAP
         prefix16, d2, need2 = _prefix16(p_ws, k)
@@ -372,7 +361,7 @@ if triton is not None:
             # T has the 16-bit prefix: #(key >= prefix16 << 16) >= k > #(key >= (prefix16 + 1) << 16) (fewer than
             # k candidates: prefix16 << 16 is int32 min, where the empty lanes sit, and every candidate is a pick)
             lo = (prefix16 * 65536).to(tl.int64)
-            threshold = _kth_key(tl.where(m_c, b_key, -2147483648), lo, lo + 65536, k, WAYS)
+            threshold = _kth_key(tl.where(m_c, b_key, -2147483648), lo, lo + 65536, k)
             need = k - tl.sum((m_c & (b_key > threshold)).to(tl.int32))
             m_tie = m_c & (b_key == threshold)
             m_pick = (m_c & (b_key > threshold)) | (m_tie & (tl.cumsum(m_tie.to(tl.int32), 0) <= need))
@@ -409,8 +398,7 @@ if triton is not None:
             tl.store(p_out + o_o, tl.full([BLOCK], -1, tl.int32), mask=(o_o >= written) & (o_o < k))
 
     @triton.jit
-    def _topk_row_kernel(scores_ptr, lengths_ptr, out_ptr, J, k, BLOCK: tl.constexpr, OUT_BLOCK: tl.constexpr,
-                         WAYS: tl.constexpr):
+    def _topk_row_kernel(scores_ptr, lengths_ptr, out_ptr, J, k, BLOCK: tl.constexpr, OUT_BLOCK: tl.constexpr):
         """Row i_r whole in one program's registers. The k-th largest key T by bisection on the int32 key space:
         each step counts the keys >= mid (a compare and an add per key and one block reduction, where a 256-bin
         tl.histogram costs ~80 instructions per key for 8 bits), stopping early once a count is exactly k. Then the
@@ -427,7 +415,7 @@ if triton is not None:
         if count > k:
             lo = tl.min(tl.where(b_key > -2147483648, b_key, 2147483647), axis=0).to(tl.int64)  # #(>= lo) >= k
             hi = tl.max(b_key, axis=0).to(tl.int64) + 1  # #(>= hi) < k
-            threshold = _kth_key(b_key, lo, hi, k, WAYS)
+            threshold = _kth_key(b_key, lo, hi, k)
         need = k - tl.sum((b_key > threshold).to(tl.int32), axis=0)
         m_tie = (b_key == threshold) & (b_key > -2147483648)
         m_pick = (b_key > threshold) | (m_tie & (tl.cumsum(m_tie.to(tl.int32), 0) <= need))
@@ -440,7 +428,7 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=["S"])
     def _topk_kernel(scores_ptr, lengths_ptr, ws_ptr, out_ptr, J, W, CHUNK, S, CAP, k, BLOCK: tl.constexpr,
-                     SPLITS: tl.constexpr, SELECT: tl.constexpr, WAYS: tl.constexpr, PHASE: tl.constexpr):
+                     SPLITS: tl.constexpr, SELECT: tl.constexpr, PHASE: tl.constexpr):
         """Row i_r. PHASE -1: one launch of 3S + 1 programs per row, the role from a ticket; 0..3: that phase
         alone (grid (R, S), or (R, 1) for D), ordered by the launches."""
         wait_for_prior_grids()
@@ -478,7 +466,7 @@ if triton is not None:
                 _wait(p_ws + _C_DONE_A, S)  # all three: then every ticket is taken and no program touches
                 _wait(p_ws + _C_DONE_B, S)  # the row's workspace again, so it can be zeroed below
                 _wait(p_ws + _C_DONE_C, S)
-            _phase_d(p_row, p_ws, out_ptr + i_r.to(tl.int64) * k, n, S, CAP, k, BLOCK, SPLITS, SELECT, WAYS)
+            _phase_d(p_row, p_ws, out_ptr + i_r.to(tl.int64) * k, n, S, CAP, k, BLOCK, SPLITS, SELECT)
             # leave the counters and histograms zero for the next call
             tl.debug_barrier()
             o_h = tl.arange(0, 1024)
