@@ -100,11 +100,12 @@ def _indexer_case(batch: int, history: int, new: int):
 
 def indexer_waves():
     """The row (decode) kernel's grid and path: programs per SM (`_GRID_WAVES`: more programs, fewer tiles each) x
-    the bf16 / FP8 MMA path forced (`FP8_MIN_PROGRAMS_PER_SM`) x 1 / 2 stages, at batch 1 / 1M, 8 / 128K and
+    the FP8 MMA path or the bf16 path forced (`FP8_MIN_PROGRAMS_PER_SM`), the latter with its MXFP4 decode by bit
+    moves or through fp32 (`BF16_BITS`), at 1 stage (and 2 for the bit moves), at batch 1 / 1M, 8 / 128K and
     64 / 128K. Scores are checked against the default's first (the paths agree up to summation order)."""
     import dsv4kv.kernels.indexer as K
 
-    defaults = K._GRID_WAVES, K.FP8_MIN_PROGRAMS_PER_SM, dict(K._ROW_TILES)
+    defaults = K._GRID_WAVES, K.FP8_MIN_PROGRAMS_PER_SM, dict(K._ROW_TILES), K.BF16_BITS
     for batch, history in ((1, (1 << 20) - 1), (8, 131071), (64, 131071)):
         cache, plan = csa_plan(batch, history, 1)
         ls = cache.spec.layers[CSA]
@@ -124,12 +125,14 @@ def indexer_waves():
             waves, path, stages = setting
             K._GRID_WAVES = waves
             K.FP8_MIN_PROGRAMS_PER_SM = 0 if path == "fp8" else 10 ** 9
+            K.BF16_BITS = path == "bits"  # the bf16 path's decode by bit moves ("bits") or through fp32 ("bf16")
             K._ROW_TILES = {**defaults[2], "num_stages": stages}
 
         label = f"indexer-waves batch {batch} ctx {history + 1} ({batch * out.shape[1] * 68 / 1e6:.1f} MB)"
-        settings = [(waves, path, stages) for stages in (1, 2) for path in ("bf16", "fp8") for waves in (3, 4, 6, 8)]
+        settings = [(waves, path, 1) for path in ("fp8", "bits", "bf16") for waves in (3, 4, 6)]
+        settings += [(3, "bits", 2), (4, "bits", 2)]
         variants(label, run, settings, apply)
-        K._GRID_WAVES, K.FP8_MIN_PROGRAMS_PER_SM, K._ROW_TILES = defaults
+        K._GRID_WAVES, K.FP8_MIN_PROGRAMS_PER_SM, K._ROW_TILES, K.BF16_BITS = defaults
         del cache, plan, out
         torch.cuda.empty_cache()
 

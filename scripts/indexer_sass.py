@@ -32,10 +32,11 @@ POINTERS = {"q_ptr": "*fp32", "w_ptr": "*fp32", "positions_ptr": "*i32", "token_
 DIVISIBLE_BY_16 = {"num_entries", "table_stride", "chunk"}
 
 
-def compile_row_kernel(fp8: bool, stages: int, block_j: int = 64, warps: int = 4, maxnreg: int | None = None):
+def compile_row_kernel(fp8: bool, stages: int, block_j: int = 64, warps: int = 4, maxnreg: int | None = None,
+                       bits: bool = True):
     kernel = indexer._indexer_scores_kernel
     consts = dict(FORMAT=indexer._MXFP4, RATIO=4, D=128, P=256, PAGE_BYTES=256 * 68, DATA_BYTES=64, SCALE_BYTES=4,
-                  BLOCK_H=64, BLOCK_J=block_j, FILL_J=block_j, DOT=tl.bfloat16, FILL=False, MMA8=fp8, ASM=True)
+                  BLOCK_H=64, BLOCK_J=block_j, FILL_J=block_j, DOT=tl.bfloat16, FILL=False, MMA8=fp8, ASM=True, BITS=bits)
     names = kernel.arg_names
     signature = {n: "constexpr" if n in consts else POINTERS.get(n, "fp32" if n == "score_scale" else "i32")
                  for n in names}
@@ -52,13 +53,16 @@ def main() -> int:
     args = ap.parse_args()
     stages = indexer._ROW_TILES["num_stages"]
     # the default stage count; the FP8 path without and with its register cap (the launch applies the cap)
-    for fp8, cap in ((False, None), (True, None), (True, indexer.FP8_MAX_REGISTERS)):
-        compiled = compile_row_kernel(fp8, stages, maxnreg=cap)
+    for fp8, cap, bits in ((False, None, False), (False, None, True), (True, None, True),
+                           (True, indexer.FP8_MAX_REGISTERS, True)):
+        compiled = compile_row_kernel(fp8, stages, maxnreg=cap, bits=bits)
         ptxas, sass = ptxas_and_sass(compiled)
         regs = re.search(r"Used (\d+) registers", ptxas).group(1)
         spills = re.search(r"(\d+) bytes spill stores", ptxas).group(1)
         found = loops(sass)  # with the FP8 path the kernel holds both key loops (the bf16 one is the fallback)
-        print(f"{'FP8 MMA' if fp8 else 'bf16'} path{f', maxnreg {cap}' if cap else ''}, {stages} stage(s): "
+        decode = "bit moves" if bits else "through fp32"
+        print(f"{'FP8 MMA' if fp8 else 'bf16'} path (bf16 decode {decode}){f', maxnreg {cap}' if cap else ''}, "
+              f"{stages} stage(s): "
               f"{regs} registers, spill stores {spills} B, shared {compiled.metadata.shared} B, key loops "
               f"{[n for n, _ in found]} instructions")
         for _, ops in found if args.mix else ():

@@ -394,6 +394,42 @@ def _e4m3_of_bytes(byte_ptr, lo_ptr, hi_ptr, ASM: tl.constexpr):
 
 
 @triton.jit
+def _bf16_of_bytes(byte_ptr, code_ptr, lo_ptr, hi_ptr, CODES: tl.constexpr):
+    """Every byte (columns) under every scale code (rows) through `_e2m1_bf16`, as bf16 bits."""
+    o_c, o_b = tl.arange(0, CODES), tl.arange(0, 256)
+    scale = kernel_mod._ue8m0_bf16(tl.load(code_ptr + o_c))[:, None]
+    byte = tl.broadcast_to(tl.load(byte_ptr + o_b)[None, :], (CODES, 256))
+    lo, hi = kernel_mod._e2m1_bf16(byte, tl.broadcast_to(scale, (CODES, 256)))
+    offs = o_c[:, None] * 256 + o_b[None, :]
+    tl.store(lo_ptr + offs, lo.to(tl.int16, bitcast=True))
+    tl.store(hi_ptr + offs, hi.to(tl.int16, bitcast=True))
+
+
+@needs_cuda
+def test_e2m1_bf16_every_byte_and_scale():
+    """The bf16 path's decode by bit moves (`_e2m1_bf16`, inline PTX: GPU only) equals the fp32 decode
+    (`_e2m1_pair` times `_ue8m0`, as the reference and the interpreter decode) rounded to bf16, for all 256 bytes
+    under scale codes 0 (2^-127: subnormal products), 1, 100, 127, 200, 253, 254 (6 * 2^127 overflows to inf in both)
+    and 255 (NaN): bit for bit, NaN as NaN."""
+    codes = torch.tensor([0, 1, 100, 127, 200, 253, 254, 255, 127, 127, 127, 127, 127, 127, 127, 127],
+                         dtype=torch.int32, device=DEVICE)
+    byte = torch.arange(256, dtype=torch.uint8, device=DEVICE)
+    lo = torch.empty(16, 256, dtype=torch.int16, device=DEVICE)
+    hi = torch.empty_like(lo)
+    _bf16_of_bytes[(1,)](byte, codes, lo, hi, CODES=16)
+    e2m1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
+    scale = torch.where(codes.cpu() == 0, 2.0 ** -127, torch.where(codes.cpu() == 255, float("nan"),
+                                                                   2.0 ** (codes.cpu().double() - 127).float()))
+    for got, nibble in ((lo, byte.cpu().long() & 15), (hi, byte.cpu().long() >> 4)):
+        want = (e2m1[nibble][None, :] * scale[:, None]).to(torch.bfloat16)
+        got = got.cpu().view(torch.bfloat16)
+        assert torch.equal(torch.isnan(got), torch.isnan(want))
+        finite = ~torch.isnan(want)
+        assert torch.equal(got[finite].view(torch.int16), want[finite].view(torch.int16))
+    assert torch.isinf(lo.cpu().view(torch.bfloat16)[6, 7]) and lo.cpu().view(torch.bfloat16)[0, 1] == 2.0 ** -128
+
+
+@triton.jit
 def _grid_codes(x_ptr, code_ptr):
     o = tl.arange(0, 256)
     tl.store(code_ptr + o, e4m3_grid_code(tl.load(x_ptr + o)))
