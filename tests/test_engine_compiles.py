@@ -98,13 +98,13 @@ def test_gpu_launch_configs_take_few_values(monkeypatch):
     """The tiles chosen per launch on a GPU (132 SMs), which Triton compiles as constants, take a handful of values
     over every decode and prefill shape of V4-Flash, while the split counts, which follow the shape, are runtime
     ints. Attention: heads 64, head_dim 512, window 128 + 512 picks (CSA) or up to 1M / 128 entries (HCA)."""
-    monkeypatch.setattr(attention_module, "_num_sms", lambda device: 132)
+    monkeypatch.setattr(attention_module, "sm_count", lambda device: 132)
     cuda = torch.device("cuda")
     configs = {(c.block_h, c.block_n, c.splits > 1, c.num_warps, c.num_stages)
                for rows in range(1, 4097) for max_keys in (128 + 512, 128 + 64, 128 + 8192)
                for c in [attention_module._config(rows, 64, max_keys, cuda)]}
     assert len(configs) <= 6, configs  # (16 | 64 heads) x (32 | 64 keys) x (split or not), in part
-    monkeypatch.setattr(topk_module, "_sm_count", lambda index: 132)
+    monkeypatch.setattr(topk_module, "sm_count", lambda device: 132)
     shapes = [(rows, cols) for rows in (1, 2, 3, 64, 8192) for cols in (1, 5000, 1 << 15, 1 << 18, 1 << 20)]
     # (programs, tile columns): two tilings, so two compilations (BLOCK, and SPLITS = 512 or 1024)
     tilings = {topk_module._tiling(rows, cols, torch.device("cuda", 0)) for rows, cols in shapes}

@@ -363,7 +363,7 @@ def test_config_splits_only_grids_that_leave_the_gpu_idle(monkeypatch):
     """`_config` on a 132-SM device (V4-Flash decode shapes: 64 heads, window 128 + 512 picks, or + 8192 HCA entries
     at 1M): small batches split (with 16-head blocks where even the split grid leaves half the SMs idle), a batch
     that fills half the SMs does not, a batch filling a third takes 64-key blocks; the interpreter never splits."""
-    monkeypatch.setattr(attention, "_num_sms", lambda device: 132)
+    monkeypatch.setattr(attention, "sm_count", lambda device: 132)
     for name, value in dict(BLOCK_H=64, SMALL_BLOCK_H=16, BLOCK_N=32, LARGE_BLOCK_N=64, MIN_SPLIT_BLOCKS=2).items():
         monkeypatch.setattr(attention, name, value)  # whatever the defaults are now
     cuda = torch.device("cuda", 0)

@@ -43,7 +43,6 @@ as FlashMLA does; the running sum adds the weights as rounded. Against the fp32 
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import torch
@@ -53,7 +52,7 @@ import triton.language as tl
 from ..layout import EntryLayout, MainFP8Layout
 from ..ops.common import require
 from ..plan import StepPlan
-from .common import check_pool, check_tensor, interpreted, padded_rows
+from .common import check_pool, check_tensor, interpreted, padded_rows, sm_count
 from .encode import round_bf16
 from .launch import launch_options, wait_for_prior_grids
 from .query import _check_cos_sin, _rope_pairs, rope_rows
@@ -96,11 +95,6 @@ class _Config(NamedTuple):
     num_stages: int
 
 
-@functools.lru_cache(maxsize=8)
-def _num_sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def _config(rows: int, heads: int, max_keys: int, device: torch.device) -> _Config:
     """Tiles and split count from fixed shapes only (the plan's padded rows, heads, the most keys a row can have),
     so the launch shape is the same at every replay of a captured graph.
@@ -116,7 +110,7 @@ def _config(rows: int, heads: int, max_keys: int, device: torch.device) -> _Conf
     block_h = max(16, min(BLOCK_H, triton.next_power_of_2(heads)))  # a tensor-core M of at least 16
     if device.type != "cuda":
         return _Config(block_h, BLOCK_N, 1, 4 if block_h <= 32 else 8, NUM_STAGES)
-    sms = _num_sms(device)
+    sms = sm_count(device)
     programs = max(rows, 1) * triton.cdiv(heads, block_h)
     block_n = LARGE_BLOCK_N if 3 * programs >= sms else BLOCK_N
     splits = _splits(programs, max_keys, block_n, sms)

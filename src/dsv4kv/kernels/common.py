@@ -9,13 +9,15 @@ so a captured CUDA graph replays over any plan written into the same buffers.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ..backend import interpreted, kernels_can_run
 from ..layout import EntryLayout
 from ..ops.common import require
 
-__all__ = ["interpreted", "kernels_can_run", "check_pool", "check_tensor", "check_plan", "padded_rows"]
+__all__ = ["interpreted", "kernels_can_run", "check_pool", "check_tensor", "check_plan", "padded_rows", "sm_count"]
 
 
 def check_tensor(name: str, x, *, dtype: torch.dtype | tuple[torch.dtype, ...], shape: tuple[int | None, ...],
@@ -49,3 +51,9 @@ def check_plan(plan, device: torch.device) -> None:
 def padded_rows(plan) -> int:
     """Token rows the kernels run over: every row of the plan's buffers, padding included."""
     return plan.positions.shape[0]
+
+
+@functools.lru_cache(maxsize=8)
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device: the launch heuristics size their grids in programs per SM."""
+    return torch.cuda.get_device_properties(device).multi_processor_count

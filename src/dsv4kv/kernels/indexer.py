@@ -71,8 +71,6 @@ caller that reads whole rows.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
@@ -80,7 +78,7 @@ import triton.language as tl
 from ..layout import EntryLayout, IndexerFP8Layout, IndexerMXFP4Layout
 from ..ops.common import require
 from ..plan import StepPlan
-from .common import check_pool, check_tensor, interpreted, padded_rows
+from .common import check_pool, check_tensor, interpreted, padded_rows, sm_count
 from .encode import e4m3_grid_code, e4m3_round, round_bf16
 from .launch import launch_options, wait_for_prior_grids
 
@@ -537,11 +535,6 @@ def _indexer_scores_stacked_kernel(
                      cache_modifier=".cs")
 
 
-@functools.lru_cache(maxsize=8)
-def _num_sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def _row_takes_fp8(fmt: int, dim: int, rows: int, entries: int, device: torch.device) -> bool:
     """The row kernel's host choice of the FP8 MMA path for scores [rows, entries]: MXFP4 keys, D <= 128 and a grid
     of at least FP8_MIN_PROGRAMS_PER_SM programs per SM (the interpreter counts as one SM, so its tests take both
@@ -550,13 +543,13 @@ def _row_takes_fp8(fmt: int, dim: int, rows: int, entries: int, device: torch.de
     block_j, iters, _ = _config(rows, entries, device)
     programs = rows * triton.cdiv(entries, block_j * iters)
     return fmt == _MXFP4 and dim <= 128 and programs >= FP8_MIN_PROGRAMS_PER_SM * (
-        _num_sms(device) if device.type == "cuda" else 1)
+        sm_count(device) if device.type == "cuda" else 1)
 
 
 def _iters(programs_per_chunk: int, tiles: int, device: torch.device, max_iters: int) -> int:
     """Tiles per program: grow (q is loaded once per program) while the grid still gives every SM
     `_GRID_WAVES` programs (latency hiding: a program's tiles run one after another)."""
-    target = 1 if device.type != "cuda" else _GRID_WAVES * _num_sms(device)
+    target = 1 if device.type != "cuda" else _GRID_WAVES * sm_count(device)
     iters = 1
     while iters < max_iters and programs_per_chunk * triton.cdiv(tiles, 2 * iters) >= target:
         iters *= 2

@@ -59,19 +59,14 @@ launches the same kernel for fixed (R, J, k).
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
-from ..ops.common import require
-from .common import check_tensor
-from .launch import launch_options, wait_for_prior_grids
+import triton
+import triton.language as tl
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # a CPU-only install without Triton: the wrapper's checks say so
-    triton = None
+from ..ops.common import require
+from .common import check_tensor, sm_count
+from .launch import launch_options, wait_for_prior_grids
 
 __all__ = ["topk_indices", "topk_workspace", "MAX_K"]
 
@@ -99,26 +94,21 @@ _HEADER = _HIST2 + _BINS  # counters, hist1, hist2; then suffix [S, 256] and the
 _CPU_TILING = (6, 64)  # the interpreter's programs and tile columns: small, so tests split rows (S > 1)
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def _tiling(rows: int, cols: int, device: torch.device) -> tuple[int, int]:
     """(programs per phase the split aims for, columns per tile) for a [rows, cols] problem (`SPLIT_TILING`)."""
     if device.type != "cuda":
         return _CPU_TILING
-    index = device.index if device.index is not None else torch.cuda.current_device()
     per_sm, block = SPLIT_TILING["big" if rows * cols >= BIG_FROM else "small"]
-    return per_sm * _sm_count(index), block
+    return per_sm * sm_count(device), block
 
 
-def _split(rows: int, cols: int, device: torch.device) -> tuple[int, int, int]:
-    """(splits S, chunk columns, tile columns) for a [rows, cols] problem (`_tiling`)."""
+def _split(rows: int, cols: int, device: torch.device) -> tuple[int, int, int, int]:
+    """(splits S, chunk columns, tile columns, programs per phase the tiling aims for) for a [rows, cols] problem
+    (`_tiling`)."""
     programs, block = _tiling(rows, cols, device)
     splits = max(1, min(-(-programs // max(rows, 1)), -(-cols // block)))
     chunk = max(1, -(-(-(-cols // splits)) // block)) * block
-    return max(1, -(-cols // chunk)), chunk, block
+    return max(1, -(-cols // chunk)), chunk, block, programs
 
 
 def _select_block(k: int, device: torch.device) -> int:
@@ -144,7 +134,7 @@ def topk_workspace(rows: int, cols: int, k: int, device: torch.device | str, *,
     require(capacity >= 0, f"topk_workspace: capacity must be >= 0, got {capacity}")
     if _by_row(rows, cols):
         return torch.zeros(rows, 0, dtype=torch.int32, device=device)
-    splits, _, _ = _split(rows, cols, device)
+    splits = _split(rows, cols, device)[0]
     return torch.zeros(rows, _HEADER + _BINS * splits + 2 * capacity, dtype=torch.int32, device=device)
 
 
@@ -167,7 +157,7 @@ def topk_indices(scores: torch.Tensor, lengths: torch.Tensor, k: int, *, out: to
     if out is None:
         out = torch.empty(rows, k, dtype=torch.int32, device=device)
     check_tensor("out", out, dtype=torch.int32, shape=(rows, k), device=device)
-    splits, chunk, block = _split(rows, cols, device)
+    splits, chunk, block, programs = _split(rows, cols, device)
     by_row = _by_row(rows, cols)
     if workspace is None and not by_row:
         workspace = topk_workspace(rows, cols, k, device)
@@ -196,7 +186,7 @@ def topk_indices(scores: torch.Tensor, lengths: torch.Tensor, k: int, *, out: to
     args = (scores, lengths, workspace, out, cols, width, chunk, splits, capacity, k)
     # SPLITS (the width of the per-chunk count vector) is the tiling's bound, not this call's S, and S is a plain
     # runtime int (do_not_specialize): S follows the row count, so it would otherwise compile a kernel per step shape
-    meta = dict(BLOCK=block, SPLITS=triton.next_power_of_2(_tiling(rows, cols, device)[0]), SELECT=select,
+    meta = dict(BLOCK=block, SPLITS=triton.next_power_of_2(programs), SELECT=select,
                 num_warps=4 if select <= 1024 else 8, **launch_options(device))
     if FUSED:
         _topk_kernel[(rows, 3 * splits + 1)](*args, PHASE=-1, **meta)
@@ -207,267 +197,283 @@ def topk_indices(scores: torch.Tensor, lengths: torch.Tensor, k: int, *, out: to
     return out
 
 
-if triton is not None:
-    # the workspace offsets as constexprs (jit code reads no other globals)
-    _C_TICKET, _C_DONE_A, _C_DONE_B, _C_DONE_C = (tl.constexpr(v) for v in (_TICKET, _DONE_A, _DONE_B, _DONE_C))
-    _C_HIST1, _C_HIST2, _C_HEADER = tl.constexpr(_HIST1), tl.constexpr(_HIST2), tl.constexpr(_HEADER)
+# the workspace offsets as constexprs (jit code reads no other globals)
+_C_TICKET, _C_DONE_A, _C_DONE_B, _C_DONE_C = (tl.constexpr(v) for v in (_TICKET, _DONE_A, _DONE_B, _DONE_C))
+_C_HIST1, _C_HIST2, _C_HEADER = tl.constexpr(_HIST1), tl.constexpr(_HIST2), tl.constexpr(_HEADER)
 
-    @triton.jit
-    def _sortable(x):
-        """fp32 -> int32 whose signed order is the float order; -0.0 maps onto +0.0 (they tie)."""
-        b_bits = x.to(tl.int32, bitcast=True)
-        b_bits = tl.where(b_bits == -2147483648, 0, b_bits)
-        return b_bits ^ ((b_bits >> 31) & 0x7FFFFFFF)
 
-    @triton.jit
-    def _row_tile(p_row, start, end, BLOCK: tl.constexpr):
-        """Columns start.. of a row: (columns, keys, candidate mask); columns >= end are not read."""
-        o_c = start + tl.arange(0, BLOCK)
-        m_c = o_c < end
-        b_x = tl.load(p_row + o_c, mask=m_c, other=float("-inf"))
-        return o_c, _sortable(b_x), m_c & (b_x != float("-inf"))
+@triton.jit
+def _sortable(x):
+    """fp32 -> int32 whose signed order is the float order; -0.0 maps onto +0.0 (they tie)."""
+    b_bits = x.to(tl.int32, bitcast=True)
+    b_bits = tl.where(b_bits == -2147483648, 0, b_bits)
+    return b_bits ^ ((b_bits >> 31) & 0x7FFFFFFF)
 
-    @triton.jit
-    def _histogram(digits, mask, BLOCK: tl.constexpr):
-        """int32 [256] counts of digits[mask] (masked lanes go to bin 0 and are taken back out)."""
-        b_h = tl.histogram(tl.where(mask, digits, 0), 256)
-        missed = BLOCK - tl.sum(mask.to(tl.int32))
-        return b_h - tl.where(tl.arange(0, 256) == 0, missed, 0)
 
-    @triton.jit
-    def _pick(b_h, need):
-        """The digit where the count from the top reaches `need` (0 when it never does) and how many
-        keys with that digit are still needed."""
-        o_b = tl.arange(0, 256)
-        b_suffix = tl.sum(b_h) - tl.cumsum(b_h, 0) + b_h  # keys with digit >= b
-        digit = tl.max(tl.where(b_suffix >= need, o_b, 0))
-        return digit, need - tl.sum(tl.where(o_b > digit, b_h, 0))
+@triton.jit
+def _row_tile(p_row, start, end, BLOCK: tl.constexpr):
+    """Columns start.. of a row: (columns, keys, candidate mask); columns >= end are not read."""
+    o_c = start + tl.arange(0, BLOCK)
+    m_c = o_c < end
+    b_x = tl.load(p_row + o_c, mask=m_c, other=float("-inf"))
+    return o_c, _sortable(b_x), m_c & (b_x != float("-inf"))
 
-    @triton.jit
-    def _shared(p):
-        """A load of data other programs of this launch wrote: past L1, which is not coherent across SMs."""
-        return tl.load(p, cache_modifier=".cg")
 
-    @triton.jit
-    def _prefix16(p_ws, k):
-        """The 16-bit prefix of the threshold (signed, as key >> 16), its digit 2 and the count still
-        needed among keys with that prefix, from hist1 and hist2."""
-        o_b = tl.arange(0, 256)
-        d1, need1 = _pick(_shared(p_ws + _C_HIST1 + o_b), k)
-        d2, need2 = _pick(_shared(p_ws + _C_HIST2 + o_b), need1)
-        return (d1 - 128) * 256 + d2, d2, need2
+@triton.jit
+def _histogram(digits, mask, BLOCK: tl.constexpr):
+    """int32 [256] counts of digits[mask] (masked lanes go to bin 0 and are taken back out)."""
+    b_h = tl.histogram(tl.where(mask, digits, 0), 256)
+    missed = BLOCK - tl.sum(mask.to(tl.int32))
+    return b_h - tl.where(tl.arange(0, 256) == 0, missed, 0)
 
-    @triton.jit
-    def _buffered(p_ws, d2, S, SPLITS: tl.constexpr):
-        """Candidates with the threshold's 16-bit prefix or above, per chunk [SPLITS] (0 past S), from suffix."""
-        o_s = tl.arange(0, SPLITS)
-        return tl.load(p_ws + _C_HEADER + o_s * 256 + d2, mask=o_s < S, other=0, cache_modifier=".cg")
 
-    @triton.jit
-    def _signal(p_count):
-        """Publish this program's writes, then count it done (every thread's writes precede the barrier, the
-        release orders them before the increment for whoever acquires the count)."""
-        tl.debug_barrier()
-        tl.atomic_add(p_count, 1, sem="release")
+@triton.jit
+def _pick(b_h, need):
+    """The digit where the count from the top reaches `need` (0 when it never does) and how many
+    keys with that digit are still needed."""
+    o_b = tl.arange(0, 256)
+    b_suffix = tl.sum(b_h) - tl.cumsum(b_h, 0) + b_h  # keys with digit >= b
+    digit = tl.max(tl.where(b_suffix >= need, o_b, 0))
+    return digit, need - tl.sum(tl.where(o_b > digit, b_h, 0))
 
-    @triton.jit
-    def _wait(p_count, target):
-        """Spin until `target` programs have signalled on p_count, acquiring their writes. A scalar atomic is one
-        request per program (one thread's, the result shared through shared memory): hundreds of programs can
-        poll one counter without flooding its L2 slice, as a load by every thread would."""
+
+@triton.jit
+def _shared(p):
+    """A load of data other programs of this launch wrote: past L1, which is not coherent across SMs."""
+    return tl.load(p, cache_modifier=".cg")
+
+
+@triton.jit
+def _prefix16(p_ws, k):
+    """The 16-bit prefix of the threshold (signed, as key >> 16), its digit 2 and the count still
+    needed among keys with that prefix, from hist1 and hist2."""
+    o_b = tl.arange(0, 256)
+    d1, need1 = _pick(_shared(p_ws + _C_HIST1 + o_b), k)
+    d2, need2 = _pick(_shared(p_ws + _C_HIST2 + o_b), need1)
+    return (d1 - 128) * 256 + d2, d2, need2
+
+
+@triton.jit
+def _buffered(p_ws, d2, S, SPLITS: tl.constexpr):
+    """Candidates with the threshold's 16-bit prefix or above, per chunk [SPLITS] (0 past S), from suffix."""
+    o_s = tl.arange(0, SPLITS)
+    return tl.load(p_ws + _C_HEADER + o_s * 256 + d2, mask=o_s < S, other=0, cache_modifier=".cg")
+
+
+@triton.jit
+def _signal(p_count):
+    """Publish this program's writes, then count it done (every thread's writes precede the barrier, the
+    release orders them before the increment for whoever acquires the count)."""
+    tl.debug_barrier()
+    tl.atomic_add(p_count, 1, sem="release")
+
+
+@triton.jit
+def _wait(p_count, target):
+    """Spin until `target` programs have signalled on p_count, acquiring their writes. A scalar atomic is one
+    request per program (one thread's, the result shared through shared memory): hundreds of programs can
+    poll one counter without flooding its L2 slice, as a load by every thread would."""
+    seen = tl.atomic_add(p_count, 0, sem="acquire")
+    while seen < target:
         seen = tl.atomic_add(p_count, 0, sem="acquire")
-        while seen < target:
-            seen = tl.atomic_add(p_count, 0, sem="acquire")
-        tl.debug_barrier()
+    tl.debug_barrier()
 
-    @triton.jit
-    def _phase_a(p_row, p_ws, lo, hi, BLOCK: tl.constexpr):
+
+@triton.jit
+def _phase_a(p_row, p_ws, lo, hi, BLOCK: tl.constexpr):
+    b_h = tl.zeros([256], dtype=tl.int32)
+    for start in range(lo, hi, BLOCK):
+        o_c, b_key, m_c = _row_tile(p_row, start, hi, BLOCK)
+        b_h += _histogram((b_key >> 24) + 128, m_c, BLOCK)
+    tl.atomic_add(p_ws + _C_HIST1 + tl.arange(0, 256), b_h, mask=b_h != 0, sem="relaxed")
+
+
+@triton.jit
+def _phase_b(p_row, p_ws, i_s, lo, hi, k, BLOCK: tl.constexpr):
+    o_b = tl.arange(0, 256)
+    d1, _ = _pick(_shared(p_ws + _C_HIST1 + o_b), k)
+    top = d1 - 128  # digit 1 as key >> 24
+    b_above = tl.zeros([BLOCK], dtype=tl.int32)  # keys whose top digit is higher: all in the buffer
+    b_h = tl.zeros([256], dtype=tl.int32)
+    for start in range(lo, hi, BLOCK):
+        o_c, b_key, m_c = _row_tile(p_row, start, hi, BLOCK)
+        b_above += (m_c & ((b_key >> 24) > top)).to(tl.int32)
+        b_h += _histogram((b_key >> 16) & 255, m_c & ((b_key >> 24) == top), BLOCK)
+    tl.atomic_add(p_ws + _C_HIST2 + o_b, b_h, mask=b_h != 0, sem="relaxed")
+    # this chunk's keys with key >> 16 >= (top, b), for each digit b that phase C may choose
+    b_suffix = tl.sum(b_above) + tl.sum(b_h) - tl.cumsum(b_h, 0) + b_h
+    tl.store(p_ws + _C_HEADER + i_s * 256 + o_b, b_suffix)
+
+
+@triton.jit
+def _phase_c(p_row, p_ws, i_s, lo, hi, S, CAP, k, BLOCK: tl.constexpr, SPLITS: tl.constexpr):
+    prefix, d2, _ = _prefix16(p_ws, k)
+    o_s = tl.arange(0, SPLITS)
+    b_count = _buffered(p_ws, d2, S, SPLITS)
+    base = tl.sum(tl.where(o_s < i_s, b_count, 0))
+    hi = tl.where(tl.sum(b_count) <= CAP, hi, lo)  # an overflowing row is read whole by phase D
+    p_keys = p_ws + _C_HEADER + S * 256
+    written = tl.full((), 0, tl.int32)
+    for start in range(lo, hi, BLOCK):
+        o_c, b_key, m_c = _row_tile(p_row, start, hi, BLOCK)
+        m_keep = m_c & ((b_key >> 16) >= prefix)
+        b_keep = m_keep.to(tl.int32)
+        o_buf = base + written + tl.cumsum(b_keep, 0) - 1
+        tl.store(p_keys + o_buf, b_key, mask=m_keep)
+        tl.store(p_keys + CAP + o_buf, o_c, mask=m_keep)
+        written += tl.sum(b_keep)
+
+
+@triton.jit
+def _candidates(p_row, p_keys, p_cols, start, buffer_end, row_end, BLOCK: tl.constexpr):
+    """Tile start.. of the row's candidates in column order, from the buffer (buffer_end > 0) or
+    from the row (row_end > 0): (columns, keys, valid mask)."""
+    o_t = start + tl.arange(0, BLOCK)
+    m_buf = o_t < buffer_end
+    m_row = o_t < row_end
+    b_bkey = tl.load(p_keys + o_t, mask=m_buf, other=0, cache_modifier=".cg")
+    b_bcol = tl.load(p_cols + o_t, mask=m_buf, other=0, cache_modifier=".cg")
+    b_x = tl.load(p_row + o_t, mask=m_row, other=float("-inf"))
+    b_key = tl.where(m_buf, b_bkey, _sortable(b_x))
+    return tl.where(m_buf, b_bcol, o_t), b_key, m_buf | (m_row & (b_x != float("-inf")))
+
+
+@triton.jit
+def _kth_key(b_key, lo, hi, k):
+    """A threshold t with #(b_key > t) <= k <= #(b_key >= t), given #(b_key >= lo) >= k > #(b_key >= hi) (int64
+    bounds; with fewer than k keys >= lo, lo itself): bisection, each step a compare and an add per key and one
+    block reduction (a 256-bin tl.histogram costs ~80 instructions per key for 8 bits), stopping early once a
+    count is exactly k."""
+    while hi - lo > 1:
+        mid = lo + (hi - lo) // 2
+        above = tl.sum((b_key >= mid.to(tl.int32)).to(tl.int32), axis=0)
+        hi = tl.where(above >= k, tl.where(above == k, mid + 1, hi), mid)
+        lo = tl.where(above >= k, mid, lo)
+    return lo.to(tl.int32)
+
+
+@triton.jit
+def _phase_d(p_row, p_ws, p_out, n, S, CAP, k, BLOCK: tl.constexpr, SPLITS: tl.constexpr,
+             SELECT: tl.constexpr):
+    p_keys = p_ws + _C_HEADER + S * 256
+    p_cols = p_keys + CAP
+    prefix16, d2, need2 = _prefix16(p_ws, k)
+    total = tl.sum(_buffered(p_ws, d2, S, SPLITS))
+    written = tl.full((), 0, tl.int32)
+    if (total <= SELECT) & (total <= CAP):  # the usual case: every buffered candidate in registers at once
+        o_c, b_key, m_c = _candidates(p_row, p_keys, p_cols, 0, total, 0, SELECT)
+        # T has the 16-bit prefix: #(key >= prefix16 << 16) >= k > #(key >= (prefix16 + 1) << 16) (fewer than
+        # k candidates: prefix16 << 16 is int32 min, where the empty lanes sit, and every candidate is a pick)
+        lo = (prefix16 * 65536).to(tl.int64)
+        threshold = _kth_key(tl.where(m_c, b_key, -2147483648), lo, lo + 65536, k)
+        need = k - tl.sum((m_c & (b_key > threshold)).to(tl.int32))
+        m_tie = m_c & (b_key == threshold)
+        m_pick = (m_c & (b_key > threshold)) | (m_tie & (tl.cumsum(m_tie.to(tl.int32), 0) <= need))
+        o_out = tl.cumsum(m_pick.to(tl.int32), 0) - 1
+        tl.store(p_out + o_out, o_c, mask=m_pick & (o_out < k))
+        written = tl.sum(m_pick.to(tl.int32))
+    else:  # a big buffer: three passes over it; an overflowed one: three passes over the row
+        buffer_end = tl.where(total <= CAP, total, 0)
+        row_end = tl.where(total <= CAP, 0, n)
+        end = buffer_end + row_end
         b_h = tl.zeros([256], dtype=tl.int32)
-        for start in range(lo, hi, BLOCK):
-            o_c, b_key, m_c = _row_tile(p_row, start, hi, BLOCK)
-            b_h += _histogram((b_key >> 24) + 128, m_c, BLOCK)
-        tl.atomic_add(p_ws + _C_HIST1 + tl.arange(0, 256), b_h, mask=b_h != 0, sem="relaxed")
-
-    @triton.jit
-    def _phase_b(p_row, p_ws, i_s, lo, hi, k, BLOCK: tl.constexpr):
-        o_b = tl.arange(0, 256)
-        d1, _ = _pick(_shared(p_ws + _C_HIST1 + o_b), k)
-        top = d1 - 128  # digit 1 as key >> 24
-        b_above = tl.zeros([BLOCK], dtype=tl.int32)  # keys whose top digit is higher: all in the buffer
+        for start in range(0, end, BLOCK):
+            o_c, b_key, m_c = _candidates(p_row, p_keys, p_cols, start, buffer_end, row_end, BLOCK)
+            b_h += _histogram((b_key >> 8) & 255, m_c & ((b_key >> 16) == prefix16), BLOCK)
+        d3, need3 = _pick(b_h, need2)
+        prefix24 = prefix16 * 256 + d3
         b_h = tl.zeros([256], dtype=tl.int32)
-        for start in range(lo, hi, BLOCK):
-            o_c, b_key, m_c = _row_tile(p_row, start, hi, BLOCK)
-            b_above += (m_c & ((b_key >> 24) > top)).to(tl.int32)
-            b_h += _histogram((b_key >> 16) & 255, m_c & ((b_key >> 24) == top), BLOCK)
-        tl.atomic_add(p_ws + _C_HIST2 + o_b, b_h, mask=b_h != 0, sem="relaxed")
-        # this chunk's keys with key >> 16 >= (top, b), for each digit b that phase C may choose
-        b_suffix = tl.sum(b_above) + tl.sum(b_h) - tl.cumsum(b_h, 0) + b_h
-        tl.store(p_ws + _C_HEADER + i_s * 256 + o_b, b_suffix)
-
-    @triton.jit
-    def _phase_c(p_row, p_ws, i_s, lo, hi, S, CAP, k, BLOCK: tl.constexpr, SPLITS: tl.constexpr):
-        prefix, d2, _ = _prefix16(p_ws, k)
-        o_s = tl.arange(0, SPLITS)
-        b_count = _buffered(p_ws, d2, S, SPLITS)
-        base = tl.sum(tl.where(o_s < i_s, b_count, 0))
-        hi = tl.where(tl.sum(b_count) <= CAP, hi, lo)  # an overflowing row is read whole by phase D
-        p_keys = p_ws + _C_HEADER + S * 256
-        written = tl.full((), 0, tl.int32)
-        for start in range(lo, hi, BLOCK):
-            o_c, b_key, m_c = _row_tile(p_row, start, hi, BLOCK)
-            m_keep = m_c & ((b_key >> 16) >= prefix)
-            b_keep = m_keep.to(tl.int32)
-            o_buf = base + written + tl.cumsum(b_keep, 0) - 1
-            tl.store(p_keys + o_buf, b_key, mask=m_keep)
-            tl.store(p_keys + CAP + o_buf, o_c, mask=m_keep)
-            written += tl.sum(b_keep)
-
-    @triton.jit
-    def _candidates(p_row, p_keys, p_cols, start, buffer_end, row_end, BLOCK: tl.constexpr):
-        """Tile start.. of the row's candidates in column order, from the buffer (buffer_end > 0) or
-        from the row (row_end > 0): (columns, keys, valid mask)."""
-        o_t = start + tl.arange(0, BLOCK)
-        m_buf = o_t < buffer_end
-        m_row = o_t < row_end
-        b_bkey = tl.load(p_keys + o_t, mask=m_buf, other=0, cache_modifier=".cg")
-        b_bcol = tl.load(p_cols + o_t, mask=m_buf, other=0, cache_modifier=".cg")
-        b_x = tl.load(p_row + o_t, mask=m_row, other=float("-inf"))
-        b_key = tl.where(m_buf, b_bkey, _sortable(b_x))
-        return tl.where(m_buf, b_bcol, o_t), b_key, m_buf | (m_row & (b_x != float("-inf")))
-
-    @triton.jit
-    def _kth_key(b_key, lo, hi, k):
-        """A threshold t with #(b_key > t) <= k <= #(b_key >= t), given #(b_key >= lo) >= k > #(b_key >= hi) (int64
-        bounds; with fewer than k keys >= lo, lo itself): bisection, each step a compare and an add per key and one
-        block reduction (a 256-bin tl.histogram costs ~80 instructions per key for 8 bits), stopping early once a
-        count is exactly k."""
-        while hi - lo > 1:
-            mid = lo + (hi - lo) // 2
-            above = tl.sum((b_key >= mid.to(tl.int32)).to(tl.int32), axis=0)
-            hi = tl.where(above >= k, tl.where(above == k, mid + 1, hi), mid)
-            lo = tl.where(above >= k, mid, lo)
-        return lo.to(tl.int32)
-
-    @triton.jit
-    def _phase_d(p_row, p_ws, p_out, n, S, CAP, k, BLOCK: tl.constexpr, SPLITS: tl.constexpr,
-                 SELECT: tl.constexpr):
-        p_keys = p_ws + _C_HEADER + S * 256
-        p_cols = p_keys + CAP
-        prefix16, d2, need2 = _prefix16(p_ws, k)
-        total = tl.sum(_buffered(p_ws, d2, S, SPLITS))
-        written = tl.full((), 0, tl.int32)
-        if (total <= SELECT) & (total <= CAP):  # the usual case: every buffered candidate in registers at once
-            o_c, b_key, m_c = _candidates(p_row, p_keys, p_cols, 0, total, 0, SELECT)
-            # T has the 16-bit prefix: #(key >= prefix16 << 16) >= k > #(key >= (prefix16 + 1) << 16) (fewer than
-            # k candidates: prefix16 << 16 is int32 min, where the empty lanes sit, and every candidate is a pick)
-            lo = (prefix16 * 65536).to(tl.int64)
-            threshold = _kth_key(tl.where(m_c, b_key, -2147483648), lo, lo + 65536, k)
-            need = k - tl.sum((m_c & (b_key > threshold)).to(tl.int32))
+        for start in range(0, end, BLOCK):
+            o_c, b_key, m_c = _candidates(p_row, p_keys, p_cols, start, buffer_end, row_end, BLOCK)
+            b_h += _histogram(b_key & 255, m_c & ((b_key >> 8) == prefix24), BLOCK)
+        d4, need = _pick(b_h, need3)
+        threshold = prefix24 * 256 + d4
+        ties = tl.full((), 0, tl.int32)
+        for start in range(0, end, BLOCK):
+            o_c, b_key, m_c = _candidates(p_row, p_keys, p_cols, start, buffer_end, row_end, BLOCK)
             m_tie = m_c & (b_key == threshold)
-            m_pick = (m_c & (b_key > threshold)) | (m_tie & (tl.cumsum(m_tie.to(tl.int32), 0) <= need))
-            o_out = tl.cumsum(m_pick.to(tl.int32), 0) - 1
+            m_pick = (m_c & (b_key > threshold)) | (m_tie & (ties + tl.cumsum(m_tie.to(tl.int32), 0) <= need))
+            o_out = written + tl.cumsum(m_pick.to(tl.int32), 0) - 1
             tl.store(p_out + o_out, o_c, mask=m_pick & (o_out < k))
-            written = tl.sum(m_pick.to(tl.int32))
-        else:  # a big buffer: three passes over it; an overflowed one: three passes over the row
-            buffer_end = tl.where(total <= CAP, total, 0)
-            row_end = tl.where(total <= CAP, 0, n)
-            end = buffer_end + row_end
-            b_h = tl.zeros([256], dtype=tl.int32)
-            for start in range(0, end, BLOCK):
-                o_c, b_key, m_c = _candidates(p_row, p_keys, p_cols, start, buffer_end, row_end, BLOCK)
-                b_h += _histogram((b_key >> 8) & 255, m_c & ((b_key >> 16) == prefix16), BLOCK)
-            d3, need3 = _pick(b_h, need2)
-            prefix24 = prefix16 * 256 + d3
-            b_h = tl.zeros([256], dtype=tl.int32)
-            for start in range(0, end, BLOCK):
-                o_c, b_key, m_c = _candidates(p_row, p_keys, p_cols, start, buffer_end, row_end, BLOCK)
-                b_h += _histogram(b_key & 255, m_c & ((b_key >> 8) == prefix24), BLOCK)
-            d4, need = _pick(b_h, need3)
-            threshold = prefix24 * 256 + d4
-            ties = tl.full((), 0, tl.int32)
-            for start in range(0, end, BLOCK):
-                o_c, b_key, m_c = _candidates(p_row, p_keys, p_cols, start, buffer_end, row_end, BLOCK)
-                m_tie = m_c & (b_key == threshold)
-                m_pick = (m_c & (b_key > threshold)) | (m_tie & (ties + tl.cumsum(m_tie.to(tl.int32), 0) <= need))
-                o_out = written + tl.cumsum(m_pick.to(tl.int32), 0) - 1
-                tl.store(p_out + o_out, o_c, mask=m_pick & (o_out < k))
-                ties += tl.sum(m_tie.to(tl.int32))
-                written += tl.sum(m_pick.to(tl.int32))
-        for start in range(0, k, BLOCK):
-            o_o = start + tl.arange(0, BLOCK)
-            tl.store(p_out + o_o, tl.full([BLOCK], -1, tl.int32), mask=(o_o >= written) & (o_o < k))
+            ties += tl.sum(m_tie.to(tl.int32))
+            written += tl.sum(m_pick.to(tl.int32))
+    for start in range(0, k, BLOCK):
+        o_o = start + tl.arange(0, BLOCK)
+        tl.store(p_out + o_o, tl.full([BLOCK], -1, tl.int32), mask=(o_o >= written) & (o_o < k))
 
-    @triton.jit
-    def _topk_row_kernel(scores_ptr, lengths_ptr, out_ptr, J, k, BLOCK: tl.constexpr, OUT_BLOCK: tl.constexpr):
-        """Row i_r whole in one program's registers. The k-th largest key T by bisection on the int32 key space:
-        each step counts the keys >= mid (a compare and an add per key and one block reduction, where a 256-bin
-        tl.histogram costs ~80 instructions per key for 8 bits), stopping early once a count is exactly k. Then the
-        picks: every key > T and the first k - #(key > T) keys == T in column order, written in column order."""
-        wait_for_prior_grids()
-        i_r = tl.program_id(0)
-        n = tl.minimum(tl.maximum(tl.load(lengths_ptr + i_r), 0), J)
-        o_c = tl.arange(0, BLOCK)
-        b_x = tl.load(scores_ptr + i_r.to(tl.int64) * J + o_c, mask=o_c < n, other=float("-inf"))
-        # no candidate (past the length, -inf) -> int32 min; candidates above it (NaN's lowest pattern moves up one)
-        b_key = tl.where((o_c < n) & (b_x != float("-inf")), tl.maximum(_sortable(b_x), -2147483647), -2147483648)
-        count = tl.sum((b_key > -2147483648).to(tl.int32), axis=0)
-        threshold = tl.full((), -2147483648, tl.int32)  # fewer than k candidates: all of them
-        if count > k:
-            lo = tl.min(tl.where(b_key > -2147483648, b_key, 2147483647), axis=0).to(tl.int64)  # #(>= lo) >= k
-            hi = tl.max(b_key, axis=0).to(tl.int64) + 1  # #(>= hi) < k
-            threshold = _kth_key(b_key, lo, hi, k)
-        need = k - tl.sum((b_key > threshold).to(tl.int32), axis=0)
-        m_tie = (b_key == threshold) & (b_key > -2147483648)
-        m_pick = (b_key > threshold) | (m_tie & (tl.cumsum(m_tie.to(tl.int32), 0) <= need))
-        p_out = out_ptr + i_r.to(tl.int64) * k
-        tl.store(p_out + tl.cumsum(m_pick.to(tl.int32), 0) - 1, o_c, mask=m_pick)
-        written = tl.sum(m_pick.to(tl.int32), axis=0)
-        for start in range(0, k, OUT_BLOCK):
-            o_o = start + tl.arange(0, OUT_BLOCK)
-            tl.store(p_out + o_o, tl.full([OUT_BLOCK], -1, tl.int32), mask=(o_o >= written) & (o_o < k))
 
-    @triton.jit(do_not_specialize=["S"])
-    def _topk_kernel(scores_ptr, lengths_ptr, ws_ptr, out_ptr, J, W, CHUNK, S, CAP, k, BLOCK: tl.constexpr,
-                     SPLITS: tl.constexpr, SELECT: tl.constexpr, PHASE: tl.constexpr):
-        """Row i_r. PHASE -1: one launch of 3S + 1 programs per row, the role from a ticket; 0..3: that phase
-        alone (grid (R, S), or (R, 1) for D), ordered by the launches."""
-        wait_for_prior_grids()
-        i_r = tl.program_id(0)
-        n = tl.minimum(tl.maximum(tl.load(lengths_ptr + i_r), 0), J)
-        p_row = scores_ptr + i_r.to(tl.int64) * J
-        p_ws = ws_ptr + i_r.to(tl.int64) * W
+@triton.jit
+def _topk_row_kernel(scores_ptr, lengths_ptr, out_ptr, J, k, BLOCK: tl.constexpr, OUT_BLOCK: tl.constexpr):
+    """Row i_r whole in one program's registers. The k-th largest key T by bisection on the int32 key space:
+    each step counts the keys >= mid (a compare and an add per key and one block reduction, where a 256-bin
+    tl.histogram costs ~80 instructions per key for 8 bits), stopping early once a count is exactly k. Then the
+    picks: every key > T and the first k - #(key > T) keys == T in column order, written in column order."""
+    wait_for_prior_grids()
+    i_r = tl.program_id(0)
+    n = tl.minimum(tl.maximum(tl.load(lengths_ptr + i_r), 0), J)
+    o_c = tl.arange(0, BLOCK)
+    b_x = tl.load(scores_ptr + i_r.to(tl.int64) * J + o_c, mask=o_c < n, other=float("-inf"))
+    # no candidate (past the length, -inf) -> int32 min; candidates above it (NaN's lowest pattern moves up one)
+    b_key = tl.where((o_c < n) & (b_x != float("-inf")), tl.maximum(_sortable(b_x), -2147483647), -2147483648)
+    count = tl.sum((b_key > -2147483648).to(tl.int32), axis=0)
+    threshold = tl.full((), -2147483648, tl.int32)  # fewer than k candidates: all of them
+    if count > k:
+        lo = tl.min(tl.where(b_key > -2147483648, b_key, 2147483647), axis=0).to(tl.int64)  # #(>= lo) >= k
+        hi = tl.max(b_key, axis=0).to(tl.int64) + 1  # #(>= hi) < k
+        threshold = _kth_key(b_key, lo, hi, k)
+    need = k - tl.sum((b_key > threshold).to(tl.int32), axis=0)
+    m_tie = (b_key == threshold) & (b_key > -2147483648)
+    m_pick = (b_key > threshold) | (m_tie & (tl.cumsum(m_tie.to(tl.int32), 0) <= need))
+    p_out = out_ptr + i_r.to(tl.int64) * k
+    tl.store(p_out + tl.cumsum(m_pick.to(tl.int32), 0) - 1, o_c, mask=m_pick)
+    written = tl.sum(m_pick.to(tl.int32), axis=0)
+    for start in range(0, k, OUT_BLOCK):
+        o_o = start + tl.arange(0, OUT_BLOCK)
+        tl.store(p_out + o_o, tl.full([OUT_BLOCK], -1, tl.int32), mask=(o_o >= written) & (o_o < k))
+
+
+@triton.jit(do_not_specialize=["S"])
+def _topk_kernel(scores_ptr, lengths_ptr, ws_ptr, out_ptr, J, W, CHUNK, S, CAP, k, BLOCK: tl.constexpr,
+                 SPLITS: tl.constexpr, SELECT: tl.constexpr, PHASE: tl.constexpr):
+    """Row i_r. PHASE -1: one launch of 3S + 1 programs per row, the role from a ticket; 0..3: that phase
+    alone (grid (R, S), or (R, 1) for D), ordered by the launches."""
+    wait_for_prior_grids()
+    i_r = tl.program_id(0)
+    n = tl.minimum(tl.maximum(tl.load(lengths_ptr + i_r), 0), J)
+    p_row = scores_ptr + i_r.to(tl.int64) * J
+    p_ws = ws_ptr + i_r.to(tl.int64) * W
+    if PHASE < 0:
+        ticket = tl.atomic_add(p_ws + _C_TICKET, 1, sem="relaxed")
+        role = tl.minimum(ticket // S, 3)
+        i_s = ticket - role * S
+    else:
+        role = PHASE
+        i_s = tl.program_id(1)
+    lo = i_s * CHUNK
+    hi = tl.minimum(lo + CHUNK, n)
+    if role == 0:
+        _phase_a(p_row, p_ws, lo, hi, BLOCK)
         if PHASE < 0:
-            ticket = tl.atomic_add(p_ws + _C_TICKET, 1, sem="relaxed")
-            role = tl.minimum(ticket // S, 3)
-            i_s = ticket - role * S
-        else:
-            role = PHASE
-            i_s = tl.program_id(1)
-        lo = i_s * CHUNK
-        hi = tl.minimum(lo + CHUNK, n)
-        if role == 0:
-            _phase_a(p_row, p_ws, lo, hi, BLOCK)
-            if PHASE < 0:
-                _signal(p_ws + _C_DONE_A)
-        elif role == 1:
-            if PHASE < 0:
-                _wait(p_ws + _C_DONE_A, S)
-            _phase_b(p_row, p_ws, i_s, lo, hi, k, BLOCK)
-            if PHASE < 0:
-                _signal(p_ws + _C_DONE_B)
-        elif role == 2:
-            if PHASE < 0:
-                _wait(p_ws + _C_DONE_B, S)
-            _phase_c(p_row, p_ws, i_s, lo, hi, S, CAP, k, BLOCK, SPLITS)
-            if PHASE < 0:
-                _signal(p_ws + _C_DONE_C)
-        else:
-            if PHASE < 0:
-                _wait(p_ws + _C_DONE_A, S)  # all three: then every ticket is taken and no program touches
-                _wait(p_ws + _C_DONE_B, S)  # the row's workspace again, so it can be zeroed below
-                _wait(p_ws + _C_DONE_C, S)
-            _phase_d(p_row, p_ws, out_ptr + i_r.to(tl.int64) * k, n, S, CAP, k, BLOCK, SPLITS, SELECT)
-            # leave the counters and histograms zero for the next call
-            tl.debug_barrier()
-            o_h = tl.arange(0, 1024)
-            tl.store(p_ws + o_h, tl.zeros([1024], dtype=tl.int32), mask=o_h < _C_HEADER)
+            _signal(p_ws + _C_DONE_A)
+    elif role == 1:
+        if PHASE < 0:
+            _wait(p_ws + _C_DONE_A, S)
+        _phase_b(p_row, p_ws, i_s, lo, hi, k, BLOCK)
+        if PHASE < 0:
+            _signal(p_ws + _C_DONE_B)
+    elif role == 2:
+        if PHASE < 0:
+            _wait(p_ws + _C_DONE_B, S)
+        _phase_c(p_row, p_ws, i_s, lo, hi, S, CAP, k, BLOCK, SPLITS)
+        if PHASE < 0:
+            _signal(p_ws + _C_DONE_C)
+    else:
+        if PHASE < 0:
+            _wait(p_ws + _C_DONE_A, S)  # all three: then every ticket is taken and no program touches
+            _wait(p_ws + _C_DONE_B, S)  # the row's workspace again, so it can be zeroed below
+            _wait(p_ws + _C_DONE_C, S)
+        _phase_d(p_row, p_ws, out_ptr + i_r.to(tl.int64) * k, n, S, CAP, k, BLOCK, SPLITS, SELECT)
+        # leave the counters and histograms zero for the next call
+        tl.debug_barrier()
+        o_h = tl.arange(0, 1024)
+        tl.store(p_ws + o_h, tl.zeros([1024], dtype=tl.int32), mask=o_h < _C_HEADER)
