@@ -101,7 +101,6 @@ _STACK_TILES = {"block_t": 4, "block_j": 128, "max_iters": 32, "num_warps": 8, "
 # it lost at 3.9 programs per SM (30.4 against 29.9 us; 1.12-1.14x in an earlier run).
 FP8_MIN_PROGRAMS_PER_SM = 0
 BF16_BITS = True  # the bf16 path's MXFP4 decode by bit moves (`_e2m1_bf16`) rather than through fp32
-BF16_MAX_REGISTERS = None
 FP8_MAX_REGISTERS = 128  # the FP8 path's register cap: 4 programs of 4 warps per SM (see the launch)
 _GRID_WAVES = 3  # programs per SM the chunking aims for: one decode row at 1M, 29 us at 3 against 36 us at 1
 _STACK_MIN_ROWS_PER_REQUEST = 2  # the automatic choice of the stacked kernel (`_stacked`)
@@ -727,8 +726,7 @@ def indexer_scores_paged(q: torch.Tensor, weights: torch.Tensor, plan, key_pool:
         q8, q8_scale = q_fp8 if mma8 else (q, q)  # unread without MMA8
         # the FP8 build takes 152 registers uncapped (sm_90a, scripts/indexer_sass.py), 3 programs per SM; capped at
         # 128 it spills 4 bytes and 4 programs fit
-        cap = FP8_MAX_REGISTERS if mma8 else BF16_MAX_REGISTERS
-        cap = {"maxnreg": cap} if cap and not interpreted() else {}
+        cap = {"maxnreg": FP8_MAX_REGISTERS} if mma8 and not interpreted() else {}
         # FILL_J (the chunk, a tile shape) matters only with fill: without, one kernel serves every chunk size
         _indexer_scores_kernel[grid](*args, q8, q8_scale, heads, entries, plan.block_table.stride(0), dim ** -0.5,
                                      chunk,
