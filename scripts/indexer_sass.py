@@ -7,9 +7,10 @@ device-free proxy used for `kernels/indexer.py` (docs/performance.md).
 
 The builds: the bf16 path with its MXFP4 decode through fp32 and by bit moves (`BF16_BITS`), the FP8 MMA path, and
 the FP8 path under its register cap (`FP8_MAX_REGISTERS`, as launched), at the default stage count (the FP8 builds
-also hold the bf16 loop, their fallback, with the bit-move decode). The launch is V4-Flash decode (64 heads, head dim 128, MXFP4 keys of 68 B,
-256 entries a page) with the alignment hints a real launch gets. Fewer loop instructions did not make this kernel faster by themselves (its time is bound
-by register-limited occupancy and a serial tile chain): only the GPU decides."""
+also hold the bf16 loop, their fallback, with the bit-move decode). The launch is V4-Flash decode (64 heads, head dim
+128, MXFP4 keys of 68 B, 256 entries a page) with the alignment hints a real launch gets. Fewer loop instructions did
+not make this kernel faster by themselves (its time is a latency-bound tile chain at 16 warps per SM; ncu in
+docs/performance.md): only the GPU decides."""
 
 from __future__ import annotations
 

@@ -20,7 +20,7 @@ from schedules import admit, random_steps
 
 from dsv4kv import CacheManager, ModelGeometry, quant
 from dsv4kv.kernels import indexer as kernel_mod
-from dsv4kv.kernels.common import interpreted
+from dsv4kv.kernels.common import hopper_or_later, interpreted
 from dsv4kv.kernels.encode import e4m3_grid_code
 from dsv4kv.kernels.indexer import indexer_query_fp8, indexer_scores_paged
 from dsv4kv.layout import indexer_layout, main_layout
@@ -486,6 +486,8 @@ def test_fp8_query_wanted(monkeypatch):
     rows with MXFP4 keys take the FP8 path; a prefill step (the stacked kernel), FP8 keys, an empty score row or a
     threshold above the grid do not. The wrapper reads the operand exactly then: a poisoned one (e4m3 NaN codes)
     turns the scores NaN where it is wanted and changes nothing where it is not."""
+    if DEVICE.type == "cuda" and not hopper_or_later(DEVICE):
+        pytest.skip("the FP8 MMA path is taken on sm_90 and later only")
     cache, layout, pool = make_cache(TINY, "mxfp4", page_tokens=PAGE, max_requests=2, max_tokens=256)
     rid = cache.admit()
     prefill = cache.plan_step([(rid, 150)])

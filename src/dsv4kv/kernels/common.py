@@ -17,7 +17,8 @@ from ..backend import interpreted, kernels_can_run
 from ..layout import EntryLayout
 from ..ops.common import require
 
-__all__ = ["interpreted", "kernels_can_run", "check_pool", "check_tensor", "check_plan", "padded_rows", "sm_count"]
+__all__ = ["interpreted", "kernels_can_run", "check_pool", "check_tensor", "check_plan", "padded_rows", "sm_count",
+           "hopper_or_later"]
 
 
 def check_tensor(name: str, x, *, dtype: torch.dtype | tuple[torch.dtype, ...], shape: tuple[int | None, ...],
@@ -53,7 +54,22 @@ def padded_rows(plan) -> int:
     return plan.positions.shape[0]
 
 
-@functools.lru_cache(maxsize=8)
+def _index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 def sm_count(device: torch.device) -> int:
     """Streaming multiprocessors of a CUDA device: the launch heuristics size their grids in programs per SM."""
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    return _properties(_index(device))[0]
+
+
+def hopper_or_later(device: torch.device) -> bool:
+    """A CUDA device of compute capability 9.0 or more: programmatic dependent launch, bf16x2 multiplies and FP8
+    MMAs (the tested target; older GPUs take the plain paths)."""
+    return _properties(_index(device))[1] >= 9
+
+
+@functools.lru_cache(maxsize=None)
+def _properties(index: int) -> tuple[int, int]:
+    props = torch.cuda.get_device_properties(index)
+    return props.multi_processor_count, props.major

@@ -21,8 +21,9 @@ those of the reference evaluated with `q.to(torch.bfloat16)`, i.e. off by up to 
 product from the fp32 result. Keys with a NaN scale (a non-finite entry) score NaN, as in the reference.
 Under Triton's interpreter an e4m3 NaN byte (0x7F / 0xFF) decodes to +-480 rather than NaN; the GPU
 conversion gives NaN, and the quantizer never writes such a byte under a finite scale. On the bf16 path the
-MXFP4 decode is bit arithmetic (`_e2m1_pair`) and two exact fp32 multiplies: the same fp32 value as
-`layout.read`. The FP8 path (below) forms the same products.
+MXFP4 decode is bit arithmetic and exact multiplies by powers of two: in the row kernel on a Hopper GPU straight to
+bf16 (`_e2m1_bf16`, inline PTX), else through fp32 (`_e2m1_pair`, the stacked kernel and the interpreter); either
+gives the value `layout.read` does. The FP8 path (below) forms the same products.
 
 Two kernels compute the same function; the wrapper picks one from host facts only (`plan.num_tokens`,
 the request count; `stack_rows=` overrides), so a captured CUDA graph replays either correctly over any
@@ -78,7 +79,7 @@ import triton.language as tl
 from ..layout import EntryLayout, IndexerFP8Layout, IndexerMXFP4Layout
 from ..ops.common import require
 from ..plan import StepPlan
-from .common import check_pool, check_tensor, interpreted, padded_rows, sm_count
+from .common import check_pool, check_tensor, hopper_or_later, interpreted, padded_rows, sm_count
 from .encode import e4m3_grid_code, e4m3_round, round_bf16
 from .launch import launch_options, wait_for_prior_grids
 
@@ -100,7 +101,7 @@ _STACK_TILES = {"block_t": 4, "block_j": 128, "max_iters": 32, "num_warps": 8, "
 # 3.9 programs per SM; 142.6 against 171.8 us at batch 64 / 128K). While each program checked and converted q itself
 # it lost at 3.9 programs per SM (30.4 against 29.9 us; 1.12-1.14x in an earlier run).
 FP8_MIN_PROGRAMS_PER_SM = 0
-BF16_BITS = True  # the bf16 path's MXFP4 decode by bit moves (`_e2m1_bf16`) rather than through fp32
+BF16_BITS = True  # the row kernel's bf16 path decodes MXFP4 by bit moves (`_e2m1_bf16`, Hopper) rather than via fp32
 FP8_MAX_REGISTERS = 128  # the FP8 path's register cap: 4 programs of 4 warps per SM (see the launch)
 _GRID_WAVES = 3  # programs per SM the chunking aims for: one decode row at 1M, 29 us at 3 against 36 us at 1
 _STACK_MIN_ROWS_PER_REQUEST = 2  # the automatic choice of the stacked kernel (`_stacked`)
@@ -178,7 +179,8 @@ _E2M1_BF16_ASM = tl.constexpr(_e2m1_bf16_asm())
 @triton.jit
 def _e2m1_bf16(byte, scale):
     """Packed MXFP4 bytes (uint8) and their ue8m0 scales as bf16 (`_ue8m0_bf16`, broadcast) -> (low nibble, high
-    nibble) * scale as bf16, exactly: the value of `_e2m1_pair` times the scale, rounded to bf16 by nothing.
+    nibble) * scale as bf16, exactly: the value of `_e2m1_pair` times the scale, with no rounding (bf16x2 multiplies
+    need sm_90).
 
     Per two bytes, one PRMT spreads them to 16-bit lanes; per nibble pair an and, a multiply (two shifts at once:
     magnitude to bits 6..8, sign to bit 15, the lanes 16 bits apart) and an and make bf16 bits worth value * 2^-126
@@ -319,7 +321,7 @@ def _mxfp4_fp8_scores(pool_ptr, p_table, p_out, chunk_lo, hi, visible, num_entri
 def _key_dot(pool_ptr, p_table, o_j, m_j, b_q0, b_q1,
              FORMAT: tl.constexpr, D: tl.constexpr, P: tl.constexpr, PAGE_BYTES: tl.constexpr,
              DATA_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr, BLOCK_J: tl.constexpr, DOT: tl.constexpr,
-             ASM: tl.constexpr = False):
+             BITS: tl.constexpr = False):
     """Keys of entries o_j [BLOCK_J] of the request whose block-table row is p_table, decoded in registers,
     times the query -> fp32 [BLOCK_J, N]. b_q0 / b_q1: bf16 q^T [D/2, N] at the dims `_q_dims` gives (two
     K = D/2 MMAs). Masked or unallocated entries decode to 0 and are never loaded."""
@@ -331,7 +333,7 @@ def _key_dot(pool_ptr, p_table, o_j, m_j, b_q0, b_q1,
         b_byte = tl.load(p_data[:, None, None] + o_nb[None, :, None] * 16 + o_nib[None, None, :],
                          mask=m_j[:, None, None], other=0)
         b_code = tl.load(p_scale[:, None] + o_nb[None, :], mask=m_j[:, None], other=127).to(tl.int32)
-        if ASM:  # straight to bf16 by bit moves (DOT is bf16 on the GPU)
+        if BITS:  # straight to bf16 by bit moves (DOT is bf16 on the GPU)
             b_lo, b_hi = _e2m1_bf16(b_byte, tl.broadcast_to(_ue8m0_bf16(b_code)[:, :, None], (BLOCK_J, D // 32, 16)))
             b_lo = tl.reshape(b_lo, (BLOCK_J, D // 2))
             b_hi = tl.reshape(b_hi, (BLOCK_J, D // 2))
@@ -524,14 +526,16 @@ def _indexer_scores_stacked_kernel(
 
 
 def _row_takes_fp8(fmt: int, dim: int, rows: int, entries: int, device: torch.device) -> bool:
-    """The row kernel's host choice of the FP8 MMA path for scores [rows, entries]: MXFP4 keys, D <= 128 and a grid
-    of at least FP8_MIN_PROGRAMS_PER_SM programs per SM (the interpreter counts as one SM, so its tests take both
-    paths). Host facts only, so a captured graph keeps its choice; the wrapper's launch and `fp8_query_wanted` both
+    """The row kernel's host choice of the FP8 MMA path for scores [rows, entries]: MXFP4 keys, D <= 128, a Hopper
+    or later GPU (the tested target) and a grid of at least FP8_MIN_PROGRAMS_PER_SM programs per SM (the interpreter
+    counts as one SM, so its tests take both paths). Host facts only, so a captured graph keeps its choice; the wrapper's launch and `fp8_query_wanted` both
     ask here."""
     block_j, iters, _ = _config(rows, entries, device)
     programs = rows * triton.cdiv(entries, block_j * iters)
-    return fmt == _MXFP4 and dim <= 128 and programs >= FP8_MIN_PROGRAMS_PER_SM * (
-        sm_count(device) if device.type == "cuda" else 1)
+    if device.type != "cuda":
+        return fmt == _MXFP4 and dim <= 128 and programs >= FP8_MIN_PROGRAMS_PER_SM
+    return fmt == _MXFP4 and dim <= 128 and hopper_or_later(device) and programs >= FP8_MIN_PROGRAMS_PER_SM * sm_count(
+        device)
 
 
 def _iters(programs_per_chunk: int, tiles: int, device: torch.device, max_iters: int) -> int:
@@ -715,11 +719,12 @@ def indexer_scores_paged(q: torch.Tensor, weights: torch.Tensor, plan, key_pool:
         # the FP8 build takes 152 registers uncapped (sm_90a, scripts/indexer_sass.py), 3 programs per SM; capped at
         # 128 it spills 4 bytes and 4 programs fit
         cap = {"maxnreg": FP8_MAX_REGISTERS} if mma8 and not interpreted() else {}
+        bits = BF16_BITS and device.type == "cuda" and hopper_or_later(device) and not interpreted()  # bf16x2: sm_90
         # FILL_J (the chunk, a tile shape) matters only with fill: without, one kernel serves every chunk size
         _indexer_scores_kernel[grid](*args, q8, q8_scale, heads, entries, plan.block_table.stride(0), dim ** -0.5,
                                      chunk,
                                      **common, BLOCK_J=block_j, FILL_J=chunk if fill else block_j, MMA8=mma8,
-                                     ASM=not interpreted(), BITS=BF16_BITS and not interpreted(), num_warps=num_warps,
+                                     ASM=not interpreted(), BITS=bits, num_warps=num_warps,
                                      num_stages=_ROW_TILES["num_stages"],
                                      **cap, **launch_options(device))
     return out

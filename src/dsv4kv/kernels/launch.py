@@ -23,29 +23,23 @@ no inline PTX and launches nothing early, so there the wait is a plain function 
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 from triton.language.extra.cuda import gdc_wait
 from triton.language.target_info import cuda_capability_geq
 
 from ..backend import interpreted
+from .common import hopper_or_later
 
 __all__ = ["DEPENDENT_LAUNCH", "launch_options", "wait_for_prior_grids"]
 
 DEPENDENT_LAUNCH = True
 
 
-@functools.lru_cache(maxsize=None)
-def _hopper_or_later(device: torch.device) -> bool:
-    return torch.cuda.get_device_capability(device)[0] >= 9
-
-
 def launch_options(device: torch.device) -> dict:
     """Launch keywords for a kernel of this package on `device`: PDL on a Hopper or later GPU while DEPENDENT_LAUNCH
     is set."""
-    return {"launch_pdl": True} if DEPENDENT_LAUNCH and device.type == "cuda" and _hopper_or_later(device) else {}
+    return {"launch_pdl": True} if DEPENDENT_LAUNCH and device.type == "cuda" and hopper_or_later(device) else {}
 
 
 if interpreted():

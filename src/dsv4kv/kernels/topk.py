@@ -11,15 +11,14 @@ scores inside the length are unspecified (they get some rank; nothing is written
 
 Row kernel (`_topk_row_kernel`; rows of up to ROW_MAX_COLS columns, or ROW_MAX_COLS_MANY when there are ROW_MANY
 rows or more). One program holds its row's keys (below) in registers and finds the k-th largest key T by bisection
-on the int32 key space: each step counts the keys >= mid, a compare and an add per key and one block reduction (a
-256-bin `tl.histogram` costs ~80 instructions per key for 8 bits), and stops early when a count is exactly k. The
-picks are every key > T and the first k - #(key > T) keys == T in column order, stored in column order by a cumsum.
-No workspace is used. One SM per row makes a long lone row slow, hence the split kernel past those sizes.
+on the int32 key space (`_kth_key`). The picks are every key > T and the first k - #(key > T) keys == T in column
+order, stored in column order by a cumsum. No workspace is used. One SM per row makes a long lone row slow, hence the split kernel past those sizes.
 
 Split kernel. A score becomes an int32 key whose signed order is the float order (sign-magnitude flipped,
--0.0 folded onto +0.0); the k-th largest key T is found one 8-bit digit at a time (a radix select:
-histogram the digit among the keys that share the digits found so far, take the digit where the count
-from the top reaches the number still needed). Then the selection is: every key > T, plus the first
+-0.0 folded onto +0.0); the top 16 bits of the k-th largest key T are found one 8-bit digit at a time (a radix
+select: histogram the digit among the keys that share the digits found so far, take the digit where the count
+from the top reaches the number still needed), the low 16 bits by bisection among the candidates that share them
+(or by two more digits where those candidates are too many for registers). Then the selection is: every key > T, plus the first
 `need` keys == T in column order, where `need` = k - #(key > T). With fewer than k candidates the
 descent bottoms out at T = int32 min and everything is taken. Each row is split into S chunks (S grows
 as R shrinks, so one long decode row still fills the GPU). Four phases:
@@ -404,10 +403,9 @@ def _phase_d(p_row, p_ws, p_out, n, S, CAP, k, BLOCK: tl.constexpr, SPLITS: tl.c
 
 @triton.jit
 def _topk_row_kernel(scores_ptr, lengths_ptr, out_ptr, J, k, BLOCK: tl.constexpr, OUT_BLOCK: tl.constexpr):
-    """Row i_r whole in one program's registers. The k-th largest key T by bisection on the int32 key space:
-    each step counts the keys >= mid (a compare and an add per key and one block reduction, where a 256-bin
-    tl.histogram costs ~80 instructions per key for 8 bits), stopping early once a count is exactly k. Then the
-    picks: every key > T and the first k - #(key > T) keys == T in column order, written in column order."""
+    """Row i_r whole in one program's registers. The k-th largest key T by bisection on the int32 key space
+    (`_kth_key`), then the picks: every key > T and the first k - #(key > T) keys == T in column order, written in
+    column order."""
     wait_for_prior_grids()
     i_r = tl.program_id(0)
     n = tl.minimum(tl.maximum(tl.load(lengths_ptr + i_r), 0), J)
