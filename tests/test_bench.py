@@ -14,7 +14,7 @@ import torch
 
 from dsv4kv.bench import Report, Result, bench_device, evaluate_targets, plot_report, run_bench
 from dsv4kv.bench.picks import InputCheck, explain_rows, pick_gaps
-from dsv4kv.bench.timing import source_commit
+from dsv4kv.bench.timing import source_commit, source_digest
 from dsv4kv.bench.workloads import check_layer, core_bytes
 from dsv4kv.cli import main
 from dsv4kv import CacheManager, ModelGeometry
@@ -173,6 +173,30 @@ def test_commit_stamp_trusts_only_the_projects_own_checkout(tmp_path, monkeypatc
     assert source_commit(str(tmp_path / "nowhere")) == "unknown"
     monkeypatch.setenv("DSV4KV_COMMIT", "abc1234")
     assert source_commit(str(copy)) == "abc1234"
+
+
+def test_source_digest_names_the_code_not_its_place(tmp_path):
+    """The sources' digest is the package's own (the installed dsv4kv's), the same for a copy elsewhere, and changes
+    with one byte of one file, with a renamed file and with a new one; other files do not count."""
+    import dsv4kv
+
+    package = os.path.dirname(os.path.abspath(dsv4kv.__file__))
+    assert source_digest() == source_digest(package) and len(source_digest()) == 16
+    copy = tmp_path / "dsv4kv"
+    shutil.copytree(package, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    (copy / "notes.txt").write_text("not a source")
+    assert source_digest(str(copy)) == source_digest(package)
+    target = copy / "kernels" / "topk.py"
+    text = target.read_bytes()
+    target.write_bytes(text.replace(b"MAX_K = 2048", b"MAX_K = 2049"))
+    assert source_digest(str(copy)) != source_digest(package)
+    target.write_bytes(text)
+    assert source_digest(str(copy)) == source_digest(package)
+    target.rename(copy / "kernels" / "topk2.py")
+    assert source_digest(str(copy)) != source_digest(package)
+    (copy / "kernels" / "topk2.py").rename(target)
+    (copy / "extra.py").write_text("")
+    assert source_digest(str(copy)) != source_digest(package)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

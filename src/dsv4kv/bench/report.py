@@ -89,7 +89,7 @@ class Report:
     def table(self) -> str:
         m = self.meta
         lines = [f"dsv4kv bench: {m.get('gpu')}, torch {m.get('torch')}, triton {m.get('triton')}, "
-                 f"{m.get('date')}, commit {m.get('commit')}"]
+                 f"{m.get('date')}, commit {m.get('commit')}, sources {m.get('sources')}"]
         if self.copy_bw:
             lines.append(f"  measured copy bandwidth {self.copy_bw / 1e12:.2f} TB/s (read + write), "
                          f"bf16 GEMM {self.gemm / 1e12:.0f} TFLOP/s")
@@ -118,7 +118,7 @@ def markdown(data: dict) -> str:
     """A report's JSON as markdown tables (what docs/performance.md quotes)."""
     m = data["meta"]
     lines = [f"{m.get('gpu')}, torch {m.get('torch')} (CUDA {m.get('cuda')}), triton {m.get('triton')}, {m.get('date')}, "
-             f"commit {m.get('commit')}; measured copy bandwidth {m.get('copy_bandwidth_Bps', 0) / 1e12:.2f} TB/s "
+             f"commit {m.get('commit')}, sources {m.get('sources')}; measured copy bandwidth {m.get('copy_bandwidth_Bps', 0) / 1e12:.2f} TB/s "
              f"(read + write), bf16 GEMM {m.get('bf16_gemm_flops', 0) / 1e12:.0f} TFLOP/s.", ""]
     for workload in dict.fromkeys(r["workload"] for r in data["results"]):
         rows = [r for r in data["results"] if r["workload"] == workload]

@@ -11,6 +11,7 @@ replays, as a serving step would run it; `graph=False` times eager calls, launch
 from __future__ import annotations
 
 import datetime
+import hashlib
 import os
 import platform
 import statistics
@@ -20,7 +21,8 @@ from typing import Callable
 
 import torch
 
-__all__ = ["Timing", "time_cuda", "copy_bandwidth", "gemm_rate", "machine_info", "profile_kernels", "source_commit"]
+__all__ = ["Timing", "time_cuda", "copy_bandwidth", "gemm_rate", "machine_info", "profile_kernels", "source_commit",
+           "source_digest"]
 
 _FLUSH_BYTES = 256 << 20
 _SPIN_CYCLES = 40_000  # ~20 us at 1.98 GHz: longer than the host needs to launch a graph or a few kernels
@@ -119,8 +121,28 @@ def source_commit(root: str = _PROJECT_ROOT) -> str:
         return "unknown"
 
 
+# the package's own directory: <project root>/src/dsv4kv, or site-packages/dsv4kv when installed
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def source_digest(package_dir: str = _PACKAGE_DIR) -> str:
+    """sha256 (16 hex digits) of the package's Python sources: each .py file's path below `package_dir` and its
+    bytes, in path order. It names the code that ran whatever git says (a copy whose .git is stale or absent); the
+    same function at a checkout of a commit tells whether that commit is what ran."""
+    digest = hashlib.sha256()
+    paths = sorted(os.path.relpath(os.path.join(folder, name), package_dir).replace(os.sep, "/")
+                   for folder, _, names in os.walk(package_dir) for name in names if name.endswith(".py"))
+    for path in paths:
+        with open(os.path.join(package_dir, path), "rb") as f:
+            data = f.read()
+        digest.update(f"{path}\0{len(data)}\0".encode())
+        digest.update(data)
+    return digest.hexdigest()[:16]
+
+
 def machine_info(device: torch.device) -> dict:
-    """GPU, versions, date and commit (`source_commit`: DSV4KV_COMMIT, else git where the project is a checkout)."""
+    """GPU, versions, date, commit (`source_commit`: DSV4KV_COMMIT, else git where the project is a checkout) and
+    the sources' digest (`source_digest`)."""
     import triton
 
     props = torch.cuda.get_device_properties(device)
@@ -128,7 +150,8 @@ def machine_info(device: torch.device) -> dict:
             "memory_bytes": props.total_memory, "capability": f"{props.major}.{props.minor}",
             "torch": torch.__version__, "cuda": torch.version.cuda, "triton": triton.__version__,
             "python": platform.python_version(),
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "commit": source_commit()}
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "commit": source_commit(),
+            "sources": source_digest()}
 
 
 def _kernels(prof) -> list[tuple[str, float]]:
