@@ -456,7 +456,7 @@ def _indexer_scores_stacked_kernel(
     FORMAT: tl.constexpr, RATIO: tl.constexpr, D: tl.constexpr, P: tl.constexpr, PAGE_BYTES: tl.constexpr,
     DATA_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr, BLOCK_T: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_J: tl.constexpr, FILL_J: tl.constexpr, DOT: tl.constexpr,
-    FILL: tl.constexpr, BITS: tl.constexpr,
+    FILL: tl.constexpr,
 ):
     """The stacked kernel: BLOCK_T consecutive token rows, one chunk of `chunk` entries (a multiple of BLOCK_J)."""
     wait_for_prior_grids()
@@ -506,7 +506,7 @@ def _indexer_scores_stacked_kernel(
         for j0 in range(chunk_lo, seg_hi, BLOCK_J):
             o_j = j0 + tl.arange(0, BLOCK_J)
             b_dot = _key_dot(pool_ptr, p_table, o_j, o_j < seg_hi, b_q0, b_q1, FORMAT, D, P, PAGE_BYTES,
-                             DATA_BYTES, SCALE_BYTES, BLOCK_J, DOT, BITS)  # [BLOCK_J, BLOCK_T * BLOCK_H]
+                             DATA_BYTES, SCALE_BYTES, BLOCK_J, DOT)  # [BLOCK_J, BLOCK_T * BLOCK_H]
             b_dot = tl.reshape(_relu(b_dot), (BLOCK_J, BLOCK_T, BLOCK_H))
             # the head weights are (re)loaded per tile (L1 hits): held across the loop they would take 64 registers
             # per thread at N = 256, as many as half the accumulator; D^-0.5 folded in
@@ -700,7 +700,6 @@ def indexer_scores_paged(q: torch.Tensor, weights: torch.Tensor, plan, key_pool:
               # there the same bf16 values go through an fp32 dot, which forms the same exact products
               "DOT": tl.float32 if interpreted() else tl.bfloat16, "FILL": fill}
     args = (q, weights, plan.positions, plan.token_request, plan.request_slots, plan.block_table, key_pool, out)
-    bits = BF16_BITS and device.type == "cuda" and hopper_or_later(device) and not interpreted()  # bf16x2: sm_90
     if _stacked(plan) if stack_rows is None else stack_rows:
         block_t, block_j, iters, num_warps, num_stages = _stack_config(rows, entries, block_h, device)
         chunk = block_j * iters  # a runtime int (a multiple of 16 for Triton): no compilation per chunk size
@@ -708,7 +707,7 @@ def indexer_scores_paged(q: torch.Tensor, weights: torch.Tensor, plan, key_pool:
         _indexer_scores_stacked_kernel[grid](
             *args, rows, heads, entries, plan.block_table.stride(0), dim ** -0.5, chunk, **common, BLOCK_T=block_t,
             BLOCK_J=block_j, FILL_J=min(chunk, max(block_j, _FILL_ELEMS // block_t)) if fill else block_j,
-            BITS=bits, num_warps=num_warps, num_stages=num_stages, **launch_options(device))
+            num_warps=num_warps, num_stages=num_stages, **launch_options(device))
     else:
         block_j, iters, num_warps = _config(rows, entries, device)
         chunk = block_j * iters
@@ -720,6 +719,7 @@ def indexer_scores_paged(q: torch.Tensor, weights: torch.Tensor, plan, key_pool:
         # the FP8 build takes 152 registers uncapped (sm_90a, scripts/indexer_sass.py), 3 programs per SM; capped at
         # 128 it spills 4 bytes and 4 programs fit
         cap = {"maxnreg": FP8_MAX_REGISTERS} if mma8 and not interpreted() else {}
+        bits = BF16_BITS and device.type == "cuda" and hopper_or_later(device) and not interpreted()  # bf16x2: sm_90
         # FILL_J (the chunk, a tile shape) matters only with fill: without, one kernel serves every chunk size
         _indexer_scores_kernel[grid](*args, q8, q8_scale, heads, entries, plan.block_table.stride(0), dim ** -0.5,
                                      chunk,
