@@ -364,12 +364,12 @@ def _phase_d(p_row, p_ws, p_out, n, S, CAP, k, BLOCK: tl.constexpr, SPLITS: tl.c
     p_keys = p_ws + _C_HEADER + S * 256
     p_cols = p_keys + CAP
     # the buffer's first SELECT slots are loaded before the counts say how many hold candidates: the loads overlap
-    s_col, s_key, _ = _candidates(p_row, p_keys, p_cols, 0, CAP, 0, SELECT)
+    o_c, b_key, m_c = _candidates(p_row, p_keys, p_cols, 0, CAP, 0, SELECT)
     prefix16, d2, need2 = _prefix16(p_ws, k)
     total = tl.sum(_buffered(p_ws, d2, S, SPLITS))
     written = tl.full((), 0, tl.int32)
     if (total <= SELECT) & (total <= CAP):  # the usual case: every buffered candidate in registers at once
-        o_c, b_key, m_c = s_col, s_key, tl.arange(0, SELECT) < total
+        m_c = tl.arange(0, SELECT) < total
         # T has the 16-bit prefix: #(key >= prefix16 << 16) >= k > #(key >= (prefix16 + 1) << 16) (fewer than
         # k candidates: prefix16 << 16 is int32 min, where the empty lanes sit, and every candidate is a pick)
         lo = (prefix16 * 65536).to(tl.int64)
