@@ -290,12 +290,11 @@ def _phase_a(p_row, p_ws, lo, hi, BLOCK: tl.constexpr):
 @triton.jit
 def _phase_b(p_row, p_ws, i_s, lo, hi, k, BLOCK: tl.constexpr):
     o_b = tl.arange(0, 256)
-    o_c, b_key, m_c = _row_tile(p_row, lo, hi, BLOCK)  # the first tile's load, in flight while hist1 is read
     d1, _ = _pick(_shared(p_ws + _C_HIST1 + o_b), k)
     top = d1 - 128  # digit 1 as key >> 24
-    b_above = (m_c & ((b_key >> 24) > top)).to(tl.int32)  # keys whose top digit is higher: all in the buffer
-    b_h = _histogram((b_key >> 16) & 255, m_c & ((b_key >> 24) == top), BLOCK)
-    for start in range(lo + BLOCK, hi, BLOCK):
+    b_above = tl.zeros([BLOCK], dtype=tl.int32)  # keys whose top digit is higher: all in the buffer
+    b_h = tl.zeros([256], dtype=tl.int32)
+    for start in range(lo, hi, BLOCK):
         o_c, b_key, m_c = _row_tile(p_row, start, hi, BLOCK)
         b_above += (m_c & ((b_key >> 24) > top)).to(tl.int32)
         b_h += _histogram((b_key >> 16) & 255, m_c & ((b_key >> 24) == top), BLOCK)
@@ -306,28 +305,22 @@ def _phase_b(p_row, p_ws, i_s, lo, hi, k, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _compact(p_keys, CAP, o_c, b_key, m_keep, at):
-    """The kept (key, column) pairs of a tile to buffer slots at.. in column order; returns how many."""
-    b_keep = m_keep.to(tl.int32)
-    o_buf = at + tl.cumsum(b_keep, 0) - 1
-    tl.store(p_keys + o_buf, b_key, mask=m_keep)
-    tl.store(p_keys + CAP + o_buf, o_c, mask=m_keep)
-    return tl.sum(b_keep)
-
-
-@triton.jit
 def _phase_c(p_row, p_ws, i_s, lo, hi, S, CAP, k, BLOCK: tl.constexpr, SPLITS: tl.constexpr):
-    o_c, b_key, m_c = _row_tile(p_row, lo, hi, BLOCK)  # the first tile's load, in flight while the counts are read
     prefix, d2, _ = _prefix16(p_ws, k)
     o_s = tl.arange(0, SPLITS)
     b_count = _buffered(p_ws, d2, S, SPLITS)
     base = tl.sum(tl.where(o_s < i_s, b_count, 0))
     hi = tl.where(tl.sum(b_count) <= CAP, hi, lo)  # an overflowing row is read whole by phase D
     p_keys = p_ws + _C_HEADER + S * 256
-    written = _compact(p_keys, CAP, o_c, b_key, m_c & (o_c < hi) & ((b_key >> 16) >= prefix), base)
-    for start in range(lo + BLOCK, hi, BLOCK):
+    written = tl.full((), 0, tl.int32)
+    for start in range(lo, hi, BLOCK):
         o_c, b_key, m_c = _row_tile(p_row, start, hi, BLOCK)
-        written += _compact(p_keys, CAP, o_c, b_key, m_c & ((b_key >> 16) >= prefix), base + written)
+        m_keep = m_c & ((b_key >> 16) >= prefix)
+        b_keep = m_keep.to(tl.int32)
+        o_buf = base + written + tl.cumsum(b_keep, 0) - 1
+        tl.store(p_keys + o_buf, b_key, mask=m_keep)
+        tl.store(p_keys + CAP + o_buf, o_c, mask=m_keep)
+        written += tl.sum(b_keep)
 
 
 @triton.jit
@@ -363,13 +356,11 @@ def _phase_d(p_row, p_ws, p_out, n, S, CAP, k, BLOCK: tl.constexpr, SPLITS: tl.c
              SELECT: tl.constexpr):
     p_keys = p_ws + _C_HEADER + S * 256
     p_cols = p_keys + CAP
-    # the buffer's first SELECT slots are loaded before the counts say how many hold candidates: the loads overlap
-    o_c, b_key, m_c = _candidates(p_row, p_keys, p_cols, 0, CAP, 0, SELECT)
     prefix16, d2, need2 = _prefix16(p_ws, k)
     total = tl.sum(_buffered(p_ws, d2, S, SPLITS))
     written = tl.full((), 0, tl.int32)
     if (total <= SELECT) & (total <= CAP):  # the usual case: every buffered candidate in registers at once
-        m_c = tl.arange(0, SELECT) < total
+        o_c, b_key, m_c = _candidates(p_row, p_keys, p_cols, 0, total, 0, SELECT)
         # T has the 16-bit prefix: #(key >= prefix16 << 16) >= k > #(key >= (prefix16 + 1) << 16) (fewer than
         # k candidates: prefix16 << 16 is int32 min, where the empty lanes sit, and every candidate is a pick)
         lo = (prefix16 * 65536).to(tl.int64)
