@@ -38,7 +38,8 @@ def compile_row_kernel(fp8: bool, stages: int, block_j: int = 64, warps: int = 4
                        bits: bool = True):
     kernel = indexer._indexer_scores_kernel
     consts = dict(FORMAT=indexer._MXFP4, RATIO=4, D=128, P=256, PAGE_BYTES=256 * 68, DATA_BYTES=64, SCALE_BYTES=4,
-                  BLOCK_H=64, BLOCK_J=block_j, FILL_J=block_j, DOT=tl.bfloat16, FILL=False, MMA8=fp8, ASM=True, BITS=bits)
+                  BLOCK_H=64, BLOCK_J=block_j, FILL_J=block_j, DOT=tl.bfloat16, FILL=False, MMA8=fp8, ASM=True,
+                  BITS=bits)
     names = kernel.arg_names
     signature = {n: "constexpr" if n in consts else POINTERS.get(n, "fp32" if n == "score_scale" else "i32")
                  for n in names}

@@ -150,8 +150,8 @@ def machine_info(device: torch.device) -> dict:
             "memory_bytes": props.total_memory, "capability": f"{props.major}.{props.minor}",
             "torch": torch.__version__, "cuda": torch.version.cuda, "triton": triton.__version__,
             "python": platform.python_version(),
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "commit": source_commit(),
-            "sources": source_digest()}
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "commit": source_commit(), "sources": source_digest()}
 
 
 def _kernels(prof) -> list[tuple[str, float]]:

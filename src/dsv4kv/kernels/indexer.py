@@ -528,8 +528,8 @@ def _indexer_scores_stacked_kernel(
 def _row_takes_fp8(fmt: int, dim: int, rows: int, entries: int, device: torch.device) -> bool:
     """The row kernel's host choice of the FP8 MMA path for scores [rows, entries]: MXFP4 keys, D <= 128, a Hopper
     or later GPU (the tested target) and a grid of at least FP8_MIN_PROGRAMS_PER_SM programs per SM (the interpreter
-    counts as one SM, so its tests take both paths). Host facts only, so a captured graph keeps its choice; the wrapper's launch and `fp8_query_wanted` both
-    ask here."""
+    counts as one SM, so its tests take both paths). Host facts only, so a captured graph keeps its choice; the
+    wrapper's launch and `fp8_query_wanted` both ask here."""
     block_j, iters, _ = _config(rows, entries, device)
     programs = rows * triton.cdiv(entries, block_j * iters)
     if device.type != "cuda":

@@ -12,14 +12,15 @@ scores inside the length are unspecified (they get some rank; nothing is written
 Row kernel (`_topk_row_kernel`; rows of up to ROW_MAX_COLS columns, or ROW_MAX_COLS_MANY when there are ROW_MANY
 rows or more). One program holds its row's keys (below) in registers and finds the k-th largest key T by bisection
 on the int32 key space (`_kth_key`). The picks are every key > T and the first k - #(key > T) keys == T in column
-order, stored in column order by a cumsum. No workspace is used. One SM per row makes a long lone row slow, hence the split kernel past those sizes.
+order, stored in column order by a cumsum. No workspace is used. One SM per row makes a long lone row slow, hence
+the split kernel past those sizes.
 
 Split kernel. A score becomes an int32 key whose signed order is the float order (sign-magnitude flipped,
 -0.0 folded onto +0.0); the top 16 bits of the k-th largest key T are found one 8-bit digit at a time (a radix
 select: histogram the digit among the keys that share the digits found so far, take the digit where the count
 from the top reaches the number still needed), the low 16 bits by bisection among the candidates that share them
-(or by two more digits where those candidates are too many for registers). Then the selection is: every key > T, plus the first
-`need` keys == T in column order, where `need` = k - #(key > T). With fewer than k candidates the
+(or by two more digits where those candidates are too many for registers). Then the selection is: every key > T,
+plus the first `need` keys == T in column order, where `need` = k - #(key > T). With fewer than k candidates the
 descent bottoms out at T = int32 min and everything is taken. Each row is split into S chunks (S grows
 as R shrinks, so one long decode row still fills the GPU). Four phases:
 
