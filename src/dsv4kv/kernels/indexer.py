@@ -532,10 +532,11 @@ def _row_takes_fp8(fmt: int, dim: int, rows: int, entries: int, device: torch.de
     wrapper's launch and `fp8_query_wanted` both ask here."""
     block_j, iters, _ = _config(rows, entries, device)
     programs = rows * triton.cdiv(entries, block_j * iters)
+    if fmt != _MXFP4 or dim > 128:
+        return False
     if device.type != "cuda":
-        return fmt == _MXFP4 and dim <= 128 and programs >= FP8_MIN_PROGRAMS_PER_SM
-    return fmt == _MXFP4 and dim <= 128 and hopper_or_later(device) and programs >= FP8_MIN_PROGRAMS_PER_SM * sm_count(
-        device)
+        return programs >= FP8_MIN_PROGRAMS_PER_SM
+    return hopper_or_later(device) and programs >= FP8_MIN_PROGRAMS_PER_SM * sm_count(device)
 
 
 def _iters(programs_per_chunk: int, tiles: int, device: torch.device, max_iters: int) -> int:
