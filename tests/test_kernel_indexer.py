@@ -481,6 +481,19 @@ def test_fp8_query_check():
     assert torch.equal(bf16_codes, codes) and torch.equal(bf16_scales, scales)
 
 
+def test_pre_hopper_gpus_take_the_plain_paths(monkeypatch):
+    """On a GPU older than sm_90 (faked through the device properties' cache) the row kernel never takes the FP8 path
+    and kernels launch without PDL; on sm_90 both are on. Host decisions only: nothing runs on the fake device."""
+    from dsv4kv.kernels import common, launch
+
+    cuda = torch.device("cuda", 0)
+    for major, hopper in ((8, False), (9, True), (10, True)):
+        monkeypatch.setattr(common, "_properties", lambda index, major=major: (132, major))
+        assert common.hopper_or_later(cuda) is hopper and common.sm_count(cuda) == 132
+        assert kernel_mod._row_takes_fp8(kernel_mod._MXFP4, 128, 1, 65536, cuda) is hopper
+        assert bool(launch.launch_options(cuda)) is (hopper and launch.DEPENDENT_LAUNCH)
+
+
 def test_fp8_query_wanted(monkeypatch):
     """`fp8_query_wanted` (whether a caller should make q's FP8 operand) follows the wrapper's own choice: decode
     rows with MXFP4 keys take the FP8 path; a prefill step (the stacked kernel), FP8 keys, an empty score row or a
