@@ -97,9 +97,10 @@ def test_step_overlap_changes_no_byte(monkeypatch, switch):
 
     from dsv4kv import streams
     from dsv4kv.kernels import launch
+    from dsv4kv.kernels.common import hopper_or_later
     module, flag = (streams, "CONCURRENT") if switch == "side stream" else (launch, "DEPENDENT_LAUNCH")
     assert streams.StepStreams(torch.device("cuda")).enabled
-    if switch == "dependent launch" and torch.cuda.get_device_capability()[0] < 9:
+    if switch == "dependent launch" and not hopper_or_later(torch.device("cuda")):
         pytest.skip("programmatic dependent launch needs sm_90 or later; older GPUs launch plainly either way")
     assert launch.launch_options(torch.device("cuda")) == {"launch_pdl": True}
     layers = [init_random_weights(DSV4Attention(TINY, i, device="cuda", backend="triton"), i) for i in range(4)]

@@ -118,8 +118,8 @@ def markdown(data: dict) -> str:
     """A report's JSON as markdown tables (what docs/performance.md quotes)."""
     m = data["meta"]
     lines = [f"{m.get('gpu')}, torch {m.get('torch')} (CUDA {m.get('cuda')}), triton {m.get('triton')}, {m.get('date')}, "
-             f"commit {m.get('commit')}, sources {m.get('sources')}; measured copy bandwidth {m.get('copy_bandwidth_Bps', 0) / 1e12:.2f} TB/s "
-             f"(read + write), bf16 GEMM {m.get('bf16_gemm_flops', 0) / 1e12:.0f} TFLOP/s.", ""]
+             f"commit {m.get('commit')}, sources {m.get('sources')}; measured copy bandwidth "
+             f"{m.get('copy_bandwidth_Bps', 0) / 1e12:.2f} TB/s (read + write), bf16 GEMM {m.get('bf16_gemm_flops', 0) / 1e12:.0f} TFLOP/s.", ""]
     for workload in dict.fromkeys(r["workload"] for r in data["results"]):
         rows = [r for r in data["results"] if r["workload"] == workload]
         lines += [f"**{workload}**", "", "| what | median us | MB moved | GB/s | % of copy bw | TFLOP/s | % of GEMM |"

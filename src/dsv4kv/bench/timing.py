@@ -96,8 +96,9 @@ def gemm_rate(device: torch.device, n: int = 8192) -> float:
     return 2 * n ** 3 / (timing.median_us * 1e-6)
 
 
-# this file is <project root>/src/dsv4kv/bench/timing.py in the project's own checkout
-_PROJECT_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+# the package's own directory: <project root>/src/dsv4kv in the project's checkout, or site-packages/dsv4kv
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_PROJECT_ROOT = os.path.dirname(os.path.dirname(_PACKAGE_DIR))
 
 
 def _git(root: str, *args: str) -> str:
@@ -119,10 +120,6 @@ def source_commit(root: str = _PROJECT_ROOT) -> str:
         return head + "+dirty" if _git(root, "status", "--porcelain", "--untracked-files=no") else head
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
-
-
-# the package's own directory: <project root>/src/dsv4kv, or site-packages/dsv4kv when installed
-_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def source_digest(package_dir: str = _PACKAGE_DIR) -> str:
