@@ -8,9 +8,9 @@ device-free proxy used for `kernels/indexer.py` (docs/performance.md).
 The builds: the bf16 path with its MXFP4 decode through fp32 and by bit moves (`BF16_BITS`), the FP8 MMA path, and
 the FP8 path under its register cap (`FP8_MAX_REGISTERS`, as launched), at the default stage count (the FP8 builds
 also hold the bf16 loop, their fallback, with the bit-move decode). The launch is V4-Flash decode (64 heads, head dim
-128, MXFP4 keys of 68 B, 256 entries a page) with the alignment hints a real launch gets. Fewer loop instructions did
-not make this kernel faster by themselves (its time is a latency-bound tile chain at 16 warps per SM; ncu in
-docs/performance.md): only the GPU decides."""
+128, MXFP4 keys of 68 B, 256 entries a page, so the FP8 path addresses its tiles by page: `PAGE_TILES`) with the
+alignment hints a real launch gets. Fewer loop instructions did not make this kernel faster by themselves (its time
+is a latency-bound tile chain at 16 warps per SM; ncu in docs/performance.md): only the GPU decides."""
 
 from __future__ import annotations
 
@@ -35,11 +35,11 @@ DIVISIBLE_BY_16 = {"num_entries", "table_stride", "chunk"}
 
 
 def compile_row_kernel(fp8: bool, stages: int, block_j: int = 64, warps: int = 4, maxnreg: int | None = None,
-                       bits: bool = True):
+                       bits: bool = True, page_tiles: bool = True):
     kernel = indexer._indexer_scores_kernel
     consts = dict(FORMAT=indexer._MXFP4, RATIO=4, D=128, P=256, PAGE_BYTES=256 * 68, DATA_BYTES=64, SCALE_BYTES=4,
                   BLOCK_H=64, BLOCK_J=block_j, FILL_J=block_j, DOT=tl.bfloat16, FILL=False, MMA8=fp8, ASM=True,
-                  BITS=bits)
+                  BITS=bits, PAGE_TILES=page_tiles)
     names = kernel.arg_names
     signature = {n: "constexpr" if n in consts else POINTERS.get(n, "fp32" if n == "score_scale" else "i32")
                  for n in names}

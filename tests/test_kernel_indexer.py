@@ -549,6 +549,55 @@ def check_e2m1_to_e4m3(asm):
         assert torch.equal(got.cpu() >> 7, (code.cpu() >> 3))  # the sign bit, -0.0 included
 
 
+@pytest.mark.parametrize("dim,block_j", [(64, 32), (128, 64)], ids=["D64-two-tiles-a-page", "D128-one-tile-a-page"])
+def test_fp8_path_tiles_within_pages(dim, block_j, monkeypatch):
+    """Where a page holds whole tiles the FP8 path addresses each tile from its page and reads its block id and scale
+    words a tile ahead (`PAGE_TILES`; 16-bit scale words at D = 64, 32-bit at 128). Three requests at odd lengths
+    decode and prefill in small steps, each program's tiles crossing a page boundary: the scores equal those of the
+    per-entry addressing bit for bit, and the reference's within tolerance. A page unallocated mid-row (block id -1)
+    scores 0 on both, and leaves every other score as it was."""
+    geometry = dataclasses.replace(TINY, index_head_dim=dim)
+    page = 256  # 64 entries a page at ratio 4
+    monkeypatch.setattr(kernel_mod, "FP8_MIN_PROGRAMS_PER_SM", 0)
+    # chunks of 128 entries: a program's tiles cross a page boundary
+    monkeypatch.setattr(kernel_mod, "_ROW_TILES", {**kernel_mod._ROW_TILES, "block_j": block_j,
+                                                   "max_iters": 128 // block_j})
+    cache, layout, pool = make_cache(geometry, "mxfp4", page_tokens=page, max_requests=4, max_tokens=2400)
+    rids = admit(cache, 3)
+    g = gen(71)
+    for rid, n in zip(rids, (1017, 298, 700)):
+        cache.plan_step([(rid, n)])
+    bank = [torch.randn(1040 // M, dim, generator=g) * 2.0 ** torch.randint(-12, 13, (1040 // M, 1), generator=g)
+            for _ in rids]
+    heads, entries = geometry.index_n_heads, 270
+
+    def scores(plan, q, w, tiles):
+        monkeypatch.setattr(kernel_mod, "PAGE_TILES", tiles)
+        return indexer_scores_paged(q, w, plan, pool, layout, ratio=M, page_tokens=page, max_entries=entries,
+                                    stack_rows=False, fill=True)
+
+    for k, step in enumerate([[(0, 3), (1, 1), (2, 2)], [(0, 1), (2, 5)], [(0, 2), (1, 4)]]):
+        plan = cache.plan_step([(rids[i], n) for i, n in step])
+        for rid, keys in zip(rids, bank):
+            write_all_keys(cache, rid, layout, pool, keys.to(DEVICE), M, page)
+        q, w = make_query(layout, plan.positions.shape[0], heads, seed=200 + k)
+        got = scores(plan, q, w, True)
+        assert torch.equal(got, scores(plan, q, w, False))
+        assert_close_scores(got, reference(plan, pool, layout, q, w, entries, ratio=M, page_tokens=page))
+    # request 0 (the first row's) with its second page unallocated: its visible entries score 0, the rest as before
+    slot = int(plan.request_slots[plan.token_request[0]])
+    kept = plan.block_table[slot, 1].item()
+    plan.block_table[slot, 1] = -1
+    hole = scores(plan, q, w, True)
+    assert torch.equal(hole, scores(plan, q, w, False))
+    page_cols = torch.zeros_like(got, dtype=torch.bool)
+    page_cols[plan.token_request == plan.token_request[0], 64:128] = True
+    in_hole = page_cols & torch.isfinite(got)
+    assert in_hole.sum() >= 64 and torch.equal(hole[in_hole], torch.zeros_like(hole[in_hole]))
+    assert torch.equal(hole[~in_hole], got[~in_hole])
+    plan.block_table[slot, 1] = kept
+
+
 def test_fp8_mma_path_and_its_fallback(monkeypatch):
     """MXFP4 keys take the FP8 MMA path when every head of the row's query passes `fp8_query_operand`'s check, and
     the bf16 path when one does not (two blocks of a head 2^22 apart): both give the reference's scores. Under the

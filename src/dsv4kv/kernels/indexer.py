@@ -45,7 +45,9 @@ are exact, so this moves no rounding). Each 32-value scale block is one K = 32 F
 13 significant bits and is exact within the ~14 that Hopper's FP8 accumulation keeps; the key's ue8m0 scale
 (times 2^6, undoing the keys' shift) then scales it and fp32 adds the blocks in order. The products are the
 reference's and only the fp32 summation order differs, as on the bf16 path (on V4 shapes the two paths' scores are
-bit-equal: MXFP4 dot products are mostly exact in fp32 either way).
+bit-equal: MXFP4 dot products are mostly exact in fp32 either way). Where a page holds whole tiles (P % BLOCK_J == 0,
+as the 256 entries of a default 1024-token CSA page do) a tile is addressed from its page, and its block id and
+scale words are read a tile ahead (`PAGE_TILES`); elsewhere each entry reads its own block id.
 A row with a head whose query is not MXFP4-valued and exact in e4m3 after its shift takes the bf16 path. Edges that
 differ from the reference: a key scale of 2^127 (ue8m0 0xFE), whose decoded values overflow fp32, scores finite here
 where the reference gives inf or NaN, and a partial sum that leaves fp32's normal range only under the shifts (query
@@ -101,6 +103,7 @@ _STACK_TILES = {"block_t": 4, "block_j": 128, "max_iters": 32, "num_warps": 8, "
 # 3.9 programs per SM; 142.6 against 171.8 us at batch 64 / 128K). While each program checked and converted q itself
 # it lost at 3.9 programs per SM (30.4 against 29.9 us; 1.12-1.14x in an earlier run).
 FP8_MIN_PROGRAMS_PER_SM = 0
+PAGE_TILES = True  # the FP8 path addresses a tile from its page and reads ahead where tiles lie within pages
 BF16_BITS = True  # the row kernel's bf16 path decodes MXFP4 by bit moves (`_e2m1_bf16`, Hopper) rather than via fp32
 FP8_MAX_REGISTERS = 128  # the FP8 path's register cap: 4 programs of 4 warps per SM (see the launch)
 _GRID_WAVES = 3  # programs per SM the chunking aims for: one decode row at 1M, 29 us at 3 against 36 us at 1
@@ -152,6 +155,14 @@ def _e2m1_e4m3(byte, ASM: tl.constexpr):
     else:
         b = byte.to(tl.int32)
         return (((b & 0x08) << 4) | ((b & 0x07) << 2)).to(tl.uint8), ((b & 0x80) | ((b & 0x70) >> 2)).to(tl.uint8)
+
+
+@triton.jit
+def _ue8m0_times_64(code):
+    """E8M0 code (int32) -> fp32 2^(code - 127) * 2^6, as `_ue8m0(code) * 64.0` gives it (0x00 -> 2^-121, codes
+    from 249 up overflow to inf, 0xFF -> NaN) in three integer ops and a select."""
+    bits = tl.minimum(code + 6, 255) << 23
+    return tl.where(code == 0xFF, 0x7FC00000, bits).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -276,9 +287,49 @@ def _mxfp4_tile(pool_ptr, p_table, o_j, m_j, D: tl.constexpr, P: tl.constexpr, P
 
 
 @triton.jit
-def _mxfp4_block_mma(b_byte, code, b_q8, unshift, acc, BLOCK_J: tl.constexpr, ASM: tl.constexpr):
+def _page_tile_mask(block, o_page, m_j):
+    """m_j, and false where the page is unallocated (block -1)."""
+    return m_j & (o_page * 0 + block >= 0)  # a tensor compare (under the interpreter a scalar's & gives no bool)
+
+
+@triton.jit
+def _mxfp4_page_data(pool_ptr, block, o_page, m_j, D: tl.constexpr, PAGE_BYTES: tl.constexpr,
+                     DATA_BYTES: tl.constexpr):
+    """`_mxfp4_tile`'s values for entries o_page (offsets within one page, int32) of page `block` (a scalar, -1 where
+    unallocated): one 64-bit page address per tile instead of one block-table read per entry."""
+    m_j = _page_tile_mask(block, o_page, m_j)
+    p_data = pool_ptr + block.to(tl.int64) * PAGE_BYTES + (o_page * DATA_BYTES)[:, None] + tl.arange(0, 16)[None, :]
+    k0 = tl.load(p_data, mask=m_j[:, None], other=0)
+    k1, k2, k3 = k0, k0, k0
+    if D >= 64:
+        k1 = tl.load(p_data + 16, mask=m_j[:, None], other=0)
+    if D >= 128:
+        k2 = tl.load(p_data + 32, mask=m_j[:, None], other=0)
+        k3 = tl.load(p_data + 48, mask=m_j[:, None], other=0)
+    return k0, k1, k2, k3
+
+
+@triton.jit
+def _mxfp4_page_scales(pool_ptr, block, o_page, m_j, P: tl.constexpr, PAGE_BYTES: tl.constexpr,
+                       DATA_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr):
+    """The ue8m0 codes of entries o_page of page `block` as one int32 word per key (byte b: block b's code; a masked
+    or unallocated entry's codes are 127, scale 2^0). The scale rows follow the data rows, and SCALE_BYTES (1, 2 or 4)
+    divides both offsets, so the 16- and 32-bit loads are aligned."""
+    m_j = _page_tile_mask(block, o_page, m_j)
+    p_scale = pool_ptr + block.to(tl.int64) * PAGE_BYTES + P * DATA_BYTES
+    if SCALE_BYTES == 4:
+        word = tl.load(p_scale.to(tl.pointer_type(tl.int32)) + o_page, mask=m_j, other=0x7F7F7F7F)
+    elif SCALE_BYTES == 2:
+        word = tl.load(p_scale.to(tl.pointer_type(tl.int16)) + o_page, mask=m_j, other=0x7F7F).to(tl.int32)
+    else:
+        word = tl.load(p_scale + o_page, mask=m_j, other=127).to(tl.int32)
+    return word
+
+
+@triton.jit
+def _mxfp4_block_mma(b_byte, code, b_q8, acc, BLOCK_J: tl.constexpr, ASM: tl.constexpr):
     """acc + (one scale block of the keys, as e4m3 values * 2^-6) x (that block of q's operand) * (the keys' ue8m0
-    scales * unshift = 2^6): one K = 32 FP8 MMA from a zero accumulator, then one exact power-of-two scaling added in
+    scales * 2^6): one K = 32 FP8 MMA from a zero accumulator, then one exact power-of-two scaling added in
     fp32 (terms at the reference's magnitude times each head's 2^-c, which its weight undoes). The 32 products of
     e2m1 pairs are multiples of 1/4 of their common scale (q's block scale and the shifts) and sum below 2^11 of it:
     13 significant bits, exact within the ~14 that Hopper's FP8 accumulation keeps (each MMA starts from zero, so no
@@ -287,7 +338,7 @@ def _mxfp4_block_mma(b_byte, code, b_q8, unshift, acc, BLOCK_J: tl.constexpr, AS
     # dims in `_q8_blocks`'s order: the block's low nibbles (even dims), then its high nibbles (odd dims); the
     # natural order would interleave bytes (a PRMT per pair of values)
     b_k = tl.reshape(tl.permute(tl.join(b_lo, b_hi), (0, 2, 1)), (BLOCK_J, 32)).to(tl.float8e4nv, bitcast=True)
-    b_sc = _ue8m0(code.to(tl.int32)) * unshift
+    b_sc = _ue8m0_times_64(code.to(tl.int32))
     if ASM:
         part = tl.dot(b_k, b_q8)
     else:  # the interpreter: the same exact products and sums through an fp32 dot
@@ -297,22 +348,47 @@ def _mxfp4_block_mma(b_byte, code, b_q8, unshift, acc, BLOCK_J: tl.constexpr, AS
 
 @triton.jit
 def _mxfp4_fp8_scores(pool_ptr, p_table, p_out, chunk_lo, hi, visible, num_entries, b_w, b_q0, b_q1, b_q2, b_q3,
-                      unshift, D: tl.constexpr, P: tl.constexpr, PAGE_BYTES: tl.constexpr, DATA_BYTES: tl.constexpr,
-                      SCALE_BYTES: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_H: tl.constexpr, ASM: tl.constexpr):
+                      D: tl.constexpr, P: tl.constexpr, PAGE_BYTES: tl.constexpr, DATA_BYTES: tl.constexpr,
+                      SCALE_BYTES: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_H: tl.constexpr, ASM: tl.constexpr,
+                      PAGE_TILES: tl.constexpr):
     """Scores of entries chunk_lo..hi-1 of one row against MXFP4 keys on FP8 MMAs: per tile, the sum over scale
-    blocks, in block order, of exact per-block MMAs (`_mxfp4_block_mma`), then ReLU and the head weights. Each tile's
-    bytes are loaded in the same iteration: a register prefetch of the next tile was slower (168 registers, 3
-    programs per SM instead of 4; docs/performance.md)."""
+    blocks, in block order, of exact per-block MMAs (`_mxfp4_block_mma`), then ReLU and the head weights.
+    PAGE_TILES (every tile within one page, P % BLOCK_J == 0): a tile's block id is read one tile before its bytes,
+    and its scale words one tile before their use (3 registers; 10% less time at batch 64). Its values are loaded in
+    their own iteration: held a tile ahead in registers they spill under the 4-programs-per-SM register cap, or
+    leave 3 programs per SM, and the compiler's two-stage pipelining of them through shared memory was no faster
+    (docs/performance.md)."""
+    o_b = tl.arange(0, BLOCK_J)
+    if PAGE_TILES:
+        block = tl.load(p_table + chunk_lo // P)
+        words = _mxfp4_page_scales(pool_ptr, block, chunk_lo % P + o_b, chunk_lo + o_b < hi, P, PAGE_BYTES,
+                                   DATA_BYTES, SCALE_BYTES)
+        block_next = tl.load(p_table + tl.minimum(chunk_lo + BLOCK_J, hi - 1) // P)
     for j0 in range(chunk_lo, hi, BLOCK_J):
-        o_j = j0 + tl.arange(0, BLOCK_J)
-        k0, k1, k2, k3, s0, s1, s2, s3 = _mxfp4_tile(pool_ptr, p_table, o_j, o_j < hi, D, P, PAGE_BYTES, DATA_BYTES,
-                                                     SCALE_BYTES)
-        acc = _mxfp4_block_mma(k0, s0, b_q0, unshift, tl.zeros((BLOCK_J, BLOCK_H), dtype=tl.float32), BLOCK_J, ASM)
+        o_j = j0 + o_b
+        if PAGE_TILES:
+            k0, k1, k2, k3 = _mxfp4_page_data(pool_ptr, block, j0 % P + o_b, o_j < hi, D, PAGE_BYTES, DATA_BYTES)
+            s0 = words & 0xFF
+            s1, s2, s3 = s0, s0, s0
+            if D >= 64:
+                s1 = (words >> 8) & 0xFF
+            if D >= 128:
+                s2 = (words >> 16) & 0xFF
+                s3 = (words >> 24) & 0xFF
+            j1 = j0 + BLOCK_J  # the next tile: its scale words now, the block id of the one after it
+            words = _mxfp4_page_scales(pool_ptr, block_next, j1 % P + o_b, j1 + o_b < hi, P, PAGE_BYTES, DATA_BYTES,
+                                       SCALE_BYTES)
+            block = block_next
+            block_next = tl.load(p_table + tl.minimum(j1 + BLOCK_J, hi - 1) // P)
+        else:
+            k0, k1, k2, k3, s0, s1, s2, s3 = _mxfp4_tile(pool_ptr, p_table, o_j, o_j < hi, D, P, PAGE_BYTES,
+                                                         DATA_BYTES, SCALE_BYTES)
+        acc = _mxfp4_block_mma(k0, s0, b_q0, tl.zeros((BLOCK_J, BLOCK_H), dtype=tl.float32), BLOCK_J, ASM)
         if D >= 64:
-            acc = _mxfp4_block_mma(k1, s1, b_q1, unshift, acc, BLOCK_J, ASM)
+            acc = _mxfp4_block_mma(k1, s1, b_q1, acc, BLOCK_J, ASM)
         if D >= 128:
-            acc = _mxfp4_block_mma(k2, s2, b_q2, unshift, acc, BLOCK_J, ASM)
-            acc = _mxfp4_block_mma(k3, s3, b_q3, unshift, acc, BLOCK_J, ASM)
+            acc = _mxfp4_block_mma(k2, s2, b_q2, acc, BLOCK_J, ASM)
+            acc = _mxfp4_block_mma(k3, s3, b_q3, acc, BLOCK_J, ASM)
         b_s = tl.sum(_relu(acc) * b_w[None, :], axis=1)
         tl.store(p_out + o_j, tl.where(o_j < visible, b_s, float("-inf")), mask=o_j < num_entries)
 
@@ -390,7 +466,7 @@ def _indexer_scores_kernel(
     FORMAT: tl.constexpr, RATIO: tl.constexpr, D: tl.constexpr, P: tl.constexpr, PAGE_BYTES: tl.constexpr,
     DATA_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_J: tl.constexpr, FILL_J: tl.constexpr, DOT: tl.constexpr,
-    FILL: tl.constexpr, MMA8: tl.constexpr, ASM: tl.constexpr, BITS: tl.constexpr,
+    FILL: tl.constexpr, MMA8: tl.constexpr, ASM: tl.constexpr, BITS: tl.constexpr, PAGE_TILES: tl.constexpr,
 ):
     """The row kernel: one token row, one chunk of `chunk` entries (a multiple of BLOCK_J). MMA8: MXFP4 keys on FP8
     MMAs (`_mxfp4_fp8_scores`) when every head of the row's query passed `fp8_query_operand`'s check, else the bf16
@@ -423,8 +499,8 @@ def _indexer_scores_kernel(
             if exact:
                 b_q8_0, b_q8_1, b_q8_2, b_q8_3 = _q8_blocks(q8_ptr + t * num_heads * D + o_h[None, :] * D, m_h, D)
                 _mxfp4_fp8_scores(pool_ptr, p_table, p_out, chunk_lo, tl.minimum(chunk_hi, visible), visible,
-                                  num_entries, b_w * q_scale, b_q8_0, b_q8_1, b_q8_2, b_q8_3, 64.0, D, P, PAGE_BYTES,
-                                  DATA_BYTES, SCALE_BYTES, BLOCK_J, BLOCK_H, ASM)
+                                  num_entries, b_w * q_scale, b_q8_0, b_q8_1, b_q8_2, b_q8_3, D, P, PAGE_BYTES,
+                                  DATA_BYTES, SCALE_BYTES, BLOCK_J, BLOCK_H, ASM, PAGE_TILES)
         if not exact:
             o_d0, o_d1 = _q_dims(FORMAT, D)
             # [D/2, BLOCK_H]
@@ -725,7 +801,9 @@ def indexer_scores_paged(q: torch.Tensor, weights: torch.Tensor, plan, key_pool:
         _indexer_scores_kernel[grid](*args, q8, q8_scale, heads, entries, plan.block_table.stride(0), dim ** -0.5,
                                      chunk,
                                      **common, BLOCK_J=block_j, FILL_J=chunk if fill else block_j, MMA8=mma8,
-                                     ASM=not interpreted(), BITS=bits, num_warps=num_warps,
+                                     ASM=not interpreted(), BITS=bits,
+                                     PAGE_TILES=PAGE_TILES and per_page % block_j == 0,
+                                     num_warps=num_warps,
                                      num_stages=_ROW_TILES["num_stages"],
                                      **cap, **launch_options(device))
     return out
