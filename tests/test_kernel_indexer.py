@@ -385,6 +385,48 @@ def test_hand_written_key_bytes(indexer_format, stack_rows, monkeypatch):
         assert torch.isnan(got[visible > 5, 5]).all()
 
 
+@pytest.mark.parametrize("fp8_path", [True, False], ids=["fp8", "bf16"])
+def test_large_key_scales_with_a_small_query(fp8_path, monkeypatch):
+    """Random keys at ue8m0 codes 0xE0 .. 0xEC (block scales 2^97 .. 2^109) against a query of ~2^-100: scores of up
+    to ~2^10, finite and the reference's on both paths. The FP8 path's block sums are the reference's times 2^-c
+    (~2^8 / |q|): here up to 2^125. Past that lies its documented edge (kernels/indexer.py): keys of 6.0 in every
+    value at code 0xF4 (2^117) against a query of ~2^-110 overflow its block sums (scores inf or NaN), where the bf16
+    path and the reference stay finite."""
+    cache, layout, pool = make_cache(TINY, "mxfp4", page_tokens=PAGE, max_requests=2, max_tokens=256)
+    rid = cache.admit()
+    plan = cache.plan_step([(rid, 120)])
+    per_page, count = PAGE // M, 120 // M
+    g = gen(33)
+    data_rows, scale_rows = layout.page_views(pool, per_page)
+    slots = torch.tensor([cache.blocks(rid)[j * M // PAGE] * per_page + j % per_page for j in range(count)])
+    page, off = (slots // per_page).to(DEVICE), (slots % per_page).to(DEVICE)
+    q, w = make_query(layout, plan.positions.shape[0], TINY.index_n_heads, seed=34)
+    monkeypatch.setattr(kernel_mod, "FP8_MIN_PROGRAMS_PER_SM", 0 if fp8_path else 1 << 30)
+    visible = torch.arange(count, device=DEVICE) < ((plan.positions.long() + 1) // M)[:, None]
+
+    def run(data, codes, q_exponent):
+        data_rows[page, off] = data.to(DEVICE)
+        scale_rows[page, off] = codes.to(DEVICE)
+        q_small = q * 2.0 ** q_exponent
+        assert bool((indexer_query_fp8(q_small)[1] > 0).all())  # every row's query allows the FP8 path
+        got = indexer_scores_paged(q_small, w, plan, pool, layout, ratio=M, page_tokens=PAGE, max_entries=count,
+                                   stack_rows=False, fill=True)
+        want = reference(plan, pool, layout, q_small, w, count, ratio=M, page_tokens=PAGE)
+        assert torch.isfinite(want[0][visible]).all()
+        return got, want
+
+    got, want = run(torch.randint(0, 256, (count, layout.data_bytes), generator=g, dtype=torch.uint8),
+                    torch.randint(0xE0, 0xED, (count, layout.scale_bytes), generator=g, dtype=torch.uint8), -100)
+    assert want[0][visible].abs().max() > 2.0 ** 6
+    assert_close_scores(got, want)
+    got, want = run(torch.full((count, layout.data_bytes), 0x77, dtype=torch.uint8),
+                    torch.full((count, layout.scale_bytes), 0xF4, dtype=torch.uint8), -110)
+    if fp8_path:  # heads whose sums overflow to -inf give ReLU's 0; those to +inf or NaN show
+        assert not torch.isfinite(got[visible]).all()
+    else:
+        assert_close_scores(got, want)
+
+
 @triton.jit
 def _e4m3_of_bytes(byte_ptr, lo_ptr, hi_ptr, ASM: tl.constexpr):
     o = tl.arange(0, 256)

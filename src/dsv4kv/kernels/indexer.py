@@ -49,9 +49,10 @@ bit-equal: MXFP4 dot products are mostly exact in fp32 either way). Where a page
 as the 256 entries of a default 1024-token CSA page do) a tile is addressed from its page, and its block id and
 scale words are read a tile ahead (`PAGE_TILES`); elsewhere each entry reads its own block id.
 A row with a head whose query is not MXFP4-valued and exact in e4m3 after its shift takes the bf16 path. Edges that
-differ from the reference: a key scale of 2^127 (ue8m0 0xFE), whose decoded values overflow fp32, scores finite here
-where the reference gives inf or NaN, and a partial sum that leaves fp32's normal range only under the shifts (query
-heads near 2^+-120) rounds differently; the quantizers write neither.
+differ from the reference, both from the shifts: a block sum is the reference's times 2^-c (q's largest value
+scaled to ~2^8), so from key scales of about 2^114 on (ue8m0 0xF1) it can overflow where a small query keeps the
+reference's finite (`test_large_key_scales_with_a_small_query`); and a partial sum that leaves fp32's normal range
+only under the shifts rounds differently. The quantizers write keys of such sizes only for inputs near fp32's limits.
 
 Stacked kernel (prefill: many consecutive rows of a request). Grid (block of BLOCK_T consecutive rows,
 chunk of entries). A block's rows of one request (a segment) share every decoded key tile: q of the
