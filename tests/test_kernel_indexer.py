@@ -344,20 +344,21 @@ def test_kernel_choice(monkeypatch):
         assert ran == want and row.launches + stacked.launches == sum(before) + 1, (step, stack_rows)
 
 
-@pytest.mark.parametrize("stack_rows", [False, True], ids=["row", "stacked"])
-@pytest.mark.parametrize("indexer_format", ["mxfp4", "fp8"])
-def test_hand_written_key_bytes(indexer_format, stack_rows, monkeypatch):
+@pytest.mark.parametrize("indexer_format,stack_rows,page_tokens", [
+    ("mxfp4", False, PAGE), ("mxfp4", True, PAGE), ("fp8", False, PAGE), ("fp8", True, PAGE), ("mxfp4", False, 256)],
+    ids=["mxfp4-row", "mxfp4-stacked", "fp8-row", "fp8-stacked", "mxfp4-row-tiles-within-pages"])
+def test_hand_written_key_bytes(indexer_format, stack_rows, page_tokens, monkeypatch):
     """Every e2m1 / e4m3 code and extreme scales written straight into the pages: ue8m0 0x00 (2^-127) and
     0xFF (NaN), fp32 scales 2^-100 .. 2^40 and NaN. The error relative to each score's own terms checks tiny
     scales as closely as large ones; a key with a NaN scale scores NaN, and only in its own column. Both
-    kernels (they share the key decode)."""
-    cache, layout, pool = make_cache(TINY, indexer_format, page_tokens=PAGE, max_requests=2, max_tokens=256)
+    kernels (they share the key decode); at 256-token pages the FP8 path addresses its tiles by page."""
+    cache, layout, pool = make_cache(TINY, indexer_format, page_tokens=page_tokens, max_requests=2, max_tokens=256)
     rid = cache.admit()
     plan = cache.plan_step([(rid, 200)])
-    per_page, count = PAGE // M, 200 // M
+    per_page, count = page_tokens // M, 200 // M
     g = gen(31)
     data_rows, scale_rows = layout.page_views(pool, per_page)
-    slots = torch.tensor([cache.blocks(rid)[j * M // PAGE] * per_page + j % per_page for j in range(count)])
+    slots = torch.tensor([cache.blocks(rid)[j * M // page_tokens] * per_page + j % per_page for j in range(count)])
     page, off = slots // per_page, slots % per_page
     data = torch.randint(0, 256, (count, layout.data_bytes), generator=g, dtype=torch.uint8)
     if indexer_format == "mxfp4":
@@ -377,8 +378,9 @@ def test_hand_written_key_bytes(indexer_format, stack_rows, monkeypatch):
     q, w = make_query(layout, plan.positions.shape[0], TINY.index_n_heads, seed=32)
     q = q * 2.0 ** 60  # still bf16 values; keeps the products of 2^-127-scaled keys normal fp32 numbers
     monkeypatch.setattr(kernel_mod, "FP8_MIN_PROGRAMS_PER_SM", 0)  # the row kernel's FP8 path on the GPU too
-    got = indexer_scores_paged(q, w, plan, pool, layout, ratio=M, page_tokens=PAGE, stack_rows=stack_rows, fill=True)
-    assert_close_scores(got, reference(plan, pool, layout, q, w, got.shape[1], ratio=M, page_tokens=PAGE))
+    got = indexer_scores_paged(q, w, plan, pool, layout, ratio=M, page_tokens=page_tokens, stack_rows=stack_rows,
+                               fill=True)
+    assert_close_scores(got, reference(plan, pool, layout, q, w, got.shape[1], ratio=M, page_tokens=page_tokens))
     visible = (plan.positions.long() + 1) // M
     assert torch.isnan(got[:, 3]).sum() == (visible > 3).sum()  # the NaN-scale key, only where it is visible
     if indexer_format == "fp8" and not interpreted():
@@ -389,9 +391,9 @@ def test_hand_written_key_bytes(indexer_format, stack_rows, monkeypatch):
 def test_large_key_scales_with_a_small_query(fp8_path, monkeypatch):
     """Random keys at ue8m0 codes 0xE0 .. 0xEC (block scales 2^97 .. 2^109) against a query of ~2^-100: scores of up
     to ~2^10, finite and the reference's on both paths. The FP8 path's block sums are the reference's times 2^-c
-    (~2^8 / |q|): here up to 2^125. Past that lies its documented edge (kernels/indexer.py): keys of 6.0 in every
-    value at code 0xF4 (2^117) against a query of ~2^-110 overflow its block sums (scores inf or NaN), where the bf16
-    path and the reference stay finite."""
+    (~2^8 / |q|), which bounds it (the edge in kernels/indexer.py). Its worst case, keys and query of 6.0 in every
+    value (one block sums to 32 * 384 * 6 = 2^16.2 of its scale), is exact at code 0xED and overflows at 0xEE (2^111,
+    D = 64), where the bf16 path and the reference stay finite."""
     cache, layout, pool = make_cache(TINY, "mxfp4", page_tokens=PAGE, max_requests=2, max_tokens=256)
     rid = cache.admit()
     plan = cache.plan_step([(rid, 120)])
@@ -404,10 +406,9 @@ def test_large_key_scales_with_a_small_query(fp8_path, monkeypatch):
     monkeypatch.setattr(kernel_mod, "FP8_MIN_PROGRAMS_PER_SM", 0 if fp8_path else 1 << 30)
     visible = torch.arange(count, device=DEVICE) < ((plan.positions.long() + 1) // M)[:, None]
 
-    def run(data, codes, q_exponent):
+    def run(data, codes, q_small):
         data_rows[page, off] = data.to(DEVICE)
         scale_rows[page, off] = codes.to(DEVICE)
-        q_small = q * 2.0 ** q_exponent
         assert bool((indexer_query_fp8(q_small)[1] > 0).all())  # every row's query allows the FP8 path
         got = indexer_scores_paged(q_small, w, plan, pool, layout, ratio=M, page_tokens=PAGE, max_entries=count,
                                    stack_rows=False, fill=True)
@@ -416,15 +417,18 @@ def test_large_key_scales_with_a_small_query(fp8_path, monkeypatch):
         return got, want
 
     got, want = run(torch.randint(0, 256, (count, layout.data_bytes), generator=g, dtype=torch.uint8),
-                    torch.randint(0xE0, 0xED, (count, layout.scale_bytes), generator=g, dtype=torch.uint8), -100)
+                    torch.randint(0xE0, 0xED, (count, layout.scale_bytes), generator=g, dtype=torch.uint8),
+                    q * 2.0 ** -100)
     assert want[0][visible].abs().max() > 2.0 ** 6
     assert_close_scores(got, want)
-    got, want = run(torch.full((count, layout.data_bytes), 0x77, dtype=torch.uint8),
-                    torch.full((count, layout.scale_bytes), 0xF4, dtype=torch.uint8), -110)
-    if fp8_path:  # heads whose sums overflow to -inf give ReLU's 0; those to +inf or NaN show
-        assert not torch.isfinite(got[visible]).all()
-    else:
-        assert_close_scores(got, want)
+    sixes = torch.full((count, layout.data_bytes), 0x77, dtype=torch.uint8)
+    q_sixes = torch.full_like(q, 6.0 * 2.0 ** -110)
+    for code in (0xED, 0xEE):
+        got, want = run(sixes, torch.full((count, layout.scale_bytes), code, dtype=torch.uint8), q_sixes)
+        if fp8_path and code == 0xEE:  # heads whose sums overflow to -inf give ReLU's 0; those to +inf or NaN show
+            assert not torch.isfinite(got[visible]).all()
+        else:
+            assert_close_scores(got, want)
 
 
 @triton.jit
@@ -591,17 +595,20 @@ def check_e2m1_to_e4m3(asm):
         assert torch.equal(got.cpu() >> 7, (code.cpu() >> 3))  # the sign bit, -0.0 included
 
 
-@pytest.mark.parametrize("dim,block_j", [(64, 32), (128, 64)], ids=["D64-two-tiles-a-page", "D128-one-tile-a-page"])
-def test_fp8_path_tiles_within_pages(dim, block_j, monkeypatch):
+@pytest.mark.parametrize("dim,block_j,page", [(64, 32, 256), (128, 64, 256), (64, 32, 384)],
+                         ids=["D64-two-tiles-a-page", "D128-one-tile-a-page", "D64-chunks-from-mid-page"])
+def test_fp8_path_tiles_within_pages(dim, block_j, page, monkeypatch):
     """Where a page holds whole tiles the FP8 path addresses each tile from its page and reads its block id and scale
     words a tile ahead (`PAGE_TILES`; 16-bit scale words at D = 64, 32-bit at 128). Three requests at odd lengths
-    decode and prefill in small steps, each program's tiles crossing a page boundary: the scores equal those of the
-    per-entry addressing bit for bit, and the reference's within tolerance. A page unallocated mid-row (block id -1)
-    scores 0 on both, and leaves every other score as it was."""
+    decode and prefill in small steps, each program's tiles crossing page boundaries (from mid-page with 96-entry
+    pages): the scores equal those of the per-entry addressing bit for bit, and the reference's within tolerance. A
+    page unallocated mid-row (block id -1) scores 0 on both, and leaves every other score as it was."""
     geometry = dataclasses.replace(TINY, index_head_dim=dim)
-    page = 256  # 64 entries a page at ratio 4
+    per_page = page // M  # 64 or 96 entries
     monkeypatch.setattr(kernel_mod, "FP8_MIN_PROGRAMS_PER_SM", 0)
-    # chunks of 128 entries: a program's tiles cross a page boundary
+    # chunks of 128 entries on the GPU too (no fewer tiles per program for a fuller grid): a program's tiles cross
+    # a page boundary, and with 96-entry pages chunks start mid-page
+    monkeypatch.setattr(kernel_mod, "_GRID_WAVES", 0)
     monkeypatch.setattr(kernel_mod, "_ROW_TILES", {**kernel_mod._ROW_TILES, "block_j": block_j,
                                                    "max_iters": 128 // block_j})
     cache, layout, pool = make_cache(geometry, "mxfp4", page_tokens=page, max_requests=4, max_tokens=2400)
@@ -633,9 +640,9 @@ def test_fp8_path_tiles_within_pages(dim, block_j, monkeypatch):
     hole = scores(plan, q, w, True)
     assert torch.equal(hole, scores(plan, q, w, False))
     page_cols = torch.zeros_like(got, dtype=torch.bool)
-    page_cols[plan.token_request == plan.token_request[0], 64:128] = True
+    page_cols[plan.token_request == plan.token_request[0], per_page:2 * per_page] = True
     in_hole = page_cols & torch.isfinite(got)
-    assert in_hole.sum() >= 64 and torch.equal(hole[in_hole], torch.zeros_like(hole[in_hole]))
+    assert in_hole.sum() >= per_page and torch.equal(hole[in_hole], torch.zeros_like(hole[in_hole]))
     assert torch.equal(hole[~in_hole], got[~in_hole])
     plan.block_table[slot, 1] = kept
 
@@ -769,6 +776,10 @@ def test_rejects_bad_input():
         run(pool=pool.view(torch.int8))
     with pytest.raises(ValueError, match=r"key_pool: must be contiguous"):
         run(pool=pool.t().contiguous().t())
+    shifted = torch.zeros(pool.numel() + 2, dtype=torch.uint8, device=DEVICE)[1:-1].view(pool.shape)
+    with pytest.raises(ValueError, match=r"key_pool: its first byte must be aligned to the 2-byte scales .* got an "
+                                         r"address of 1 mod 2"):
+        run(pool=shifted)
     with pytest.raises(ValueError, match=r"layout: the kernel needs a power-of-two dim >= 32, got 48"):
         run(layout=indexer_layout("bf16", 48))
     with pytest.raises(ValueError, match=r"layout: the kernel needs a power-of-two dim >= 32, got 16"):

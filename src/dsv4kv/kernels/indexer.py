@@ -50,9 +50,11 @@ as the 256 entries of a default 1024-token CSA page do) a tile is addressed from
 scale words are read a tile ahead (`PAGE_TILES`); elsewhere each entry reads its own block id.
 A row with a head whose query is not MXFP4-valued and exact in e4m3 after its shift takes the bf16 path. Edges that
 differ from the reference, both from the shifts: a block sum is the reference's times 2^-c (q's largest value
-scaled to ~2^8), so from key scales of about 2^114 on (ue8m0 0xF1) it can overflow where a small query keeps the
-reference's finite (`test_large_key_scales_with_a_small_query`); and a partial sum that leaves fp32's normal range
-only under the shifts rounds differently. The quantizers write keys of such sizes only for inputs near fp32's limits.
+scaled to ~2^8): up to 32 * 384 * 6 = 2^16.2 times its key scale, and D / 32 such sums add up. So from key scales of
+2^110 (ue8m0 0xED) at D = 128, 2^111 at D = 64, the sums can overflow where a small query keeps the reference's finite
+(`test_large_key_scales_with_a_small_query` shows both sides at D = 64); and a partial sum that leaves fp32's normal
+range only under the shifts rounds differently. The quantizers write keys that large only for inputs near fp32's
+limits.
 
 Stacked kernel (prefill: many consecutive rows of a request). Grid (block of BLOCK_T consecutive rows,
 chunk of entries). A block's rows of one request (a segment) share every decoded key tile: q of the
@@ -256,34 +258,72 @@ def _q8_blocks(p_q8, m_h, D: tl.constexpr):
 
 
 @triton.jit
+def _page_base(pool_ptr, block, PAGE_BYTES: tl.constexpr):
+    """The first byte of page `block` (-1 where unallocated: never dereferenced, its loads are masked)."""
+    return pool_ptr + block.to(tl.int64) * PAGE_BYTES
+
+
+@triton.jit
 def _entry_addresses(pool_ptr, p_table, o_j, m_j, P: tl.constexpr, PAGE_BYTES: tl.constexpr,
                      DATA_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr):
     """Entries o_j of the request whose block-table row is p_table -> (mask: wanted and allocated, their data
     pointers, their scale pointers) in the pool's page layout (data rows, then scale rows)."""
     block = tl.load(p_table + o_j // P, mask=m_j, other=-1)
-    p_entry = pool_ptr + block.to(tl.int64) * PAGE_BYTES
+    p_entry = _page_base(pool_ptr, block, PAGE_BYTES)
     return (m_j & (block >= 0), p_entry + (o_j % P) * DATA_BYTES,
             p_entry + P * DATA_BYTES + (o_j % P) * SCALE_BYTES)
 
 
 @triton.jit
-def _mxfp4_tile(pool_ptr, p_table, o_j, m_j, D: tl.constexpr, P: tl.constexpr, PAGE_BYTES: tl.constexpr,
-                DATA_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr):
-    """The MXFP4 bytes of entries o_j: per 32-dim scale block, values [BLOCK_J, 16] uint8 and the ue8m0 code
-    [BLOCK_J] (blocks past D/32 repeat block 0, unused). Masked or unallocated entries: zeros, scale 2^0."""
-    m_j, p_data, p_scale = _entry_addresses(pool_ptr, p_table, o_j, m_j, P, PAGE_BYTES, DATA_BYTES, SCALE_BYTES)
+def _mxfp4_values(p_data, m_j, D: tl.constexpr):
+    """The packed values of entries at p_data [BLOCK_J] per 32-dim scale block: [BLOCK_J, 16] uint8 each (blocks
+    past D/32 repeat block 0, unused; masked entries zeros)."""
     p_data = p_data[:, None] + tl.arange(0, 16)[None, :]
     k0 = tl.load(p_data, mask=m_j[:, None], other=0)
-    s0 = tl.load(p_scale, mask=m_j, other=127)
-    k1, k2, k3, s1, s2, s3 = k0, k0, k0, s0, s0, s0
+    k1, k2, k3 = k0, k0, k0
     if D >= 64:
         k1 = tl.load(p_data + 16, mask=m_j[:, None], other=0)
-        s1 = tl.load(p_scale + 1, mask=m_j, other=127)
     if D >= 128:
         k2 = tl.load(p_data + 32, mask=m_j[:, None], other=0)
         k3 = tl.load(p_data + 48, mask=m_j[:, None], other=0)
-        s2 = tl.load(p_scale + 2, mask=m_j, other=127)
-        s3 = tl.load(p_scale + 3, mask=m_j, other=127)
+    return k0, k1, k2, k3
+
+
+@triton.jit
+def _scale_words(p_scale, m_j, SCALE_BYTES: tl.constexpr):
+    """The ue8m0 codes of entries at p_scale [BLOCK_J] as one int32 word per key, byte b block b's code (masked
+    entries 127: scale 2^0). The scale rows follow the data rows and SCALE_BYTES (1, 2 or 4) divides both offsets,
+    so with the pool's base aligned to SCALE_BYTES (`indexer_scores_paged` checks it) the loads are aligned."""
+    if SCALE_BYTES == 4:
+        word = tl.load(p_scale.to(tl.pointer_type(tl.int32)), mask=m_j, other=0x7F7F7F7F)
+    elif SCALE_BYTES == 2:
+        word = tl.load(p_scale.to(tl.pointer_type(tl.int16)), mask=m_j, other=0x7F7F).to(tl.int32)
+    else:
+        word = tl.load(p_scale, mask=m_j, other=127).to(tl.int32)
+    return word
+
+
+@triton.jit
+def _scale_codes(words, D: tl.constexpr):
+    """`_scale_words` -> the code of each 32-dim scale block (int32; blocks past D/32 repeat block 0, unused)."""
+    s0 = words & 0xFF
+    s1, s2, s3 = s0, s0, s0
+    if D >= 64:
+        s1 = (words >> 8) & 0xFF
+    if D >= 128:
+        s2 = (words >> 16) & 0xFF
+        s3 = (words >> 24) & 0xFF
+    return s0, s1, s2, s3
+
+
+@triton.jit
+def _mxfp4_tile(pool_ptr, p_table, o_j, m_j, D: tl.constexpr, P: tl.constexpr, PAGE_BYTES: tl.constexpr,
+                DATA_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr):
+    """The MXFP4 bytes of entries o_j, each reading its block id: `_mxfp4_values` and `_scale_codes`. Masked or
+    unallocated entries: zeros, scale 2^0."""
+    m_j, p_data, p_scale = _entry_addresses(pool_ptr, p_table, o_j, m_j, P, PAGE_BYTES, DATA_BYTES, SCALE_BYTES)
+    k0, k1, k2, k3 = _mxfp4_values(p_data, m_j, D)
+    s0, s1, s2, s3 = _scale_codes(_scale_words(p_scale, m_j, SCALE_BYTES), D)
     return k0, k1, k2, k3, s0, s1, s2, s3
 
 
@@ -296,35 +336,18 @@ def _page_tile_mask(block, o_page, m_j):
 @triton.jit
 def _mxfp4_page_data(pool_ptr, block, o_page, m_j, D: tl.constexpr, PAGE_BYTES: tl.constexpr,
                      DATA_BYTES: tl.constexpr):
-    """`_mxfp4_tile`'s values for entries o_page (offsets within one page, int32) of page `block` (a scalar, -1 where
+    """`_mxfp4_values` of entries o_page (offsets within one page, int32) of page `block` (a scalar, -1 where
     unallocated): one 64-bit page address per tile instead of one block-table read per entry."""
-    m_j = _page_tile_mask(block, o_page, m_j)
-    p_data = pool_ptr + block.to(tl.int64) * PAGE_BYTES + (o_page * DATA_BYTES)[:, None] + tl.arange(0, 16)[None, :]
-    k0 = tl.load(p_data, mask=m_j[:, None], other=0)
-    k1, k2, k3 = k0, k0, k0
-    if D >= 64:
-        k1 = tl.load(p_data + 16, mask=m_j[:, None], other=0)
-    if D >= 128:
-        k2 = tl.load(p_data + 32, mask=m_j[:, None], other=0)
-        k3 = tl.load(p_data + 48, mask=m_j[:, None], other=0)
-    return k0, k1, k2, k3
+    p_data = _page_base(pool_ptr, block, PAGE_BYTES) + o_page * DATA_BYTES
+    return _mxfp4_values(p_data, _page_tile_mask(block, o_page, m_j), D)
 
 
 @triton.jit
 def _mxfp4_page_scales(pool_ptr, block, o_page, m_j, P: tl.constexpr, PAGE_BYTES: tl.constexpr,
                        DATA_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr):
-    """The ue8m0 codes of entries o_page of page `block` as one int32 word per key (byte b: block b's code; a masked
-    or unallocated entry's codes are 127, scale 2^0). The scale rows follow the data rows, and SCALE_BYTES (1, 2 or 4)
-    divides both offsets, so the 16- and 32-bit loads are aligned."""
-    m_j = _page_tile_mask(block, o_page, m_j)
-    p_scale = pool_ptr + block.to(tl.int64) * PAGE_BYTES + P * DATA_BYTES
-    if SCALE_BYTES == 4:
-        word = tl.load(p_scale.to(tl.pointer_type(tl.int32)) + o_page, mask=m_j, other=0x7F7F7F7F)
-    elif SCALE_BYTES == 2:
-        word = tl.load(p_scale.to(tl.pointer_type(tl.int16)) + o_page, mask=m_j, other=0x7F7F).to(tl.int32)
-    else:
-        word = tl.load(p_scale + o_page, mask=m_j, other=127).to(tl.int32)
-    return word
+    """`_scale_words` of entries o_page of page `block`."""
+    p_scale = _page_base(pool_ptr, block, PAGE_BYTES) + P * DATA_BYTES + o_page * SCALE_BYTES
+    return _scale_words(p_scale, _page_tile_mask(block, o_page, m_j), SCALE_BYTES)
 
 
 @triton.jit
@@ -369,13 +392,7 @@ def _mxfp4_fp8_scores(pool_ptr, p_table, p_out, chunk_lo, hi, visible, num_entri
         o_j = j0 + o_b
         if PAGE_TILES:
             k0, k1, k2, k3 = _mxfp4_page_data(pool_ptr, block, j0 % P + o_b, o_j < hi, D, PAGE_BYTES, DATA_BYTES)
-            s0 = words & 0xFF
-            s1, s2, s3 = s0, s0, s0
-            if D >= 64:
-                s1 = (words >> 8) & 0xFF
-            if D >= 128:
-                s2 = (words >> 16) & 0xFF
-                s3 = (words >> 24) & 0xFF
+            s0, s1, s2, s3 = _scale_codes(words, D)
             j1 = j0 + BLOCK_J  # the next tile: its scale words now, the block id of the one after it
             words = _mxfp4_page_scales(pool_ptr, block_next, j1 % P + o_b, j1 + o_b < hi, P, PAGE_BYTES, DATA_BYTES,
                                        SCALE_BYTES)
@@ -740,6 +757,10 @@ def indexer_scores_paged(q: torch.Tensor, weights: torch.Tensor, plan, key_pool:
     device = key_pool.device if isinstance(key_pool, torch.Tensor) else None
     per_page = page_tokens // ratio
     check_pool("key_pool", key_pool, layout, per_page, device)
+    align = max(layout.scale_bytes, 1)
+    require(key_pool.data_ptr() % align == 0,
+            f"key_pool: its first byte must be aligned to the {align}-byte scales (the kernels load a key's scales as "
+            f"one word), got an address of {key_pool.data_ptr() % align} mod {align}")
     rows = padded_rows(plan)
     check_tensor("q", q, dtype=(torch.float32, torch.bfloat16), shape=(rows, None, dim), device=device)
     heads = q.shape[1]
@@ -794,7 +815,7 @@ def indexer_scores_paged(q: torch.Tensor, weights: torch.Tensor, plan, key_pool:
         if mma8 and q_fp8 is None:
             q_fp8 = indexer_query_fp8(q)
         q8, q8_scale = q_fp8 if mma8 else (q, q)  # unread without MMA8
-        # the FP8 build takes 152 registers uncapped (sm_90a, scripts/indexer_sass.py), 3 programs per SM; capped at
+        # the FP8 build takes 164 registers uncapped (sm_90a, scripts/indexer_sass.py), 3 programs per SM; capped at
         # 128 it spills 4 bytes and 4 programs fit
         cap = {"maxnreg": FP8_MAX_REGISTERS} if mma8 and not interpreted() else {}
         bits = BF16_BITS and device.type == "cuda" and hopper_or_later(device) and not interpreted()  # bf16x2: sm_90
@@ -803,7 +824,7 @@ def indexer_scores_paged(q: torch.Tensor, weights: torch.Tensor, plan, key_pool:
                                      chunk,
                                      **common, BLOCK_J=block_j, FILL_J=chunk if fill else block_j, MMA8=mma8,
                                      ASM=not interpreted(), BITS=bits,
-                                     PAGE_TILES=PAGE_TILES and per_page % block_j == 0,
+                                     PAGE_TILES=mma8 and PAGE_TILES and per_page % block_j == 0,
                                      num_warps=num_warps,
                                      num_stages=_ROW_TILES["num_stages"],
                                      **cap, **launch_options(device))
