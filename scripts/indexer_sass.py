@@ -31,7 +31,7 @@ from dsv4kv.kernels import indexer  # noqa: E402
 POINTERS = {"q_ptr": "*fp32", "w_ptr": "*fp32", "positions_ptr": "*i32", "token_request_ptr": "*i32",
             "request_slots_ptr": "*i32", "block_table_ptr": "*i32", "pool_ptr": "*u8", "out_ptr": "*fp32",
             "q8_ptr": "*u8", "q8_scale_ptr": "*fp32"}
-DIVISIBLE_BY_16 = {"num_entries", "table_stride", "chunk"}
+DIVISIBLE_BY_16 = {"num_heads", "num_entries", "table_stride", "chunk"}  # as a V4-Flash launch specializes them
 
 
 def compile_row_kernel(fp8: bool, stages: int, block_j: int = 64, warps: int = 4, maxnreg: int | None = None,

@@ -264,21 +264,24 @@ def _page_base(pool_ptr, block, PAGE_BYTES: tl.constexpr):
 
 
 @triton.jit
-def _entry_addresses(pool_ptr, p_table, o_j, m_j, P: tl.constexpr, PAGE_BYTES: tl.constexpr,
-                     DATA_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr):
-    """Entries o_j of the request whose block-table row is p_table -> (mask: wanted and allocated, their data
-    pointers, their scale pointers) in the pool's page layout (data rows, then scale rows)."""
+def _entry_addresses(pool_ptr, p_table, o_j, m_j, P: tl.constexpr, PAGE_BYTES: tl.constexpr):
+    """Entries o_j of the request whose block-table row is p_table -> (mask: wanted and allocated, the first byte of
+    each entry's page, each entry's row in its page)."""
     block = tl.load(p_table + o_j // P, mask=m_j, other=-1)
-    p_entry = _page_base(pool_ptr, block, PAGE_BYTES)
-    return (m_j & (block >= 0), p_entry + (o_j % P) * DATA_BYTES,
-            p_entry + P * DATA_BYTES + (o_j % P) * SCALE_BYTES)
+    return m_j & (block >= 0), _page_base(pool_ptr, block, PAGE_BYTES), o_j % P
 
 
 @triton.jit
-def _mxfp4_values(p_data, m_j, D: tl.constexpr):
-    """The packed values of entries at p_data [BLOCK_J] per 32-dim scale block: [BLOCK_J, 16] uint8 each (blocks
-    past D/32 repeat block 0, unused; masked entries zeros)."""
-    p_data = p_data[:, None] + tl.arange(0, 16)[None, :]
+def _page_base(pool_ptr, block, PAGE_BYTES: tl.constexpr):
+    """The first byte of page `block` (-1 where unallocated: never dereferenced, its loads are masked)."""
+    return pool_ptr + block.to(tl.int64) * PAGE_BYTES
+
+
+@triton.jit
+def _mxfp4_values(p_page, o_row, m_j, D: tl.constexpr, DATA_BYTES: tl.constexpr):
+    """The packed values of the entries at rows o_row [BLOCK_J] of their pages p_page (one page, or one per entry):
+    per 32-dim scale block [BLOCK_J, 16] uint8 (blocks past D/32 repeat block 0, unused; masked entries zeros)."""
+    p_data = (p_page + o_row * DATA_BYTES)[:, None] + tl.arange(0, 16)[None, :]
     k0 = tl.load(p_data, mask=m_j[:, None], other=0)
     k1, k2, k3 = k0, k0, k0
     if D >= 64:
@@ -290,16 +293,19 @@ def _mxfp4_values(p_data, m_j, D: tl.constexpr):
 
 
 @triton.jit
-def _scale_words(p_scale, m_j, SCALE_BYTES: tl.constexpr):
-    """The ue8m0 codes of entries at p_scale [BLOCK_J] as one int32 word per key, byte b block b's code (masked
-    entries 127: scale 2^0). The scale rows follow the data rows and SCALE_BYTES (1, 2 or 4) divides both offsets,
-    so with the pool's base aligned to SCALE_BYTES (`indexer_scores_paged` checks it) the loads are aligned."""
+def _scale_words(p_page, o_row, m_j, P: tl.constexpr, DATA_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr):
+    """The ue8m0 codes of the entries at rows o_row of their pages p_page as one int32 word per key, byte b block
+    b's code (masked entries 127: scale 2^0). The scale rows follow the P data rows and SCALE_BYTES (1, 2 or 4)
+    divides both offsets, so with the pool's base aligned to SCALE_BYTES (`indexer_scores_paged` checks it) the
+    loads are aligned. (The pointer is cast before the row is added: where p_page is one page, a byte offset per
+    entry instead made the FP8 path spill on the H200.)"""
+    p_rows = p_page + P * DATA_BYTES
     if SCALE_BYTES == 4:
-        word = tl.load(p_scale.to(tl.pointer_type(tl.int32)), mask=m_j, other=0x7F7F7F7F)
+        word = tl.load(p_rows.to(tl.pointer_type(tl.int32)) + o_row, mask=m_j, other=0x7F7F7F7F)
     elif SCALE_BYTES == 2:
-        word = tl.load(p_scale.to(tl.pointer_type(tl.int16)), mask=m_j, other=0x7F7F).to(tl.int32)
+        word = tl.load(p_rows.to(tl.pointer_type(tl.int16)) + o_row, mask=m_j, other=0x7F7F).to(tl.int32)
     else:
-        word = tl.load(p_scale, mask=m_j, other=127).to(tl.int32)
+        word = tl.load(p_rows + o_row, mask=m_j, other=127).to(tl.int32)
     return word
 
 
@@ -321,9 +327,9 @@ def _mxfp4_tile(pool_ptr, p_table, o_j, m_j, D: tl.constexpr, P: tl.constexpr, P
                 DATA_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr):
     """The MXFP4 bytes of entries o_j, each reading its block id: `_mxfp4_values` and `_scale_codes`. Masked or
     unallocated entries: zeros, scale 2^0."""
-    m_j, p_data, p_scale = _entry_addresses(pool_ptr, p_table, o_j, m_j, P, PAGE_BYTES, DATA_BYTES, SCALE_BYTES)
-    k0, k1, k2, k3 = _mxfp4_values(p_data, m_j, D)
-    s0, s1, s2, s3 = _scale_codes(_scale_words(p_scale, m_j, SCALE_BYTES), D)
+    m_j, p_page, o_row = _entry_addresses(pool_ptr, p_table, o_j, m_j, P, PAGE_BYTES)
+    k0, k1, k2, k3 = _mxfp4_values(p_page, o_row, m_j, D, DATA_BYTES)
+    s0, s1, s2, s3 = _scale_codes(_scale_words(p_page, o_row, m_j, P, DATA_BYTES, SCALE_BYTES), D)
     return k0, k1, k2, k3, s0, s1, s2, s3
 
 
@@ -336,18 +342,18 @@ def _page_tile_mask(block, o_page, m_j):
 @triton.jit
 def _mxfp4_page_data(pool_ptr, block, o_page, m_j, D: tl.constexpr, PAGE_BYTES: tl.constexpr,
                      DATA_BYTES: tl.constexpr):
-    """`_mxfp4_values` of entries o_page (offsets within one page, int32) of page `block` (a scalar, -1 where
+    """`_mxfp4_values` of entries o_page (rows within one page, int32) of page `block` (a scalar, -1 where
     unallocated): one 64-bit page address per tile instead of one block-table read per entry."""
-    p_data = _page_base(pool_ptr, block, PAGE_BYTES) + o_page * DATA_BYTES
-    return _mxfp4_values(p_data, _page_tile_mask(block, o_page, m_j), D)
+    return _mxfp4_values(_page_base(pool_ptr, block, PAGE_BYTES), o_page, _page_tile_mask(block, o_page, m_j), D,
+                         DATA_BYTES)
 
 
 @triton.jit
 def _mxfp4_page_scales(pool_ptr, block, o_page, m_j, P: tl.constexpr, PAGE_BYTES: tl.constexpr,
                        DATA_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr):
     """`_scale_words` of entries o_page of page `block`."""
-    p_scale = _page_base(pool_ptr, block, PAGE_BYTES) + P * DATA_BYTES + o_page * SCALE_BYTES
-    return _scale_words(p_scale, _page_tile_mask(block, o_page, m_j), SCALE_BYTES)
+    return _scale_words(_page_base(pool_ptr, block, PAGE_BYTES), o_page, _page_tile_mask(block, o_page, m_j), P,
+                        DATA_BYTES, SCALE_BYTES)
 
 
 @triton.jit
@@ -419,7 +425,8 @@ def _key_dot(pool_ptr, p_table, o_j, m_j, b_q0, b_q1,
     """Keys of entries o_j [BLOCK_J] of the request whose block-table row is p_table, decoded in registers,
     times the query -> fp32 [BLOCK_J, N]. b_q0 / b_q1: bf16 q^T [D/2, N] at the dims `_q_dims` gives (two
     K = D/2 MMAs). Masked or unallocated entries decode to 0 and are never loaded."""
-    m_j, p_data, p_scale = _entry_addresses(pool_ptr, p_table, o_j, m_j, P, PAGE_BYTES, DATA_BYTES, SCALE_BYTES)
+    m_j, p_page, o_row = _entry_addresses(pool_ptr, p_table, o_j, m_j, P, PAGE_BYTES)
+    p_data, p_scale = p_page + o_row * DATA_BYTES, p_page + P * DATA_BYTES + o_row * SCALE_BYTES
     if FORMAT == 2:
         # [BLOCK_J, D/32 scale blocks, 16 bytes = 32 values]
         o_nb = tl.arange(0, D // 32)
