@@ -272,12 +272,6 @@ def _entry_addresses(pool_ptr, p_table, o_j, m_j, P: tl.constexpr, PAGE_BYTES: t
 
 
 @triton.jit
-def _page_base(pool_ptr, block, PAGE_BYTES: tl.constexpr):
-    """The first byte of page `block` (-1 where unallocated: never dereferenced, its loads are masked)."""
-    return pool_ptr + block.to(tl.int64) * PAGE_BYTES
-
-
-@triton.jit
 def _mxfp4_values(p_page, o_row, m_j, D: tl.constexpr, DATA_BYTES: tl.constexpr):
     """The packed values of the entries at rows o_row [BLOCK_J] of their pages p_page (one page, or one per entry):
     per 32-dim scale block [BLOCK_J, 16] uint8 (blocks past D/32 repeat block 0, unused; masked entries zeros)."""
@@ -732,7 +726,8 @@ def indexer_scores_paged(q: torch.Tensor, weights: torch.Tensor, plan, key_pool:
             are bf16 values, so either dtype gives the same scores).
         weights: fp32 [R, H] contiguous, head weights already multiplied by H^-0.5.
         plan: the step's `StepPlan` (positions, token_request, request_slots, block_table are read).
-        key_pool: uint8 [pages, layout.page_bytes(page_tokens // ratio)] contiguous: the CSA layer's keys.
+        key_pool: uint8 [pages, layout.page_bytes(page_tokens // ratio)] contiguous: the CSA layer's keys, its first
+            byte aligned to the widest word the kernels load (a key's scales, at most 4 bytes; 2 for bf16 keys).
         layout: `dsv4kv.layout.indexer_layout("mxfp4" | "fp8" | "bf16", D)`.
         ratio: the layer's compression ratio; page_tokens: original tokens per block (a multiple of ratio).
         out: optional fp32 [R, J] contiguous, overwritten entirely (for CUDA-graph capture).
@@ -764,10 +759,10 @@ def indexer_scores_paged(q: torch.Tensor, weights: torch.Tensor, plan, key_pool:
     device = key_pool.device if isinstance(key_pool, torch.Tensor) else None
     per_page = page_tokens // ratio
     check_pool("key_pool", key_pool, layout, per_page, device)
-    align = max(layout.scale_bytes, 1)
+    align = 2 if fmt == _BF16 else min(layout.scale_bytes, 4)  # the widest word a kernel loads from the pool
     require(key_pool.data_ptr() % align == 0,
-            f"key_pool: its first byte must be aligned to the {align}-byte scales (the kernels load a key's scales as "
-            f"one word), got an address of {key_pool.data_ptr() % align} mod {align}")
+            f"key_pool: its first byte must be aligned to {align} bytes (the kernels load a key's scales, or its bf16 "
+            f"values, as words), got an address of {key_pool.data_ptr() % align} mod {align}")
     rows = padded_rows(plan)
     check_tensor("q", q, dtype=(torch.float32, torch.bfloat16), shape=(rows, None, dim), device=device)
     heads = q.shape[1]
@@ -822,8 +817,8 @@ def indexer_scores_paged(q: torch.Tensor, weights: torch.Tensor, plan, key_pool:
         if mma8 and q_fp8 is None:
             q_fp8 = indexer_query_fp8(q)
         q8, q8_scale = q_fp8 if mma8 else (q, q)  # unread without MMA8
-        # the FP8 build takes 164 registers uncapped (sm_90a, scripts/indexer_sass.py), 3 programs per SM; capped at
-        # 128 it spills 4 bytes and 4 programs fit
+        # the FP8 build takes 163 registers uncapped (sm_90a, scripts/indexer_sass.py), 3 programs per SM; capped at
+        # 128 it takes 127 with no spills and 4 programs fit
         cap = {"maxnreg": FP8_MAX_REGISTERS} if mma8 and not interpreted() else {}
         bits = BF16_BITS and device.type == "cuda" and hopper_or_later(device) and not interpreted()  # bf16x2: sm_90
         # FILL_J (the chunk, a tile shape) matters only with fill: without, one kernel serves every chunk size
