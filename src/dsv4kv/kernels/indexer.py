@@ -377,11 +377,11 @@ def _mxfp4_fp8_scores(pool_ptr, p_table, p_out, chunk_lo, hi, visible, num_entri
                       PAGE_TILES: tl.constexpr):
     """Scores of entries chunk_lo..hi-1 of one row against MXFP4 keys on FP8 MMAs: per tile, the sum over scale
     blocks, in block order, of exact per-block MMAs (`_mxfp4_block_mma`), then ReLU and the head weights.
-    PAGE_TILES (every tile within one page, P % BLOCK_J == 0): a tile's block id is read one tile before its bytes,
-    and its scale words one tile before their use (3 registers; 10% less time at batch 64). Its values are loaded in
-    their own iteration: held a tile ahead in registers they spill under the 4-programs-per-SM register cap, or
-    leave 3 programs per SM, and the compiler's two-stage pipelining of them through shared memory was no faster
-    (docs/performance.md)."""
+    PAGE_TILES (every tile within one page, P % BLOCK_J == 0): a tile is addressed from its page, its block id read
+    one tile before its bytes and its scale words one tile before their use (a scalar and a word per key row a thread
+    holds; 10% less time at batch 64 on the H200). Its values are loaded in their own iteration: held a tile ahead in
+    registers they spill under the 4-programs-per-SM register cap, or leave 3 programs per SM, and the compiler's
+    two-stage pipelining of them through shared memory was no faster (docs/performance.md)."""
     o_b = tl.arange(0, BLOCK_J)
     if PAGE_TILES:
         block = tl.load(p_table + chunk_lo // P)
