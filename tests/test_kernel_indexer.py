@@ -72,7 +72,9 @@ def entry_rows(cache, rid, layout, pool, count, page_tokens):
 
 
 def skip_unless_fp8_path():
-    """On a CUDA GPU before sm_90 the row kernel never takes the FP8 MMA path (`common.hopper_or_later`)."""
+    """On a CUDA GPU before sm_90 the row kernel never takes the FP8 MMA path (`common.hopper_or_later`), so a test
+    of that path has nothing to run there; `test_pre_hopper_gpus_take_the_plain_paths` checks that choice on the
+    host."""
     if DEVICE.type == "cuda" and not hopper_or_later(DEVICE):
         pytest.skip("the FP8 MMA path is taken on sm_90 and later only")
 
@@ -558,8 +560,7 @@ def test_fp8_query_wanted(monkeypatch):
     rows with MXFP4 keys take the FP8 path; a prefill step (the stacked kernel), FP8 keys, an empty score row or a
     threshold above the grid do not. The wrapper reads the operand exactly then: a poisoned one (e4m3 NaN codes)
     turns the scores NaN where it is wanted and changes nothing where it is not."""
-    if DEVICE.type == "cuda" and not hopper_or_later(DEVICE):
-        pytest.skip("the FP8 MMA path is taken on sm_90 and later only")
+    skip_unless_fp8_path()
     cache, layout, pool = make_cache(TINY, "mxfp4", page_tokens=PAGE, max_requests=2, max_tokens=256)
     rid = cache.admit()
     prefill = cache.plan_step([(rid, 150)])
