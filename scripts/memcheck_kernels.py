@@ -36,4 +36,24 @@ for kv_format, indexer_format, fp8_from in (("fp8", "mxfp4", 0), ("fp8", "mxfp4"
         torch.cuda.synchronize()
         print(f"{kv_format}/{indexer_format} layer {layer.layer_index} unpadded decode: "
               f"finite={bool(torch.isfinite(out).all())}", flush=True)
+# top-k's kernels directly, at sizes the layers above do not reach: the split radix select (one long row, in four
+# launches and in one), the grouped kernel (its register select, its looped select over the buffer, its passes over
+# the row when the buffer overflows), the row kernel; NaN past each row's length
+import dsv4kv.kernels.topk as topk_kernels  # noqa: E402
+
+for rows, cols, k, fused, capacity in ((1, 262144, 512, False, None), (1, 262144, 512, True, None),
+                                       (64, 32768, 512, False, None), (64, 32768, 1024, False, 1200),
+                                       (64, 32768, 512, False, 0), (64, 16384, 512, False, None)):
+    topk_kernels.FUSED = fused
+    scores = torch.randn(rows, cols, generator=gen, device="cuda")
+    if capacity is not None:  # integers: ties fill the buffer past SELECT (or past capacity 0)
+        scores = scores.round()
+    lengths = torch.randint(0, cols + 1, (rows,), generator=gen, device="cuda", dtype=torch.int32)
+    scores.masked_fill_(torch.arange(cols, device="cuda") >= lengths[:, None], float("nan"))
+    ws = topk_kernels.topk_workspace(rows, cols, k, "cuda", capacity=capacity)
+    out = topk_kernels.topk_indices(scores, lengths, k, workspace=ws)
+    torch.cuda.synchronize()
+    print(f"top-k {rows} x {cols} k={k} {topk_kernels._kernel_for(rows, cols)} fused={fused} capacity={capacity}: "
+          f"picks {int(out.ge(0).sum())}", flush=True)
+topk_kernels.FUSED = False
 print("memcheck script done")
