@@ -36,9 +36,9 @@ for kv_format, indexer_format, fp8_from in (("fp8", "mxfp4", 0), ("fp8", "mxfp4"
         torch.cuda.synchronize()
         print(f"{kv_format}/{indexer_format} layer {layer.layer_index} unpadded decode: "
               f"finite={bool(torch.isfinite(out).all())}", flush=True)
-# top-k's kernels directly, at sizes the layers above do not reach: the split radix select (one long row, in four
-# launches and in one), the grouped kernel (its register select, its looped select over the buffer, its passes over
-# the row when the buffer overflows), the row kernel; NaN past each row's length
+# top-k's kernels directly, at sizes the layers above do not reach: the split radix select (one long row in four
+# launches and in one; many rows with phase D's select in registers, looped over the buffer, and over the row when
+# the buffer overflows), the row kernel; NaN past each row's length
 import dsv4kv.kernels.topk as topk_kernels  # noqa: E402
 
 for rows, cols, k, fused, capacity in ((1, 262144, 512, False, None), (1, 262144, 512, True, None),
@@ -53,7 +53,7 @@ for rows, cols, k, fused, capacity in ((1, 262144, 512, False, None), (1, 262144
     ws = topk_kernels.topk_workspace(rows, cols, k, "cuda", capacity=capacity)
     out = topk_kernels.topk_indices(scores, lengths, k, workspace=ws)
     torch.cuda.synchronize()
-    print(f"top-k {rows} x {cols} k={k} {topk_kernels._kernel_for(rows, cols)} fused={fused} capacity={capacity}: "
+    print(f"top-k {rows} x {cols} k={k} {'row' if topk_kernels._by_row(rows, cols) else 'split'} fused={fused} capacity={capacity}: "
           f"picks {int(out.ge(0).sum())}", flush=True)
 topk_kernels.FUSED = False
 print("memcheck script done")

@@ -54,28 +54,22 @@ def make_rows(seed, rows, cols, kind, device="cpu"):
     return scores.to(device), lengths.to(torch.int32).to(device)
 
 
-def use_kernel(monkeypatch, kernel):
-    """Send every shape to `kernel`: "row", "grouped", or the split radix select in one launch ("fused", phases
-    ordered by tickets) or four ("phased")."""
-    for name in ("ROW_MAX_COLS", "ROW_MAX_COLS_MANY"):
-        monkeypatch.setattr(topk_module, name, 1 << 30 if kernel == "row" else 0)
-    monkeypatch.setattr(topk_module, "GROUPED_ROWS", 0 if kernel == "grouped" else 1 << 30)
-    monkeypatch.setattr(topk_module, "GROUPED_MAX_COLS", 1 << 30)
-    monkeypatch.setattr(topk_module, "FUSED", kernel == "fused")
-
-
-@pytest.fixture(params=["row", "grouped", "fused", "phased"])
+@pytest.fixture(params=["row", "fused", "phased"])
 def mode(request, monkeypatch):
-    """Every kernel: the same results."""
-    use_kernel(monkeypatch, request.param)
+    """The one-program-per-row kernel, or the split radix select in one launch (tickets order the phases) or in
+    four: the same results."""
+    for name in ("ROW_MAX_COLS", "ROW_MAX_COLS_MANY"):
+        monkeypatch.setattr(topk_module, name, 1 << 30 if request.param == "row" else 0)
+    monkeypatch.setattr(topk_module, "FUSED", request.param == "fused")
     return request.param
 
 
-@pytest.fixture(params=["grouped", "fused", "phased"])
-def buffered_mode(request, monkeypatch):
-    """The kernels with a workspace and a candidate buffer (the grouped kernel, the split radix select in one launch
-    or four), for every row length: their buffer and select paths."""
-    use_kernel(monkeypatch, request.param)
+@pytest.fixture(params=["fused", "phased"])
+def split_mode(request, monkeypatch):
+    """The split radix select for every row length (its workspace, buffer and select paths), in one launch or four."""
+    for name in ("ROW_MAX_COLS", "ROW_MAX_COLS_MANY"):
+        monkeypatch.setattr(topk_module, name, 0)
+    monkeypatch.setattr(topk_module, "FUSED", request.param == "fused")
     return request.param
 
 
@@ -101,7 +95,7 @@ def test_topk_matches_reference(rows, cols, k, kind, mode):
 
 
 @pytest.mark.parametrize("capacity", [0, 9])
-def test_topk_small_buffer_is_exact(capacity, buffered_mode):
+def test_topk_small_buffer_is_exact(capacity, split_mode):
     """Rows whose candidates overflow the buffer are selected from the row itself, with the same result."""
     scores, lengths = make_rows(11, 3, 203, "ties", DEVICE)
     ws = topk_workspace(3, 203, 12, scores.device, capacity=capacity)
@@ -109,7 +103,7 @@ def test_topk_small_buffer_is_exact(capacity, buffered_mode):
 
 
 @pytest.mark.parametrize("select", [16, 1024])
-def test_topk_select_in_registers_or_looped(select, buffered_mode, monkeypatch):
+def test_topk_select_in_registers_or_looped(select, split_mode, monkeypatch):
     """Phase D holds up to SELECT buffered candidates in registers and loops over a bigger buffer: both exact."""
     monkeypatch.setattr(topk_module, "_select_block", lambda k, device: select)
     for seed, (rows, cols, k, kind) in enumerate(((2, 400, 9, "normal"), (3, 517, 40, "ties"), (1, 300, 1, "ties"))):
@@ -147,18 +141,16 @@ def test_topk_inf_and_signed_zero(mode):
     assert run(scores, lengths, 4)[2].eq(-1).all()  # an all -inf row picks nothing
 
 
-def test_topk_workspace_reused(buffered_mode):
-    """A workspace serves call after call: the split kernel's histograms, which must be zero on entry, are zero again
-    afterwards (the grouped kernel writes every word it reads)."""
+def test_topk_workspace_reused(split_mode):
+    """A workspace serves call after call: the histograms it needs zeroed are zero again afterwards."""
     ws = topk_workspace(3, 150, 20, DEVICE)
     for seed, kind in ((1, "ties"), (2, "normal"), (3, "equal")):
         scores, lengths = make_rows(seed, 3, 150, kind, DEVICE)
         assert torch.equal(run(scores, lengths, 20, workspace=ws), reference(scores, lengths, 20))
-        if buffered_mode != "grouped":
-            assert ws[:, :topk_module._HEADER].eq(0).all()
+        assert ws[:, :topk_module._HEADER].eq(0).all()
 
 
-def test_topk_bad_inputs(buffered_mode):
+def test_topk_bad_inputs(split_mode):
     scores, lengths = make_rows(0, 3, 40, "ties", DEVICE)
     i32 = dict(dtype=torch.int32, device=DEVICE)
     good = dict(scores=scores, lengths=lengths, k=5)
@@ -199,8 +191,7 @@ def test_topk_empty_shapes():
 
 def test_topk_kernel_choice(monkeypatch):
     """Rows of up to ROW_MAX_COLS columns, or ROW_MAX_COLS_MANY with at least ROW_MANY rows, go to the row kernel;
-    longer rows, GROUPED_ROWS of them or more, of up to GROUPED_MAX_COLS columns to the grouped kernel; the rest to
-    the split radix select's four launches (a host decision on the shape alone)."""
+    the rest to the split radix select's four launches (a host decision on the shape alone)."""
     launches = []
 
     class Spy:
@@ -210,22 +201,17 @@ def test_topk_kernel_choice(monkeypatch):
         def __getitem__(self, grid):
             return lambda *args, **kwargs: launches.append((self.name, grid))
 
-    for name in ("row", "grouped", "split"):
-        monkeypatch.setattr(topk_module, "_topk_kernel" if name == "split" else f"_topk_{name}_kernel", Spy(name))
+    monkeypatch.setattr(topk_module, "_topk_row_kernel", Spy("row"))
+    monkeypatch.setattr(topk_module, "_topk_kernel", Spy("split"))
     monkeypatch.setattr(topk_module, "FUSED", False)
-    few, many, widest = topk_module.ROW_MAX_COLS, topk_module.ROW_MAX_COLS_MANY, topk_module.GROUPED_MAX_COLS
-    grouped = topk_module.GROUPED_ROWS
-    assert grouped < topk_module.ROW_MANY
+    few, many = topk_module.ROW_MAX_COLS, topk_module.ROW_MAX_COLS_MANY
     for rows, cols, want in ((1, few, "row"), (1, few + 1, "split"), (topk_module.ROW_MANY, many, "row"),
-                             (topk_module.ROW_MANY, many + 1, "grouped"), (grouped, few + 1, "grouped"),
-                             (grouped - 1, few + 1, "split"), (grouped, widest, "grouped"),
-                             (grouped, widest + 1, "split")):
+                             (topk_module.ROW_MANY - 1, many, "split"), (topk_module.ROW_MANY, many + 1, "split")):
         launches.clear()
         lengths = torch.full((rows,), cols, dtype=torch.int32, device=DEVICE)
         topk_indices(torch.zeros(rows, cols, device=DEVICE), lengths, 8)
         assert {name for name, _ in launches} == {want}, (rows, cols)
-        assert len(launches) == (4 if want == "split" else 1)
-        assert launches[0][1][0] == rows
+        assert len(launches) == (1 if want == "row" else 4)
 
 
 def test_topk_row_kernel_needs_no_workspace():

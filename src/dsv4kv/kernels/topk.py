@@ -85,12 +85,6 @@ FUSED = False  # four launches; True: one launch ordered by tickets. H200 (docs/
 # 47.8 against 54.6 at 8 x 262K. Two compilations, one per tiling (the tile width and SPLITS).
 SPLIT_TILING = {"small": (2, 1024), "big": (4, 2048)}
 BIG_FROM = 1 << 20
-# The grouped kernel (`_topk_grouped_kernel`: one program per row, the keys at or above the k-th largest maximum of
-# GROUP-column groups) for rows the row kernel does not take, GROUPED_ROWS of them or more, of up to
-# GROUPED_MAX_COLS columns; the split kernel for the rest.
-GROUPED_ROWS, GROUPED_MAX_COLS = 16, 65536
-# (columns per group, columns per tile of the first pass, of the second, warps) on a GPU and under the interpreter
-GROUPED_TILING = {"cuda": (16, 4096, 4096, 8), "cpu": (4, 32, 64, 4)}
 _BINS = 256  # 8-bit digits: four levels cover the 32-bit key
 _LINE = 32  # int32s per 128-byte line: each counter on its own line, so spinning readers do not share a line
 _TICKET, _DONE_A, _DONE_B, _DONE_C = 0, _LINE, 2 * _LINE, 3 * _LINE
@@ -129,20 +123,6 @@ def _by_row(rows: int, cols: int) -> bool:
     return cols <= (ROW_MAX_COLS_MANY if rows >= ROW_MANY else ROW_MAX_COLS)
 
 
-def _kernel_for(rows: int, cols: int) -> str:
-    """"row", "grouped" or "split": the kernel that takes scores [rows, cols] (a host decision on the shape alone)."""
-    if _by_row(rows, cols):
-        return "row"
-    return "grouped" if rows >= GROUPED_ROWS and cols <= GROUPED_MAX_COLS else "split"
-
-
-def _grouped_tiling(cols: int, device: torch.device) -> tuple[int, int, int, int, int]:
-    """The grouped kernel's (columns per group, group maxima it holds: a power of two, columns per tile of its first
-    pass, of its second, warps) for rows of `cols` columns on `device`."""
-    group, first, second, warps = GROUPED_TILING["cuda" if device.type == "cuda" else "cpu"]
-    return group, max(256, triton.next_power_of_2(-(-cols // group))), first, second, warps
-
-
 def topk_workspace(rows: int, cols: int, k: int, device: torch.device | str, *,
                    capacity: int | None = None) -> torch.Tensor:
     """A zeroed workspace int32 [rows, 640 + 256 * S + 2 * capacity] for `topk_indices` on scores
@@ -152,11 +132,8 @@ def topk_workspace(rows: int, cols: int, k: int, device: torch.device | str, *,
     device = torch.device(device)
     capacity = 3 * k if capacity is None else capacity
     require(capacity >= 0, f"topk_workspace: capacity must be >= 0, got {capacity}")
-    kernel = _kernel_for(rows, cols)
-    if kernel == "row":
+    if _by_row(rows, cols):
         return torch.zeros(rows, 0, dtype=torch.int32, device=device)
-    if kernel == "grouped":
-        return torch.zeros(rows, _grouped_tiling(cols, device)[1] + 2 * capacity, dtype=torch.int32, device=device)
     splits = _split(rows, cols, device)[0]
     return torch.zeros(rows, _HEADER + _BINS * splits + 2 * capacity, dtype=torch.int32, device=device)
 
@@ -181,26 +158,19 @@ def topk_indices(scores: torch.Tensor, lengths: torch.Tensor, k: int, *, out: to
         out = torch.empty(rows, k, dtype=torch.int32, device=device)
     check_tensor("out", out, dtype=torch.int32, shape=(rows, k), device=device)
     splits, chunk, block, programs = _split(rows, cols, device)
-    kernel = _kernel_for(rows, cols)
-    group, groups, first, second, warps = _grouped_tiling(cols, device)
-    if workspace is None and kernel != "row":
+    by_row = _by_row(rows, cols)
+    if workspace is None and not by_row:
         workspace = topk_workspace(rows, cols, k, device)
     if workspace is not None:
         check_tensor("workspace", workspace, dtype=torch.int32, shape=(rows, None), device=device)
-        least = {"row": 0, "grouped": groups, "split": _HEADER + _BINS * splits}[kernel]
-        require(workspace.shape[1] >= least, f"workspace: expected int32 [{rows}, >= {least}] for scores "
+        require(by_row or workspace.shape[1] >= _HEADER + _BINS * splits,
+                f"workspace: expected int32 [{rows}, >= {_HEADER + _BINS * splits}] for scores "
                 f"{list(scores.shape)} (use topk_workspace), got {list(workspace.shape)}")
     if rows == 0:
         return out
     if cols == 0:
         return out.fill_(-1)
-    if kernel == "grouped":
-        width = workspace.shape[1]
-        _topk_grouped_kernel[(rows,)](scores, lengths, workspace, out, cols, width, (width - groups) // 2, k,
-                                      GROUP=group, GROUPS=groups, TILE_GROUPS=first // group, BLOCK=second,
-                                      SELECT=_select_block(k, device), num_warps=warps, **launch_options(device))
-        return out
-    if kernel == "row":
+    if by_row:
         # two row sizes only (4096, else the power of two above: 16384 by default), so a context that grows from step
         # to step compiles no new kernel (test_engine_compiles)
         row_tile = max(_ROW_BLOCK, triton.next_power_of_2(cols))
@@ -230,6 +200,7 @@ def topk_indices(scores: torch.Tensor, lengths: torch.Tensor, k: int, *, out: to
 # the workspace offsets as constexprs (jit code reads no other globals)
 _C_TICKET, _C_DONE_A, _C_DONE_B, _C_DONE_C = (tl.constexpr(v) for v in (_TICKET, _DONE_A, _DONE_B, _DONE_C))
 _C_HIST1, _C_HIST2, _C_HEADER = tl.constexpr(_HIST1), tl.constexpr(_HIST2), tl.constexpr(_HEADER)
+_C_SCAN_ROW = tl.constexpr(4)
 
 
 @triton.jit
@@ -355,11 +326,10 @@ def _phase_c(p_row, p_ws, i_s, lo, hi, S, CAP, k, BLOCK: tl.constexpr, SPLITS: t
     for start in range(lo, hi, BLOCK):
         o_c, b_key, m_c = _row_tile(p_row, start, hi, BLOCK)
         m_keep = m_c & ((b_key >> 16) >= prefix)
-        b_keep = m_keep.to(tl.int32)
-        o_buf = base + written + tl.cumsum(b_keep, 0) - 1
+        o_buf = base + written + _running_count(m_keep, BLOCK) - 1
         tl.store(p_keys + o_buf, b_key, mask=m_keep)
         tl.store(p_keys + CAP + o_buf, o_c, mask=m_keep)
-        written += tl.sum(b_keep)
+        written += tl.sum(m_keep.to(tl.int32))
 
 
 @triton.jit
@@ -391,48 +361,54 @@ def _kth_key(b_key, lo, hi, k):
 
 
 @triton.jit
-def _write_picks(o_c, b_key, m_c, threshold, k, p_out):
-    """Store the picks among candidates m_c held in registers in column order: every key > threshold, then the
-    first k - #(key > threshold) keys == threshold. Returns how many were stored."""
-    need = k - tl.sum((m_c & (b_key > threshold)).to(tl.int32))
+def _running_count(mask, BLOCK: tl.constexpr):
+    """int32 [BLOCK]: how many lanes of mask up to and including each are set (tl.cumsum's result). Scanned as rows
+    of _SCAN_ROW lanes, each within a thread, and a scan of the row totals: about half the instructions of a scan
+    of the flat vector, which shuffles each lane's value through its warp (sm_90a SASS, docs/performance.md)."""
+    b_rows = tl.reshape(mask.to(tl.int32), (BLOCK // _C_SCAN_ROW, _C_SCAN_ROW))
+    b_totals = tl.sum(b_rows, 1)
+    return tl.reshape(tl.cumsum(b_rows, 1) + (tl.cumsum(b_totals, 0) - b_totals)[:, None], (BLOCK,))
+
+
+@triton.jit
+def _write_picks(o_c, b_key, m_c, threshold, k, p_out, BLOCK: tl.constexpr):
+    """Store the picks among candidates m_c [BLOCK] held in registers in column order: every key > threshold, then
+    the first k - #(key > threshold) keys == threshold (ranked only when there are more of those). Returns how many
+    were stored."""
+    m_pick = m_c & (b_key > threshold)
+    need = k - tl.sum(m_pick.to(tl.int32))
     m_tie = m_c & (b_key == threshold)
-    m_pick = (m_c & (b_key > threshold)) | (m_tie & (tl.cumsum(m_tie.to(tl.int32), 0) <= need))
-    o_out = tl.cumsum(m_pick.to(tl.int32), 0) - 1
+    if tl.sum(m_tie.to(tl.int32)) > need:
+        m_tie = m_tie & (_running_count(m_tie, BLOCK) <= need)
+    m_pick = m_pick | m_tie
+    o_out = _running_count(m_pick, BLOCK) - 1
     tl.store(p_out + o_out, o_c, mask=m_pick & (o_out < k))
     return tl.minimum(tl.sum(m_pick.to(tl.int32)), k)
 
 
 @triton.jit
-def _select_looped(p_row, p_keys, p_cols, p_out, buffer_end, row_end, floor, prefix, need, k,
-                   LEVEL: tl.constexpr, BLOCK: tl.constexpr):
-    """The picks among candidates with key >= floor from the buffer (buffer_end > 0) or the row (row_end > 0),
-    read a tile at a time: the threshold's digits LEVEL..3 (8 bits each, LEVEL > 0: the digits above are `prefix`,
-    and `need` keys are still needed among keys that share them) from one 256-bin histogram pass each, then a pass
-    that stores the picks in column order. Returns how many were stored."""
+def _select_looped(p_row, p_keys, p_cols, p_out, buffer_end, row_end, prefix16, need, k, BLOCK: tl.constexpr):
+    """The picks among the candidates of the buffer (buffer_end > 0) or of the row (row_end > 0), read a tile at a
+    time, given the threshold's top 16 bits `prefix16` and the count `need` still needed among keys that share them:
+    its digits 3 and 4 from one 256-bin histogram pass each, then a pass that stores the picks in column order.
+    Returns how many were stored."""
     end = buffer_end + row_end
-    for level in tl.static_range(LEVEL, 4):
+    prefix = prefix16
+    for level in tl.static_range(2, 4):
         b_h = tl.zeros([256], dtype=tl.int32)
         for start in range(0, end, BLOCK):
             o_c, b_key, m_c = _candidates(p_row, p_keys, p_cols, start, buffer_end, row_end, BLOCK)
-            m_c = m_c & (b_key >= floor)
-            if level == 0:
-                b_h += _histogram((b_key >> 24) + 128, m_c, BLOCK)
-            else:
-                b_h += _histogram((b_key >> (24 - 8 * level)) & 255, m_c & ((b_key >> (32 - 8 * level)) == prefix),
-                                  BLOCK)
+            m_c = m_c & ((b_key >> (32 - 8 * level)) == prefix)
+            b_h += _histogram((b_key >> (24 - 8 * level)) & 255, m_c, BLOCK)
         digit, need = _pick(b_h, need)
-        if level == 0:
-            prefix = digit - 128
-        else:
-            prefix = prefix * 256 + digit
+        prefix = prefix * 256 + digit
     written = tl.full((), 0, tl.int32)
     ties = tl.full((), 0, tl.int32)
     for start in range(0, end, BLOCK):
         o_c, b_key, m_c = _candidates(p_row, p_keys, p_cols, start, buffer_end, row_end, BLOCK)
-        m_c = m_c & (b_key >= floor)
         m_tie = m_c & (b_key == prefix)
-        m_pick = (m_c & (b_key > prefix)) | (m_tie & (ties + tl.cumsum(m_tie.to(tl.int32), 0) <= need))
-        o_out = written + tl.cumsum(m_pick.to(tl.int32), 0) - 1
+        m_pick = (m_c & (b_key > prefix)) | (m_tie & (ties + _running_count(m_tie, BLOCK) <= need))
+        o_out = written + _running_count(m_pick, BLOCK) - 1
         tl.store(p_out + o_out, o_c, mask=m_pick & (o_out < k))
         ties += tl.sum(m_tie.to(tl.int32))
         written += tl.sum(m_pick.to(tl.int32))
@@ -460,12 +436,11 @@ def _phase_d(p_row, p_ws, p_out, n, S, CAP, k, BLOCK: tl.constexpr, SPLITS: tl.c
         # k candidates: prefix16 << 16 is int32 min, where the empty lanes sit, and every candidate is a pick)
         lo = (prefix16 * 65536).to(tl.int64)
         threshold = _kth_key(tl.where(m_c, b_key, -2147483648), lo, lo + 65536, k)
-        written = _write_picks(o_c, b_key, m_c, threshold, k, p_out)
+        written = _write_picks(o_c, b_key, m_c, threshold, k, p_out, SELECT)
     else:  # a big buffer: three passes over it; an overflowed one: three passes over the row
         buffer_end = tl.where(total <= CAP, total, 0)
         row_end = tl.where(total <= CAP, 0, n)
-        written = _select_looped(p_row, p_keys, p_cols, p_out, buffer_end, row_end, -2147483648, prefix16, need2, k,
-                                 2, BLOCK)
+        written = _select_looped(p_row, p_keys, p_cols, p_out, buffer_end, row_end, prefix16, need2, k, BLOCK)
     _fill_tail(p_out, written, k, BLOCK)
 
 
@@ -486,63 +461,7 @@ def _topk_row_kernel(scores_ptr, lengths_ptr, out_ptr, J, k, BLOCK: tl.constexpr
         hi = tl.max(b_key, axis=0).to(tl.int64) + 1  # #(>= hi) < k
         threshold = _kth_key(b_key, lo, hi, k)
     p_out = out_ptr + i_r.to(tl.int64) * k
-    _fill_tail(p_out, _write_picks(o_c, b_key, m_c, threshold, k, p_out), k, OUT_BLOCK)
-
-
-@triton.jit
-def _topk_grouped_kernel(scores_ptr, lengths_ptr, ws_ptr, out_ptr, J, W, CAP, k, GROUP: tl.constexpr,
-                         GROUPS: tl.constexpr, TILE_GROUPS: tl.constexpr, BLOCK: tl.constexpr,
-                         SELECT: tl.constexpr):
-    """Row i_r in one program, in three steps:
-    1. the largest key of each group of GROUP columns, into the workspace (a pass over the row);
-    2. F = the k-th largest group maximum, by bisection over all of them in registers. At least k groups hold a
-       key >= F, so the k-th largest key is >= F and every pick is a key >= F;
-    3. the keys >= F (k or a few more, for most rows) into a buffer in column order (a second pass, from L2), the
-       threshold among them by bisection from F, and the picks. A buffer over SELECT is selected by histogram
-       passes over it, and one over CAP by histogram passes over the row (exact, only slower)."""
-    wait_for_prior_grids()
-    i_r = tl.program_id(0)
-    n = tl.minimum(tl.maximum(tl.load(lengths_ptr + i_r), 0), J)
-    p_row = scores_ptr + i_r.to(tl.int64) * J
-    p_maxima = ws_ptr + i_r.to(tl.int64) * W
-    p_keys = p_maxima + GROUPS
-    p_cols = p_keys + CAP
-    p_out = out_ptr + i_r.to(tl.int64) * k
-    n_groups = (n + GROUP - 1) // GROUP
-    o_t = tl.arange(0, TILE_GROUPS)
-    for g in range(0, n_groups, TILE_GROUPS):
-        b_key = _candidate_keys(p_row, (g + o_t)[:, None] * GROUP + tl.arange(0, GROUP)[None, :], n)
-        tl.store(p_maxima + g + o_t, tl.max(b_key, axis=1), mask=g + o_t < n_groups)
-    tl.debug_barrier()
-    o_g = tl.arange(0, GROUPS)
-    b_max = tl.load(p_maxima + o_g, mask=o_g < n_groups, other=-2147483648, cache_modifier=".cg")
-    m_max = b_max > -2147483648
-    floor = tl.full((), -2147483647, tl.int32)  # k or fewer groups hold candidates: all of those groups
-    if tl.sum(m_max.to(tl.int32), axis=0) > k:
-        lo = tl.min(tl.where(m_max, b_max, 2147483647), axis=0).to(tl.int64)
-        floor = _kth_key(b_max, lo, tl.max(b_max, axis=0).to(tl.int64) + 1, k)
-    total = tl.full((), 0, tl.int32)
-    for start in range(0, n, BLOCK):
-        o_c = start + tl.arange(0, BLOCK)
-        b_key = _candidate_keys(p_row, o_c, n)
-        m_keep = b_key >= floor
-        o_buf = total + tl.cumsum(m_keep.to(tl.int32), 0) - 1
-        tl.store(p_keys + o_buf, b_key, mask=m_keep & (o_buf < CAP))
-        tl.store(p_cols + o_buf, o_c, mask=m_keep & (o_buf < CAP))
-        total += tl.sum(m_keep.to(tl.int32))
-    tl.debug_barrier()
-    if (total <= SELECT) & (total <= CAP):
-        o_c, b_key, m_c = _candidates(p_row, p_keys, p_cols, 0, total, 0, SELECT)
-        b_key = tl.where(m_c, b_key, -2147483648)
-        threshold = tl.full((), -2147483648, tl.int32)  # k or fewer candidates: all of them
-        if total > k:  # #(key >= floor) = total >= k
-            threshold = _kth_key(b_key, floor.to(tl.int64), tl.max(b_key, axis=0).to(tl.int64) + 1, k)
-        written = _write_picks(o_c, b_key, m_c, threshold, k, p_out)
-    else:
-        buffer_end = tl.where(total <= CAP, total, 0)
-        row_end = tl.where(total <= CAP, 0, n)
-        written = _select_looped(p_row, p_keys, p_cols, p_out, buffer_end, row_end, floor, 0, k, k, 0, BLOCK)
-    _fill_tail(p_out, written, k, BLOCK)
+    _fill_tail(p_out, _write_picks(o_c, b_key, m_c, threshold, k, p_out, BLOCK), k, OUT_BLOCK)
 
 
 @triton.jit(do_not_specialize=["S"])
