@@ -12,7 +12,7 @@ scores inside the length are unspecified (they get some rank; nothing is written
 Row kernel (`_topk_row_kernel`; rows of up to ROW_MAX_COLS columns, or ROW_MAX_COLS_MANY when there are ROW_MANY
 rows or more). One program holds its row's keys (below) in registers and finds the k-th largest key T by bisection
 on the int32 key space (`_kth_key`). The picks are every key > T and the first k - #(key > T) keys == T in column
-order, stored in column order by a cumsum. No workspace is used. One SM per row makes a long lone row slow, hence
+order, stored in column order by a running count. No workspace is used. One SM per row makes a long lone row slow, hence
 the split kernel past those sizes.
 
 Split kernel. A score becomes an int32 key whose signed order is the float order (sign-magnitude flipped,
@@ -85,6 +85,10 @@ FUSED = False  # four launches; True: one launch ordered by tickets. H200 (docs/
 # 47.8 against 54.6 at 8 x 262K. Two compilations, one per tiling (the tile width and SPLITS).
 SPLIT_TILING = {"small": (2, 1024), "big": (4, 2048)}
 BIG_FROM = 1 << 20
+# Phases A and B count digits with one reduction to global memory per warp and digit value (PTX match.any + red:
+# `_count_digits`) on a GPU, instead of a 256-bin tl.histogram per tile (~73 instructions per key); the interpreter
+# runs no inline PTX and keeps the histograms
+WARP_COUNTS = True
 _BINS = 256  # 8-bit digits: four levels cover the 32-bit key
 _LINE = 32  # int32s per 128-byte line: each counter on its own line, so spinning readers do not share a line
 _TICKET, _DONE_A, _DONE_B, _DONE_C = 0, _LINE, 2 * _LINE, 3 * _LINE
@@ -187,7 +191,8 @@ def topk_indices(scores: torch.Tensor, lengths: torch.Tensor, k: int, *, out: to
     # SPLITS (the width of the per-chunk count vector) is the tiling's bound, not this call's S, and S is a plain
     # runtime int (do_not_specialize): S follows the row count, so it would otherwise compile a kernel per step shape
     meta = dict(BLOCK=block, SPLITS=triton.next_power_of_2(programs), SELECT=select,
-                num_warps=4 if select <= 1024 else 8, **launch_options(device))
+                WARP_COUNTS=WARP_COUNTS and device.type == "cuda", num_warps=4 if select <= 1024 else 8,
+                **launch_options(device))
     if FUSED:
         _topk_kernel[(rows, 3 * splits + 1)](*args, PHASE=-1, **meta)
     else:
@@ -200,7 +205,6 @@ def topk_indices(scores: torch.Tensor, lengths: torch.Tensor, k: int, *, out: to
 # the workspace offsets as constexprs (jit code reads no other globals)
 _C_TICKET, _C_DONE_A, _C_DONE_B, _C_DONE_C = (tl.constexpr(v) for v in (_TICKET, _DONE_A, _DONE_B, _DONE_C))
 _C_HIST1, _C_HIST2, _C_HEADER = tl.constexpr(_HIST1), tl.constexpr(_HIST2), tl.constexpr(_HEADER)
-_C_SCAN_ROW = tl.constexpr(4)
 
 
 @triton.jit
@@ -234,6 +238,28 @@ def _histogram(digits, mask, BLOCK: tl.constexpr):
     b_h = tl.histogram(tl.where(mask, digits, 0), 256)
     missed = BLOCK - tl.sum(mask.to(tl.int32))
     return b_h - tl.where(tl.arange(0, 256) == 0, missed, 0)
+
+
+@triton.jit
+def _count_digits(p_hist, digits, mask):
+    """p_hist[d] += #(lanes with digit d) over the set lanes of mask (digits 0..255): per key, the lanes of its warp
+    that hold the same digit (match.any; unset lanes hold -1) elect their lowest lane, which adds their count to
+    global memory (red, relaxed: the launch's end, or a CTA barrier and the signal's release, publishes it)."""
+    tl.inline_asm_elementwise(
+        asm="""{
+        .reg .pred p_leader;
+        .reg .b32 peers, lower, count;
+        match.any.sync.b32 peers, $1, 0xffffffff;
+        mov.u32 lower, %lanemask_lt;
+        and.b32 lower, lower, peers;
+        popc.b32 count, peers;
+        setp.ge.s32 p_leader, $1, 0;
+        setp.eq.and.u32 p_leader, lower, 0, p_leader;
+        @p_leader red.relaxed.gpu.global.add.u32 [$2], count;
+        mov.u32 $0, 0;
+        }""",
+        constraints="=r,r,l", args=[tl.where(mask, digits, -1), p_hist + tl.where(mask, digits, 0)],
+        dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -289,29 +315,44 @@ def _wait(p_count, target):
 
 
 @triton.jit
-def _phase_a(p_row, p_ws, lo, hi, BLOCK: tl.constexpr):
-    b_h = tl.zeros([256], dtype=tl.int32)
-    for start in range(lo, hi, BLOCK):
-        o_c, b_key, m_c = _row_tile(p_row, start, hi, BLOCK)
-        b_h += _histogram((b_key >> 24) + 128, m_c, BLOCK)
-    tl.atomic_add(p_ws + _C_HIST1 + tl.arange(0, 256), b_h, mask=b_h != 0, sem="relaxed")
+def _phase_a(p_row, p_ws, i_s, lo, hi, BLOCK: tl.constexpr, WARP_COUNTS: tl.constexpr):
+    if WARP_COUNTS:
+        o_b = tl.arange(0, 256)
+        tl.store(p_ws + _C_HEADER + i_s * 256 + o_b, tl.zeros([256], dtype=tl.int32))  # phase B counts here
+        for start in range(lo, hi, BLOCK):
+            o_c, b_key, m_c = _row_tile(p_row, start, hi, BLOCK)
+            _count_digits(p_ws + _C_HIST1, (b_key >> 24) + 128, m_c)
+    else:
+        b_h = tl.zeros([256], dtype=tl.int32)
+        for start in range(lo, hi, BLOCK):
+            o_c, b_key, m_c = _row_tile(p_row, start, hi, BLOCK)
+            b_h += _histogram((b_key >> 24) + 128, m_c, BLOCK)
+        tl.atomic_add(p_ws + _C_HIST1 + tl.arange(0, 256), b_h, mask=b_h != 0, sem="relaxed")
 
 
 @triton.jit
-def _phase_b(p_row, p_ws, i_s, lo, hi, k, BLOCK: tl.constexpr):
+def _phase_b(p_row, p_ws, i_s, lo, hi, k, BLOCK: tl.constexpr, WARP_COUNTS: tl.constexpr):
     o_b = tl.arange(0, 256)
     d1, _ = _pick(_shared(p_ws + _C_HIST1 + o_b), k)
     top = d1 - 128  # digit 1 as key >> 24
+    p_chunk = p_ws + _C_HEADER + i_s * 256  # this chunk's digit-2 counts (zeroed by phase A), then its suffix
     b_above = tl.zeros([BLOCK], dtype=tl.int32)  # keys whose top digit is higher: all in the buffer
     b_h = tl.zeros([256], dtype=tl.int32)
     for start in range(lo, hi, BLOCK):
         o_c, b_key, m_c = _row_tile(p_row, start, hi, BLOCK)
         b_above += (m_c & ((b_key >> 24) > top)).to(tl.int32)
-        b_h += _histogram((b_key >> 16) & 255, m_c & ((b_key >> 24) == top), BLOCK)
+        if WARP_COUNTS:
+            _count_digits(p_chunk, (b_key >> 16) & 255, m_c & ((b_key >> 24) == top))
+        else:
+            b_h += _histogram((b_key >> 16) & 255, m_c & ((b_key >> 24) == top), BLOCK)
+    if WARP_COUNTS:
+        tl.debug_barrier()  # every warp's counts are in
+        b_h = _shared(p_chunk + o_b)
+        tl.debug_barrier()  # read by every warp before the suffix overwrites them
     tl.atomic_add(p_ws + _C_HIST2 + o_b, b_h, mask=b_h != 0, sem="relaxed")
     # this chunk's keys with key >> 16 >= (top, b), for each digit b that phase C may choose
     b_suffix = tl.sum(b_above) + tl.sum(b_h) - tl.cumsum(b_h, 0) + b_h
-    tl.store(p_ws + _C_HEADER + i_s * 256 + o_b, b_suffix)
+    tl.store(p_chunk + o_b, b_suffix)
 
 
 @triton.jit
@@ -326,7 +367,8 @@ def _phase_c(p_row, p_ws, i_s, lo, hi, S, CAP, k, BLOCK: tl.constexpr, SPLITS: t
     for start in range(lo, hi, BLOCK):
         o_c, b_key, m_c = _row_tile(p_row, start, hi, BLOCK)
         m_keep = m_c & ((b_key >> 16) >= prefix)
-        o_buf = base + written + _running_count(m_keep, BLOCK) - 1
+        # a flat cumsum: `_running_count` made this phase slower (122 registers against 110; docs/performance.md)
+        o_buf = base + written + tl.cumsum(m_keep.to(tl.int32), 0) - 1
         tl.store(p_keys + o_buf, b_key, mask=m_keep)
         tl.store(p_keys + CAP + o_buf, o_c, mask=m_keep)
         written += tl.sum(m_keep.to(tl.int32))
@@ -363,9 +405,9 @@ def _kth_key(b_key, lo, hi, k):
 @triton.jit
 def _running_count(mask, BLOCK: tl.constexpr):
     """int32 [BLOCK]: how many lanes of mask up to and including each are set (tl.cumsum's result). Scanned as rows
-    of _SCAN_ROW lanes, each within a thread, and a scan of the row totals: about half the instructions of a scan
-    of the flat vector, which shuffles each lane's value through its warp (sm_90a SASS, docs/performance.md)."""
-    b_rows = tl.reshape(mask.to(tl.int32), (BLOCK // _C_SCAN_ROW, _C_SCAN_ROW))
+    of 4 lanes, each within a thread, and a scan of the row totals: 36-50% fewer instructions than a scan of the
+    flat vector, which shuffles each lane's value through its warp (sm_90a SASS, scripts/topk_sass.py)."""
+    b_rows = tl.reshape(mask.to(tl.int32), (BLOCK // 4, 4))
     b_totals = tl.sum(b_rows, 1)
     return tl.reshape(tl.cumsum(b_rows, 1) + (tl.cumsum(b_totals, 0) - b_totals)[:, None], (BLOCK,))
 
@@ -407,8 +449,9 @@ def _select_looped(p_row, p_keys, p_cols, p_out, buffer_end, row_end, prefix16, 
     for start in range(0, end, BLOCK):
         o_c, b_key, m_c = _candidates(p_row, p_keys, p_cols, start, buffer_end, row_end, BLOCK)
         m_tie = m_c & (b_key == prefix)
-        m_pick = (m_c & (b_key > prefix)) | (m_tie & (ties + _running_count(m_tie, BLOCK) <= need))
-        o_out = written + _running_count(m_pick, BLOCK) - 1
+        # flat cumsums: `_running_count` here made phase D spill (sm_90a), register path included
+        m_pick = (m_c & (b_key > prefix)) | (m_tie & (ties + tl.cumsum(m_tie.to(tl.int32), 0) <= need))
+        o_out = written + tl.cumsum(m_pick.to(tl.int32), 0) - 1
         tl.store(p_out + o_out, o_c, mask=m_pick & (o_out < k))
         ties += tl.sum(m_tie.to(tl.int32))
         written += tl.sum(m_pick.to(tl.int32))
@@ -466,7 +509,7 @@ def _topk_row_kernel(scores_ptr, lengths_ptr, out_ptr, J, k, BLOCK: tl.constexpr
 
 @triton.jit(do_not_specialize=["S"])
 def _topk_kernel(scores_ptr, lengths_ptr, ws_ptr, out_ptr, J, W, CHUNK, S, CAP, k, BLOCK: tl.constexpr,
-                 SPLITS: tl.constexpr, SELECT: tl.constexpr, PHASE: tl.constexpr):
+                 SPLITS: tl.constexpr, SELECT: tl.constexpr, PHASE: tl.constexpr, WARP_COUNTS: tl.constexpr):
     """Row i_r. PHASE -1: one launch of 3S + 1 programs per row, the role from a ticket; 0..3: that phase
     alone (grid (R, S), or (R, 1) for D), ordered by the launches."""
     wait_for_prior_grids()
@@ -484,13 +527,13 @@ def _topk_kernel(scores_ptr, lengths_ptr, ws_ptr, out_ptr, J, W, CHUNK, S, CAP, 
     lo = i_s * CHUNK
     hi = tl.minimum(lo + CHUNK, n)
     if role == 0:
-        _phase_a(p_row, p_ws, lo, hi, BLOCK)
+        _phase_a(p_row, p_ws, i_s, lo, hi, BLOCK, WARP_COUNTS)
         if PHASE < 0:
             _signal(p_ws + _C_DONE_A)
     elif role == 1:
         if PHASE < 0:
             _wait(p_ws + _C_DONE_A, S)
-        _phase_b(p_row, p_ws, i_s, lo, hi, k, BLOCK)
+        _phase_b(p_row, p_ws, i_s, lo, hi, k, BLOCK, WARP_COUNTS)
         if PHASE < 0:
             _signal(p_ws + _C_DONE_B)
     elif role == 2:
