@@ -277,6 +277,24 @@ def test_topk_gpu_repeated_calls(rows, cols, k):
 
 
 @cuda
+@pytest.mark.parametrize("fused", [False, True], ids=["phased", "fused"])
+@pytest.mark.parametrize("rows,cols,k", [(1, CONTEXT, 512), (64, 32768, 512), (9, 70001, 1024)], ids=lambda v: str(v))
+def test_topk_gpu_warp_counts(rows, cols, k, fused, monkeypatch):
+    """Phases A and B counting digits by warp (match.any + red into the workspace, the GPU's default) and by
+    tl.histogram (the interpreter's): the same index sets on scores where a warp's lanes mostly share a digit
+    (integers, one value) and where they rarely do, in four launches and in one, call after call on one workspace."""
+    monkeypatch.setattr(topk_module, "FUSED", fused)
+    ws = topk_workspace(rows, cols, k, "cuda")
+    for i, kind in enumerate(("normal", "ties", "equal", "wide", "normal", "ties")):
+        scores, lengths = make_rows(100 + i, rows, cols, kind, "cuda")
+        want = reference(scores, lengths, k)
+        for warp_counts in (True, False):
+            monkeypatch.setattr(topk_module, "WARP_COUNTS", warp_counts)
+            assert torch.equal(run(scores, lengths, k, workspace=ws), want), (kind, warp_counts)
+            assert ws[:, :topk_module._HEADER].eq(0).all()
+
+
+@cuda
 @pytest.mark.parametrize("rows,cols", [(5, CONTEXT), (64, 16384), (3, 4000)], ids=["split", "row-many", "row"])
 def test_topk_gpu_graph_replay(rows, cols):
     """Captured once with preallocated out and workspace, replayed over new scores and lengths."""

@@ -27,16 +27,19 @@ as R shrinks, so one long decode row still fills the GPU). Four phases:
 A  [S per row]  histogram of digit 1 (bits 31..24) of a chunk                     -> atomics into hist1[r]
 B  [S per row]  digit 1 from hist1; histogram of digit 2 among keys of that top digit -> atomics into
                 hist2[r]; the chunk's count of keys >= each 16-bit prefix that could be chosen, suffix[r, s, :]
+                On a GPU (`WARP_COUNTS`) A and B count a chunk's digits into its row suffix[r, s, :] by warp (the
+                lanes that share a digit add their count in one reduction to global memory), read that back as
+                the chunk's histogram and zero it (A) or overwrite it with the suffix counts (B).
 C  [S per row]  digit 2 from hist2, i.e. the 16-bit prefix P of T; the chunk's candidates with key >> 16 >= P
                 (M in the row, ~k plus one fine bin) go to a per-row buffer (key, column) in column order,
                 offsets from suffix[r, :, d2]
-D  [1 per row]  the low 16 bits of T, then the picks (cumsum ranks, ties counted in column order) and the -1
+D  [1 per row]  the low 16 bits of T, then the picks (running counts, ties counted in column order) and the -1
                 tail. With M <= SELECT the buffer is read once into registers and T found there by bisection
                 (`_kth_key`, at most 16 steps of one compare per key); else three passes over the buffer, digits 3
                 and 4 from two histograms. It zeroes the row's histograms and counters for the next call.
 
-One launch (`FUSED = True`; four launches are the default, faster on the H200): every program of row r takes a ticket from the row's counter when it starts
-and the ticket gives its role: tickets 0..S-1 run phase A on chunk t, S..2S-1 phase B, 2S..3S-1 phase C, 3S
+One launch (`FUSED = True`; four launches are the default, faster on the H200): every program of row r takes a
+ticket from the row's counter when it starts and the ticket gives its role: tickets 0..S-1 run phase A on chunk t, S..2S-1 phase B, 2S..3S-1 phase C, 3S
 phase D. A phase waits (polling a counter) until every program of the phase before it has signalled, and a
 program only ever waits for programs with lower tickets, which have already started: it cannot deadlock however
 many programs the GPU holds at once (CUB's decoupled look-back rests on the same rule), and under Triton's
@@ -52,7 +55,7 @@ three passes over the whole row instead: exact, only slower.
 Workspace (int32 [R, 640 + 256 * S + 2 * capacity], see `topk_workspace`): counters [4 x 32] (ticket, A, B, C,
 each on its own 128-byte line), hist1 [256], hist2 [256], suffix [S, 256], buffer keys [capacity], buffer
 columns [capacity]. The counters and histograms must be zero on entry and every call leaves them zero, so a
-workspace from `topk_workspace` can be reused call after call. For a CUDA graph, allocate `out` and the
+workspace from `topk_workspace` can be reused call after call (suffix needs no zeros: phase A writes it first). For a CUDA graph, allocate `out` and the
 workspace before capture and pass both: the op then allocates nothing, reads nothing back to the host, and
 launches the same kernel for fixed (R, J, k).
 """
@@ -86,8 +89,8 @@ FUSED = False  # four launches; True: one launch ordered by tickets. H200 (docs/
 SPLIT_TILING = {"small": (2, 1024), "big": (4, 2048)}
 BIG_FROM = 1 << 20
 # Phases A and B count digits with one reduction to global memory per warp and digit value (PTX match.any + red:
-# `_count_digits`) on a GPU, instead of a 256-bin tl.histogram per tile (~73 instructions per key); the interpreter
-# runs no inline PTX and keeps the histograms
+# `_count_digits`) on a GPU, instead of a 256-bin tl.histogram per tile (~73 instructions per key): H200, 64 x 32K
+# 45.4 -> 34.4 us, 1 x 1M 33.5 -> 30.2 (docs/performance.md). The interpreter runs no inline PTX: histograms there.
 WARP_COUNTS = True
 _BINS = 256  # 8-bit digits: four levels cover the 32-bit key
 _LINE = 32  # int32s per 128-byte line: each counter on its own line, so spinning readers do not share a line
