@@ -275,6 +275,33 @@ def test_compress_and_state_over_random_schedule(layer, lengths, seed, tiles, mo
     untouched_slot(compressors, 0)
 
 
+@pytest.mark.parametrize("channels", [32, 128])
+def test_hca_pool_split_changes_no_byte(channels, monkeypatch):
+    """HCA pooled in a first launch split over channels (POOL_SPLIT), then normed and encoded in a second, writes the
+    bytes one launch writes with the same rows per chunk (channels are independent), over the random schedule."""
+    monkeypatch.setattr(encode, "SPREAD_PROGRAMS", 1)
+    monkeypatch.setattr(compress, "COMPRESS_TILES", {**compress.COMPRESS_TILES, "hca": (2, 4, 4)})
+    one_launch = compress_insert
+    calls = []
+
+    def both(state_kv, state_logits, plan, kv_rows, logit_rows, *, pool, **kw):
+        other = pool.clone()
+        monkeypatch.setattr(compress, "POOL_SPLIT", None)
+        one_launch(state_kv, state_logits, plan, kv_rows, logit_rows, pool=other, **kw)
+        monkeypatch.setattr(compress, "POOL_SPLIT", (channels, 4, 4))
+        one_launch(state_kv, state_logits, plan, kv_rows, logit_rows, pool=pool, **kw)
+        assert torch.equal(pool, other)
+        calls.append(plan.entries[kw["ratio"]].count)
+
+    monkeypatch.setitem(globals(), "compress_insert", both)
+    cache = CacheManager(TINY, max_requests=4, max_tokens=600, page_tokens=128, device=DEVICE, poison=True)
+    rids = admit(cache, 3)
+    buffers = cache.step_buffers(max_tokens=5, max_requests=3)
+    steps = schedule(22, (141, 37, 22), chunks=(1, 1, 2, 5, 13, 29, 60), padded_every=3, cap=5)
+    run_compress_schedule(cache, 2, rids, steps, buffers, seed=2, every_layout=False)
+    assert sum(calls) > 10
+
+
 # --- indexer-key encoders, bit for bit ------------------------------------------------------------------------
 # compress_insert's entries come out of a softmax, a norm and a rotation, so random schedules almost never put a
 # value on a rounding tie. The encoders it calls are checked here on constructed (already rotated) keys instead,

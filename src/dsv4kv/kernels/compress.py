@@ -60,47 +60,54 @@ __all__ = ["compress_insert", "append_state"]
 # Small launches (a decode step's few entries) get fewer entries per program (see `program_rows`); chunks shrink to
 # divide the entry's rows.
 COMPRESS_TILES = {"csa_main": (1, 8, 4), "csa_index": (4, 8, 4), "hca": (1, 32, 16)}
+# HCA pools in a first launch split over channels, (channels, rows per chunk, warps) per program, into fp32
+# [entries, d]; the norm, RoPE and encoding follow in a second launch. One program per HCA entry pulled its 512 KB
+# of rows alone: 25 us for one entry (H200; docs/performance.md). None: one launch, as CSA.
+POOL_SPLIT: tuple[int, int, int] | None = (32, 32, 4)
+
+
+def _chunk(chunk: int, span: int) -> int:
+    """Rows per chunk: `chunk`, halved until it divides the entry's `span` rows."""
+    chunk = min(chunk, triton.next_power_of_2(span))
+    while span % chunk:
+        chunk //= 2
+    return chunk
 
 
 def _compress_tile(overlap: bool, main: bool, span: int, count: int) -> tuple[int, int, int]:
     block_e, chunk, warps = COMPRESS_TILES["hca" if not overlap else "csa_main" if main else "csa_index"]
-    chunk = min(chunk, triton.next_power_of_2(span))
-    while span % chunk:
-        chunk //= 2
-    return program_rows(count, block_e), chunk, warps
+    return program_rows(count, block_e), _chunk(chunk, span), warps
 
 
-@triton.jit(do_not_specialize=["count"])  # entries completing this step: one compilation for all
-def _compress_kernel(kv_rows_ptr, logit_rows_ptr, state_kv_ptr, state_logit_ptr, norm_ptr, cos_ptr, sin_ptr,
-                     slots_ptr, request_ptr, index_ptr, request_slots_ptr, query_start_ptr, seq_lens_ptr,
-                     pool_ptr, count, page_bytes, entries, h_scale, eps,
-                     RATIO: tl.constexpr, OVERLAP: tl.constexpr, D: tl.constexpr, LOG_D: tl.constexpr,
-                     RING: tl.constexpr, MAIN: tl.constexpr, FORMAT: tl.constexpr, ROUND: tl.constexpr,
-                     DATA_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr, BLOCK_E: tl.constexpr,
-                     CHUNK: tl.constexpr):
-    """Entries i_e * BLOCK_E .. of the plan: pool their rows (CHUNK at a time), norm, rope, encode, store."""
-    wait_for_prior_grids()
-    o_e = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
+@triton.jit
+def _entries(slots_ptr, request_ptr, index_ptr, request_slots_ptr, query_start_ptr, seq_lens_ptr, o_e, count):
+    """Entries o_e of the plan: (valid mask, index j (-1: padding), slot in the pool (-1: padding), request's state
+    slot, its first row in this step, its first position in this step)."""
     m_e = o_e < count
     j = tl.load(index_ptr + o_e, mask=m_e, other=-1)
-    if tl.max(j, axis=0) < 0:  # only padding entries (a captured step's spare programs): nothing to pool
-        return
     given = tl.where(j >= 0, tl.load(slots_ptr + o_e, mask=m_e, other=-1), -1)
     b = tl.maximum(tl.load(request_ptr + o_e, mask=m_e, other=0), 0)
     slot = tl.maximum(tl.load(request_slots_ptr + b), 0).to(tl.int64)
     query_start = tl.load(query_start_ptr + b)
     start = tl.load(seq_lens_ptr + b) - (tl.load(query_start_ptr + b + 1) - query_start)
+    return m_e, j, given, slot, query_start, start
+
+
+@triton.jit
+def _pool(kv_rows_ptr, logit_rows_ptr, state_kv_ptr, state_logit_ptr, m_e, j, slot, query_start, start, o_d,
+          RATIO: tl.constexpr, OVERLAP: tl.constexpr, D: tl.constexpr, RING: tl.constexpr, BLOCK_E: tl.constexpr,
+          CHUNK: tl.constexpr):
+    """fp32 [BLOCK_E, channels of o_d]: the entries' rows pooled per channel by a softmax over their logits, the rows
+    read once, CHUNK at a time (online: running max, rescaled sums). Channels are independent, so a split over them
+    changes no value."""
     WIDTH: tl.constexpr = 2 * D if OVERLAP else D
     SPAN: tl.constexpr = 2 * RATIO if OVERLAP else RATIO
-    NB: tl.constexpr = D // 64
     first = (j - 1) * RATIO if OVERLAP else j * RATIO  # [E]: the window's first token (< 0 before the sequence)
-    o_d = tl.arange(0, D)
-
-    # one pass, per channel: running max, sum of exp(logit - max) and sum of kv * exp(logit - max). Tiles are
+    # per channel: running max, sum of exp(logit - max) and sum of kv * exp(logit - max). Tiles are
     # [rows, entries, channels]: warps spread over channels, then entries, so the row reductions stay in-thread.
-    b_max = tl.full((BLOCK_E, D), float("-inf"), tl.float32)
-    b_sum = tl.zeros((BLOCK_E, D), tl.float32)
-    b_acc = tl.zeros((BLOCK_E, D), tl.float32)
+    b_max = tl.full((BLOCK_E, o_d.shape[0]), float("-inf"), tl.float32)
+    b_sum = tl.zeros((BLOCK_E, o_d.shape[0]), tl.float32)
+    b_acc = tl.zeros((BLOCK_E, o_d.shape[0]), tl.float32)
     for c in range(0, SPAN, CHUNK):
         o_k = c + tl.arange(0, CHUNK)
         pos = o_k[:, None] + first[None, :]  # [K, E]
@@ -127,7 +134,51 @@ def _compress_kernel(kv_rows_ptr, logit_rows_ptr, state_kv_ptr, state_logit_ptr,
         b_sum = b_sum * alpha + tl.sum(w, axis=0)
         b_acc = b_acc * alpha + tl.sum(b_kv * w, axis=0)
         b_max = top
-    pooled = b_acc / b_sum
+    return b_acc / b_sum
+
+
+@triton.jit(do_not_specialize=["count"])  # entries completing this step: one compilation for all
+def _pool_kernel(kv_rows_ptr, logit_rows_ptr, state_kv_ptr, state_logit_ptr, slots_ptr, request_ptr, index_ptr,
+                 request_slots_ptr, query_start_ptr, seq_lens_ptr, pooled_ptr, count,
+                 RATIO: tl.constexpr, OVERLAP: tl.constexpr, D: tl.constexpr, RING: tl.constexpr,
+                 CHANNELS: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr):
+    """Entries i_e * BLOCK_E .. pooled over channels i_c * CHANNELS .. -> pooled fp32 [count, D]."""
+    wait_for_prior_grids()
+    o_e = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
+    m_e, j, given, slot, query_start, start = _entries(slots_ptr, request_ptr, index_ptr, request_slots_ptr,
+                                                       query_start_ptr, seq_lens_ptr, o_e, count)
+    if tl.max(j, axis=0) < 0:  # only padding entries
+        return
+    o_d = tl.program_id(1) * CHANNELS + tl.arange(0, CHANNELS)
+    pooled = _pool(kv_rows_ptr, logit_rows_ptr, state_kv_ptr, state_logit_ptr, m_e, j, slot, query_start, start,
+                   o_d, RATIO, OVERLAP, D, RING, BLOCK_E, CHUNK)
+    tl.store(pooled_ptr + o_e.to(tl.int64)[:, None] * D + o_d[None, :], pooled, mask=(j >= 0)[:, None])
+
+
+@triton.jit(do_not_specialize=["count"])  # entries completing this step: one compilation for all
+def _compress_kernel(kv_rows_ptr, logit_rows_ptr, state_kv_ptr, state_logit_ptr, norm_ptr, cos_ptr, sin_ptr,
+                     slots_ptr, request_ptr, index_ptr, request_slots_ptr, query_start_ptr, seq_lens_ptr,
+                     pool_ptr, pooled_ptr, count, page_bytes, entries, h_scale, eps,
+                     RATIO: tl.constexpr, OVERLAP: tl.constexpr, D: tl.constexpr, LOG_D: tl.constexpr,
+                     RING: tl.constexpr, MAIN: tl.constexpr, FORMAT: tl.constexpr, ROUND: tl.constexpr,
+                     DATA_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr, BLOCK_E: tl.constexpr,
+                     CHUNK: tl.constexpr, POOLED: tl.constexpr):
+    """Entries i_e * BLOCK_E .. of the plan: pool their rows (CHUNK at a time; POOLED: read them from pooled_ptr,
+    `_pool_kernel`'s), norm, rope, encode, store."""
+    wait_for_prior_grids()
+    o_e = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
+    m_e, j, given, slot, query_start, start = _entries(slots_ptr, request_ptr, index_ptr, request_slots_ptr,
+                                                       query_start_ptr, seq_lens_ptr, o_e, count)
+    if tl.max(j, axis=0) < 0:  # only padding entries (a captured step's spare programs): nothing to pool
+        return
+    NB: tl.constexpr = D // 64
+    o_d = tl.arange(0, D)
+    if POOLED:
+        pooled = tl.load(pooled_ptr + o_e.to(tl.int64)[:, None] * D + o_d[None, :], mask=(j >= 0)[:, None],
+                         other=0.0)
+    else:
+        pooled = _pool(kv_rows_ptr, logit_rows_ptr, state_kv_ptr, state_logit_ptr, m_e, j, slot, query_start, start,
+                       o_d, RATIO, OVERLAP, D, RING, BLOCK_E, CHUNK)
 
     rms = tl.math.rsqrt(tl.sum(pooled * pooled, axis=1) / D + eps)
     normed = pooled * rms[:, None] * tl.load(norm_ptr + o_d)[None, :]
@@ -203,14 +254,23 @@ def compress_insert(state_kv: torch.Tensor, state_logits: torch.Tensor, plan, kv
     h_scale = float(quant.hadamard_matrix(d)[0, 0]) if layout.rotated else 1.0
     span = 2 * ratio if overlap else ratio
     block_e, chunk, warps = _compress_tile(overlap, main, span, count)
+    entry_args = (writes.slots, writes.request, writes.index, plan.request_slots, plan.query_start, plan.seq_lens)
+    pooled = None
+    if POOL_SPLIT is not None and not overlap:
+        channels, pool_chunk, pool_warps = POOL_SPLIT
+        channels = min(channels, d)
+        pooled = torch.empty(count, d, dtype=torch.float32, device=device)
+        _pool_kernel[(count, d // channels)](
+            kv_rows, logit_rows, state_kv, state_logits, *entry_args, pooled, count, RATIO=ratio, OVERLAP=overlap,
+            D=d, RING=state_kv.shape[1], CHANNELS=channels, BLOCK_E=1, CHUNK=_chunk(pool_chunk, span),
+            num_warps=pool_warps, **launch_options(device))
     _compress_kernel[(triton.cdiv(count, block_e),)](
-        kv_rows, logit_rows, state_kv, state_logits, norm_weight, cos, sin,
-        writes.slots, writes.request, writes.index, plan.request_slots, plan.query_start, plan.seq_lens,
-        pool, count, pool.shape[1], page_tokens // ratio, h_scale, eps,
+        kv_rows, logit_rows, state_kv, state_logits, norm_weight, cos, sin, *entry_args,
+        pool, pooled if pooled is not None else kv_rows, count, pool.shape[1], page_tokens // ratio, h_scale, eps,
         RATIO=ratio, OVERLAP=overlap, D=d, LOG_D=d.bit_length() - 1, RING=state_kv.shape[1], MAIN=main,
         FORMAT=_format_code(layout, main), ROUND=out_dtype == torch.bfloat16, DATA_BYTES=layout.data_bytes,
-        SCALE_BYTES=max(layout.scale_bytes, 1), BLOCK_E=block_e, CHUNK=chunk, num_warps=warps,
-        **launch_options(device))
+        SCALE_BYTES=max(layout.scale_bytes, 1), BLOCK_E=block_e, CHUNK=chunk, POOLED=pooled is not None,
+        num_warps=warps, **launch_options(device))
 
 
 @triton.jit
