@@ -278,7 +278,8 @@ def test_compress_and_state_over_random_schedule(layer, lengths, seed, tiles, mo
 @pytest.mark.parametrize("channels", [32, 128])
 def test_hca_pool_split_changes_no_byte(channels, monkeypatch):
     """HCA pooled in a first launch split over channels (POOL_SPLIT), then normed and encoded in a second, writes the
-    bytes one launch writes with the same rows per chunk (channels are independent), over the random schedule."""
+    bytes one launch writes with the same rows per chunk (channels are independent; the interpreter reduces a chunk's
+    rows in one order whatever the warps), over the random schedule."""
     monkeypatch.setattr(encode, "SPREAD_PROGRAMS", 1)
     monkeypatch.setattr(compress, "COMPRESS_TILES", {**compress.COMPRESS_TILES, "hca": (2, 4, 4)})
     one_launch = compress_insert

@@ -9,6 +9,9 @@ FP8 MODEL1 / bf16, or the indexer's MXFP4 / FP8 / bf16 with the Hadamard rotatio
 Work split (COMPRESS_TILES): a program takes BLOCK_E entries and pools their rows CHUNK at a time with an online
 softmax (running max, rescaled sums), reading every row once: all 8 rows of a CSA entry in one chunk, HCA's 128
 rows in chunks of 32. Programs whose entries are all padding (a captured step's spare capacity) return at once.
+HCA (POOL_SPLIT) pools in a first launch whose programs take one entry's rows over a slice of the channels, into an
+fp32 buffer, and the second launch norms, ropes and encodes from it: one entry's 512 KB of rows then spreads over
+16 SMs instead of one.
 
 Numerics. Same function as `ops.compress.compress_and_insert`; the softmax (Triton's exp, and across chunks the
 online rescaling), the norm (rsqrt) and the sums run in another order, and the indexer's Hadamard rotation is an
@@ -62,8 +65,9 @@ __all__ = ["compress_insert", "append_state"]
 COMPRESS_TILES = {"csa_main": (1, 8, 4), "csa_index": (4, 8, 4), "hca": (1, 32, 16)}
 # HCA pools in a first launch split over channels, (channels, rows per chunk, warps) per program, into fp32
 # [entries, d]; the norm, RoPE and encoding follow in a second launch. One program per HCA entry pulled its 512 KB
-# of rows alone: 25 us for one entry (H200; docs/performance.md). None: one launch, as CSA.
-POOL_SPLIT: tuple[int, int, int] | None = (32, 32, 4)
+# of rows alone. H200, decode (docs/performance.md): one entry 28.1 -> 11.7 us, 64 entries 35.4 -> 23.8. None: one
+# launch, as CSA.
+POOL_SPLIT: tuple[int, int, int] | None = (32, 64, 4)
 
 
 def _chunk(chunk: int, span: int) -> int:
@@ -98,8 +102,9 @@ def _pool(kv_rows_ptr, logit_rows_ptr, state_kv_ptr, state_logit_ptr, m_e, j, sl
           RATIO: tl.constexpr, OVERLAP: tl.constexpr, D: tl.constexpr, RING: tl.constexpr, BLOCK_E: tl.constexpr,
           CHUNK: tl.constexpr):
     """fp32 [BLOCK_E, channels of o_d]: the entries' rows pooled per channel by a softmax over their logits, the rows
-    read once, CHUNK at a time (online: running max, rescaled sums). Channels are independent, so a split over them
-    changes no value."""
+    read once, CHUNK at a time (online: running max, rescaled sums). Channels are independent: a split over them
+    changes a value only where the tile's layout reduces a chunk's rows in another order (on a GPU, another warp
+    count: 1 byte in 4e7 of 64 HCA entries differed; under the interpreter none)."""
     WIDTH: tl.constexpr = 2 * D if OVERLAP else D
     SPAN: tl.constexpr = 2 * RATIO if OVERLAP else RATIO
     first = (j - 1) * RATIO if OVERLAP else j * RATIO  # [E]: the window's first token (< 0 before the sequence)
