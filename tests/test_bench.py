@@ -116,6 +116,22 @@ def test_core_bytes_model():
     assert state == 2 * 128 * 512 * 4 + 584
 
 
+def test_every_step_kernel_has_a_stage():
+    """The decode bench names each kernel of a profiled step by its stage: every Triton kernel of the package maps to
+    one (a new kernel left out would be counted as "torch kernels" and its stage reported short)."""
+    import importlib
+    import pkgutil
+
+    import dsv4kv.kernels
+    from dsv4kv.bench.workloads import _stage
+
+    kernels = {name for info in pkgutil.iter_modules(dsv4kv.kernels.__path__)
+               for name, value in vars(importlib.import_module(f"dsv4kv.kernels.{info.name}")).items()
+               if hasattr(value, "arg_names") and name.endswith("_kernel")}  # jit functions (or interpreted)
+    assert {"_pool_kernel", "_compress_kernel", "_topk_kernel", "_indexer_scores_kernel"} <= kernels
+    assert {name for name in kernels if _stage(name) == "torch kernels"} == set()
+
+
 def test_cli_rejects_unknown_workloads_and_needs_a_gpu(capsys):
     assert main(["bench", "nonsense"]) == 2
     assert "unknown workloads ['nonsense']" in capsys.readouterr().err

@@ -280,11 +280,11 @@ def core_bytes(g: ModelGeometry, cache: CacheManager, layer_index: int, context:
     return {k: v * batch for k, v in parts.items()}
 
 
-_STAGES = (("_kv_insert", "kv insert"), ("_compress", "compress-and-insert"), ("_indexer_scores", "indexer scores"),
-           ("_topk", "top-k"),
+_STAGES = (("_kv_insert", "kv insert"), ("_compress", "compress-and-insert"), ("_pool_kernel", "compress-and-insert"),
+           ("_indexer_scores", "indexer scores"), ("_topk", "top-k"),
            ("_sparse_attention", "attention"), ("_merge_kernel", "attention"), ("_copy_entries", "window append"),
            ("_append_state", "state append"), ("_rope_rows", "RoPE of q and the output"),
-           ("_indexer_query", "indexer query"))
+           ("_indexer_query", "indexer query"), ("_q_fp8", "indexer query"))
 
 
 def _stage(kernel: str) -> str:
