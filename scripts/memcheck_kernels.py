@@ -37,23 +37,29 @@ for kv_format, indexer_format, fp8_from in (("fp8", "mxfp4", 0), ("fp8", "mxfp4"
         print(f"{kv_format}/{indexer_format} layer {layer.layer_index} unpadded decode: "
               f"finite={bool(torch.isfinite(out).all())}", flush=True)
 # top-k's kernels directly, at sizes the layers above do not reach: the split radix select (one long row in four
-# launches and in one; many rows with phase D's select in registers, looped over the buffer, and over the row when
-# the buffer overflows), the row kernel; NaN past each row's length
+# launches and in one; many rows with phase D's select in registers, looped over its buffer (integer scores: a full
+# row buffers ~1300 keys, past SELECT = 1024), and over the row when the buffer overflows), the row kernel; NaN past
+# each row's length. Each checked against a stable sort of the length-masked scores.
 import dsv4kv.kernels.topk as topk_kernels  # noqa: E402
+from dsv4kv.ops.indexer import topk_picks  # noqa: E402
 
-for rows, cols, k, fused, capacity in ((1, 262144, 512, False, None), (1, 262144, 512, True, None),
-                                       (64, 32768, 512, False, None), (64, 32768, 1024, False, 1200),
-                                       (64, 32768, 512, False, 0), (64, 16384, 512, False, None)):
+TOPK_CASES = ((1, 262144, 512, False, None, 0), (1, 262144, 512, True, None, 0), (64, 32768, 512, False, None, 0),
+              (64, 32768, 512, False, 4096, 2), (64, 32768, 512, False, 0, 2), (64, 16384, 512, False, None, 0))
+for rows, cols, k, fused, capacity, integer_scale in TOPK_CASES:
     topk_kernels.FUSED = fused
     scores = torch.randn(rows, cols, generator=gen, device="cuda")
-    if capacity is not None:  # integers: ties fill the buffer past SELECT (or past capacity 0)
-        scores = scores.round()
+    if integer_scale:  # ties: the threshold's value fills the buffer
+        scores = (scores * integer_scale).round()
     lengths = torch.randint(0, cols + 1, (rows,), generator=gen, device="cuda", dtype=torch.int32)
-    scores.masked_fill_(torch.arange(cols, device="cuda") >= lengths[:, None], float("nan"))
+    past = torch.arange(cols, device="cuda") >= lengths[:, None]
+    scores.masked_fill_(past, float("nan"))
     ws = topk_kernels.topk_workspace(rows, cols, k, "cuda", capacity=capacity)
     out = topk_kernels.topk_indices(scores, lengths, k, workspace=ws)
-    torch.cuda.synchronize()
-    print(f"top-k {rows} x {cols} k={k} {'row' if topk_kernels._by_row(rows, cols) else 'split'} fused={fused} capacity={capacity}: "
-          f"picks {int(out.ge(0).sum())}", flush=True)
+    want = topk_picks(scores.masked_fill(past, float("-inf")), k)
+    equal = torch.equal(torch.where(out < 0, cols, out).long().sort(dim=1).values,
+                        torch.where(want < 0, cols, want).sort(dim=1).values)
+    kernel = "row" if topk_kernels._by_row(rows, cols) else "split"
+    print(f"top-k {rows} x {cols} k={k} {kernel} fused={fused} capacity={capacity} integers x{integer_scale}: "
+          f"picks {int(out.ge(0).sum())}, equal to a stable sort: {equal}", flush=True)
 topk_kernels.FUSED = False
 print("memcheck script done")

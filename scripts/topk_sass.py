@@ -51,6 +51,8 @@ def report(label: str, module) -> None:
                 consts = dict(BLOCK=block, SPLITS=1024, SELECT=select, PHASE=phase)
                 if "WARP_COUNTS" in module._topk_kernel.arg_names:  # as launched on a GPU
                     consts["WARP_COUNTS"] = module.WARP_COUNTS
+                if "ASM" in module._topk_kernel.arg_names:
+                    consts["ASM"] = module.WARP_COUNTS
                 print(f"{label} split {block}-column tiles, k {k}, phase {'ABCD'[phase]}: "
                       f"{compile_kernel(module._topk_kernel, consts, 4 if select <= 1024 else 8)}", flush=True)
     for block, warps in ((4096, 4), (16384, 8)):  # as launched for 1 row of 4096, 64 rows of 16K

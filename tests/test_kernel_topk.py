@@ -54,22 +54,26 @@ def make_rows(seed, rows, cols, kind, device="cpu"):
     return scores.to(device), lengths.to(torch.int32).to(device)
 
 
-@pytest.fixture(params=["row", "fused", "phased"])
+@pytest.fixture(params=["row", "fused", "phased", "phased-histograms"])
 def mode(request, monkeypatch):
     """The one-program-per-row kernel, or the split radix select in one launch (tickets order the phases) or in
-    four: the same results."""
+    four, its phases A and B counting digits into the workspace (`WARP_COUNTS`) or by tl.histogram: the same
+    results."""
     for name in ("ROW_MAX_COLS", "ROW_MAX_COLS_MANY"):
         monkeypatch.setattr(topk_module, name, 1 << 30 if request.param == "row" else 0)
     monkeypatch.setattr(topk_module, "FUSED", request.param == "fused")
+    monkeypatch.setattr(topk_module, "WARP_COUNTS", request.param != "phased-histograms")
     return request.param
 
 
-@pytest.fixture(params=["fused", "phased"])
+@pytest.fixture(params=["fused", "phased", "phased-histograms"])
 def split_mode(request, monkeypatch):
-    """The split radix select for every row length (its workspace, buffer and select paths), in one launch or four."""
+    """The split radix select for every row length (its workspace, buffer and select paths), in one launch or four,
+    counting digits into the workspace or by tl.histogram."""
     for name in ("ROW_MAX_COLS", "ROW_MAX_COLS_MANY"):
         monkeypatch.setattr(topk_module, name, 0)
     monkeypatch.setattr(topk_module, "FUSED", request.param == "fused")
+    monkeypatch.setattr(topk_module, "WARP_COUNTS", request.param != "phased-histograms")
     return request.param
 
 
@@ -144,6 +148,7 @@ def test_topk_inf_and_signed_zero(mode):
 def test_topk_workspace_reused(split_mode):
     """A workspace serves call after call: the histograms it needs zeroed are zero again afterwards."""
     ws = topk_workspace(3, 150, 20, DEVICE)
+    ws[:, topk_module._HEADER:] = 12345  # suffix rows and buffer need no zeros: each call writes them before reading
     for seed, kind in ((1, "ties"), (2, "normal"), (3, "equal")):
         scores, lengths = make_rows(seed, 3, 150, kind, DEVICE)
         assert torch.equal(run(scores, lengths, 20, workspace=ws), reference(scores, lengths, 20))
@@ -281,10 +286,12 @@ def test_topk_gpu_repeated_calls(rows, cols, k):
 @pytest.mark.parametrize("rows,cols,k", [(1, CONTEXT, 512), (64, 32768, 512), (9, 70001, 1024)], ids=lambda v: str(v))
 def test_topk_gpu_warp_counts(rows, cols, k, fused, monkeypatch):
     """Phases A and B counting digits by warp (match.any + red into the workspace, the GPU's default) and by
-    tl.histogram (the interpreter's): the same index sets on scores where a warp's lanes mostly share a digit
-    (integers, one value) and where they rarely do, in four launches and in one, call after call on one workspace."""
+    tl.histogram: the same index sets on scores where a warp's lanes mostly share a digit (integers, one value) and
+    where they rarely do, in four launches and in one, call after call on one workspace whose suffix rows start as
+    junk."""
     monkeypatch.setattr(topk_module, "FUSED", fused)
     ws = topk_workspace(rows, cols, k, "cuda")
+    ws[:, topk_module._HEADER:] = 12345  # phase A zeroes the rows it counts into; nothing reads the rest unwritten
     for i, kind in enumerate(("normal", "ties", "equal", "wide", "normal", "ties")):
         scores, lengths = make_rows(100 + i, rows, cols, kind, "cuda")
         want = reference(scores, lengths, k)

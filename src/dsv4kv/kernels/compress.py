@@ -8,10 +8,10 @@ FP8 MODEL1 / bf16, or the indexer's MXFP4 / FP8 / bf16 with the Hadamard rotatio
 
 Work split (COMPRESS_TILES): a program takes BLOCK_E entries and pools their rows CHUNK at a time with an online
 softmax (running max, rescaled sums), reading every row once: all 8 rows of a CSA entry in one chunk, HCA's 128
-rows in chunks of 32. Programs whose entries are all padding (a captured step's spare capacity) return at once.
-HCA (POOL_SPLIT) pools in a first launch whose programs take one entry's rows over a slice of the channels, into an
-fp32 buffer, and the second launch norms, ropes and encodes from it: one entry's 512 KB of rows then spreads over
-16 SMs instead of one.
+rows in chunks of 32 when it pools in one launch. Programs whose entries are all padding (a captured step's spare
+capacity) return at once. HCA by default (POOL_SPLIT) pools in a first launch whose programs take one entry's rows
+over a slice of 32 channels, 64 rows a chunk, into an fp32 buffer, and the second launch (COMPRESS_TILES' HCA
+warps) norms, ropes and encodes from it: one entry's 512 KB of rows then spreads over 16 SMs instead of one.
 
 Numerics. Same function as `ops.compress.compress_and_insert`; the softmax (Triton's exp, and across chunks the
 online rescaling), the norm (rsqrt) and the sums run in another order, and the indexer's Hadamard rotation is an
@@ -59,7 +59,8 @@ __all__ = ["compress_insert", "append_state"]
 # - "csa_index" (d 128: one warp spans d): 4 entries per program over 4 warps, [8, 4, 128], the same 2 x 32 values
 #   per thread; 1/4 of the per-program work per entry.
 # - "hca" (d 512, 128 rows): [32, 1, 512] chunks over 16 warps (8 rows per thread, 4 warps across the rows), 4
-#   round trips per entry instead of 8 with 16-row chunks; 128 registers x 512 threads, one program per SM.
+#   round trips per entry instead of 8 with 16-row chunks; 128 registers x 512 threads, one program per SM. With
+#   POOL_SPLIT (the default) only its warps serve, for the second launch, which pools nothing.
 # Small launches (a decode step's few entries) get fewer entries per program (see `program_rows`); chunks shrink to
 # divide the entry's rows.
 COMPRESS_TILES = {"csa_main": (1, 8, 4), "csa_index": (4, 8, 4), "hca": (1, 32, 16)}
@@ -103,13 +104,14 @@ def _pool(kv_rows_ptr, logit_rows_ptr, state_kv_ptr, state_logit_ptr, m_e, j, sl
           CHUNK: tl.constexpr):
     """fp32 [BLOCK_E, channels of o_d]: the entries' rows pooled per channel by a softmax over their logits, the rows
     read once, CHUNK at a time (online: running max, rescaled sums). Channels are independent: a split over them
-    changes a value only where the tile's layout reduces a chunk's rows in another order (on a GPU, another warp
-    count: 1 byte in 4e7 of 64 HCA entries differed; under the interpreter none)."""
+    changes a value only where another tile reduces a chunk's rows in another order (on a GPU: one byte of 64 HCA
+    entries differed; under the interpreter none) or where CHUNK differs (the online rescaling)."""
     WIDTH: tl.constexpr = 2 * D if OVERLAP else D
     SPAN: tl.constexpr = 2 * RATIO if OVERLAP else RATIO
     first = (j - 1) * RATIO if OVERLAP else j * RATIO  # [E]: the window's first token (< 0 before the sequence)
     # per channel: running max, sum of exp(logit - max) and sum of kv * exp(logit - max). Tiles are
-    # [rows, entries, channels]: warps spread over channels, then entries, so the row reductions stay in-thread.
+    # [rows, entries, channels], warps over channels first: COMPRESS_TILES' one-launch tiles reduce rows within a
+    # thread or across warps, the split's 32-channel slices across threads too.
     b_max = tl.full((BLOCK_E, o_d.shape[0]), float("-inf"), tl.float32)
     b_sum = tl.zeros((BLOCK_E, o_d.shape[0]), tl.float32)
     b_acc = tl.zeros((BLOCK_E, o_d.shape[0]), tl.float32)
@@ -150,8 +152,8 @@ def _pool_kernel(kv_rows_ptr, logit_rows_ptr, state_kv_ptr, state_logit_ptr, slo
     """Entries i_e * BLOCK_E .. pooled over channels i_c * CHANNELS .. -> pooled fp32 [count, D]."""
     wait_for_prior_grids()
     o_e = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
-    m_e, j, given, slot, query_start, start = _entries(slots_ptr, request_ptr, index_ptr, request_slots_ptr,
-                                                       query_start_ptr, seq_lens_ptr, o_e, count)
+    m_e, j, _, slot, query_start, start = _entries(slots_ptr, request_ptr, index_ptr, request_slots_ptr,
+                                                   query_start_ptr, seq_lens_ptr, o_e, count)
     if tl.max(j, axis=0) < 0:  # only padding entries
         return
     o_d = tl.program_id(1) * CHANNELS + tl.arange(0, CHANNELS)
@@ -230,7 +232,7 @@ def compress_insert(state_kv: torch.Tensor, state_logits: torch.Tensor, plan, kv
     logit_rows: fp32 [R, w] (R = the plan's padded rows); norm_weight fp32 [d]; main: a main entry (FP8
     MODEL1 / bf16) or an indexer key (MXFP4 / FP8 / bf16). cos_sin: `ops.rope.rope_cos_sin(rope,
     plan.entries[ratio].index * ratio)` when the caller already has it (computed here otherwise).
-    Tiles: COMPRESS_TILES."""
+    Tiles: COMPRESS_TILES, and POOL_SPLIT for HCA's pooling."""
     device = pool.device
     check_plan(plan, device)
     rows = plan.positions.shape[0]

@@ -27,9 +27,9 @@ as R shrinks, so one long decode row still fills the GPU). Four phases:
 A  [S per row]  histogram of digit 1 (bits 31..24) of a chunk                     -> atomics into hist1[r]
 B  [S per row]  digit 1 from hist1; histogram of digit 2 among keys of that top digit -> atomics into
                 hist2[r]; the chunk's count of keys >= each 16-bit prefix that could be chosen, suffix[r, s, :]
-                On a GPU (`WARP_COUNTS`) A and B count a chunk's digits into its row suffix[r, s, :] by warp (the
-                lanes that share a digit add their count in one reduction to global memory), read that back as
-                the chunk's histogram and zero it (A) or overwrite it with the suffix counts (B).
+                With `WARP_COUNTS` (the default) A and B count a chunk's digits into its row suffix[r, s, :] (on a
+                GPU by warp: the lanes that share a digit add their count in one reduction to global memory),
+                read that back as the chunk's histogram and zero it (A) or overwrite it with the suffix counts (B).
 C  [S per row]  digit 2 from hist2, i.e. the 16-bit prefix P of T; the chunk's candidates with key >> 16 >= P
                 (M in the row, ~k plus one fine bin) go to a per-row buffer (key, column) in column order,
                 offsets from suffix[r, :, d2]
@@ -39,13 +39,13 @@ D  [1 per row]  the low 16 bits of T, then the picks (running counts, ties count
                 and 4 from two histograms. It zeroes the row's histograms and counters for the next call.
 
 One launch (`FUSED = True`; four launches are the default, faster on the H200): every program of row r takes a
-ticket from the row's counter when it starts and the ticket gives its role: tickets 0..S-1 run phase A on chunk t, S..2S-1 phase B, 2S..3S-1 phase C, 3S
-phase D. A phase waits (polling a counter) until every program of the phase before it has signalled, and a
-program only ever waits for programs with lower tickets, which have already started: it cannot deadlock however
-many programs the GPU holds at once (CUB's decoupled look-back rests on the same rule), and under Triton's
-interpreter, which runs programs one after another, nothing ever waits. A signal is a CTA barrier, then a
-release increment by one thread; a wait polls with acquire reads by one thread, then a CTA barrier (CUTLASS's
-`GenericBarrier` does the same); data another program wrote is read past L1 (".cg").
+ticket from the row's counter when it starts and the ticket gives its role: tickets 0..S-1 run phase A on chunk t,
+S..2S-1 phase B, 2S..3S-1 phase C, 3S phase D. A phase waits (polling a counter) until every program of the phase
+before it has signalled, and a program only ever waits for programs with lower tickets, which have already started:
+it cannot deadlock however many programs the GPU holds at once (CUB's decoupled look-back rests on the same rule),
+and under Triton's interpreter, which runs programs one after another, nothing ever waits. A signal is a CTA
+barrier, then a release increment by one thread; a wait polls with acquire reads by one thread, then a CTA barrier
+(CUTLASS's `GenericBarrier` does the same); data another program wrote is read past L1 (".cg").
 `FUSED = False` launches the four phases as four kernels instead (the same code, no tickets, no waits).
 
 Passes over the scores: three (phases A-C, chunks in parallel; after the first, from L2), then the M buffered
@@ -55,9 +55,9 @@ three passes over the whole row instead: exact, only slower.
 Workspace (int32 [R, 640 + 256 * S + 2 * capacity], see `topk_workspace`): counters [4 x 32] (ticket, A, B, C,
 each on its own 128-byte line), hist1 [256], hist2 [256], suffix [S, 256], buffer keys [capacity], buffer
 columns [capacity]. The counters and histograms must be zero on entry and every call leaves them zero, so a
-workspace from `topk_workspace` can be reused call after call (suffix needs no zeros: phase A writes it first). For a CUDA graph, allocate `out` and the
-workspace before capture and pass both: the op then allocates nothing, reads nothing back to the host, and
-launches the same kernel for fixed (R, J, k).
+workspace from `topk_workspace` can be reused call after call (suffix needs no zeros: phase A or B writes it before
+it is read). For a CUDA graph, allocate `out` and the workspace before capture and pass both: the op then allocates
+nothing, reads nothing back to the host, and launches the same kernel for fixed (R, J, k).
 """
 
 from __future__ import annotations
@@ -67,6 +67,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..backend import interpreted
 from ..ops.common import require
 from .common import check_tensor, sm_count
 from .launch import launch_options, wait_for_prior_grids
@@ -81,16 +82,18 @@ MAX_K = 2048
 ROW_MAX_COLS, ROW_MAX_COLS_MANY, ROW_MANY = 4096, 16384, 64
 _ROW_BLOCK = 4096  # the row kernel's smallest row tile: shorter rows share its compilation
 FUSED = False  # four launches; True: one launch ordered by tickets. H200 (docs/bench/topk-variants-h200.txt): four
-# launches 22.9 / 38.2 / 53.9 us at 256K / 1M / 64 x 32K, one launch 26.9 / 53.3 / 69.2 (the waits cost more than launches)
+# launches 22.9 / 38.2 / 53.9 us at 256K / 1M / 64 x 32K, one launch 26.9 / 53.3 / 69.2 (the waits cost more than
+# launches)
 # The split kernel's (programs per SM and phase, columns per tile) on a GPU, for problems below / from BIG_FROM scores
 # (S = programs per SM x SMs / R; a workspace's size depends on it). H100, 2026-11-25 (docs/performance.md): 2 / 1024
 # 22.1 us at 1 x 262K against 24.2 with 4 / 2048; 4 / 2048 36.2 against 37.1 at 1 x 1M, 47.6 against 53.3 at 64 x 32K,
 # 47.8 against 54.6 at 8 x 262K. Two compilations, one per tiling (the tile width and SPLITS).
 SPLIT_TILING = {"small": (2, 1024), "big": (4, 2048)}
 BIG_FROM = 1 << 20
-# Phases A and B count digits with one reduction to global memory per warp and digit value (PTX match.any + red:
-# `_count_digits`) on a GPU, instead of a 256-bin tl.histogram per tile (~73 instructions per key): H200, 64 x 32K
-# 45.4 -> 34.4 us, 1 x 1M 33.5 -> 30.2 (docs/performance.md). The interpreter runs no inline PTX: histograms there.
+# Phases A and B count digits into global memory (`_count_digits`: on a GPU one reduction per group of a warp's
+# lanes holding the same digit, PTX match.any + red; under the interpreter an atomic per key) instead of a 256-bin
+# tl.histogram per tile (~73 SASS instructions per key). H200, 64 x 32K 45.4 -> 34.4 us, 1 x 1M 33.5 -> 30.2
+# (docs/performance.md, "Top-k's digits counted by warp").
 WARP_COUNTS = True
 _BINS = 256  # 8-bit digits: four levels cover the 32-bit key
 _LINE = 32  # int32s per 128-byte line: each counter on its own line, so spinning readers do not share a line
@@ -193,9 +196,12 @@ def topk_indices(scores: torch.Tensor, lengths: torch.Tensor, k: int, *, out: to
     args = (scores, lengths, workspace, out, cols, width, chunk, splits, capacity, k)
     # SPLITS (the width of the per-chunk count vector) is the tiling's bound, not this call's S, and S is a plain
     # runtime int (do_not_specialize): S follows the row count, so it would otherwise compile a kernel per step shape
-    meta = dict(BLOCK=block, SPLITS=triton.next_power_of_2(programs), SELECT=select,
-                WARP_COUNTS=WARP_COUNTS and device.type == "cuda", num_warps=4 if select <= 1024 else 8,
-                **launch_options(device))
+    warps = 4 if select <= 1024 else 8
+    asm = WARP_COUNTS and device.type == "cuda" and not interpreted()
+    require(not asm or block >= 32 * warps, f"top-k: a {block}-column tile over {warps} warps would replicate keys, "
+            "which the warp counts would count twice (SPLIT_TILING)")
+    meta = dict(BLOCK=block, SPLITS=triton.next_power_of_2(programs), SELECT=select, WARP_COUNTS=WARP_COUNTS, ASM=asm,
+                num_warps=warps, **launch_options(device))
     if FUSED:
         _topk_kernel[(rows, 3 * splits + 1)](*args, PHASE=-1, **meta)
     else:
@@ -244,25 +250,30 @@ def _histogram(digits, mask, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _count_digits(p_hist, digits, mask):
-    """p_hist[d] += #(lanes with digit d) over the set lanes of mask (digits 0..255): per key, the lanes of its warp
+def _count_digits(p_counts, digits, mask, ASM: tl.constexpr):
+    """p_counts[d] += #(set lanes of mask with digit d) (digits 0..255). ASM (a GPU): per key, the lanes of its warp
     that hold the same digit (match.any; unset lanes hold -1) elect their lowest lane, which adds their count to
-    global memory (red, relaxed: the launch's end, or a CTA barrier and the signal's release, publishes it)."""
-    tl.inline_asm_elementwise(
-        asm="""{
-        .reg .pred p_leader;
-        .reg .b32 peers, lower, count;
-        match.any.sync.b32 peers, $1, 0xffffffff;
-        mov.u32 lower, %lanemask_lt;
-        and.b32 lower, lower, peers;
-        popc.b32 count, peers;
-        setp.ge.s32 p_leader, $1, 0;
-        setp.eq.and.u32 p_leader, lower, 0, p_leader;
-        @p_leader red.relaxed.gpu.global.add.u32 [$2], count;
-        mov.u32 $0, 0;
-        }""",
-        constraints="=r,r,l", args=[tl.where(mask, digits, -1), p_hist + tl.where(mask, digits, 0)],
-        dtype=tl.int32, is_pure=False, pack=1)
+    global memory (red, relaxed: the program reads the counts back after a CTA barrier). Every thread must hold
+    distinct keys (a tile of at least 32 x warps lanes), or a replicated key would count twice. Else an atomic add
+    per key (the interpreter runs no inline PTX)."""
+    if ASM:
+        tl.inline_asm_elementwise(
+            asm="""{
+            .reg .pred p_leader;
+            .reg .b32 peers, lower, count;
+            match.any.sync.b32 peers, $1, 0xffffffff;
+            mov.u32 lower, %lanemask_lt;
+            and.b32 lower, lower, peers;
+            popc.b32 count, peers;
+            setp.ge.s32 p_leader, $1, 0;
+            setp.eq.and.u32 p_leader, lower, 0, p_leader;
+            @p_leader red.relaxed.gpu.global.add.u32 [$2], count;
+            mov.u32 $0, 0;
+            }""",
+            constraints="=r,r,l", args=[tl.where(mask, digits, -1), p_counts + tl.where(mask, digits, 0)],
+            dtype=tl.int32, is_pure=False, pack=1)
+    else:
+        tl.atomic_add(p_counts + digits, tl.full(digits.shape, 1, tl.int32), mask=mask, sem="relaxed")
 
 
 @triton.jit
@@ -318,7 +329,7 @@ def _wait(p_count, target):
 
 
 @triton.jit
-def _phase_a(p_row, p_ws, i_s, lo, hi, BLOCK: tl.constexpr, WARP_COUNTS: tl.constexpr):
+def _phase_a(p_row, p_ws, i_s, lo, hi, BLOCK: tl.constexpr, WARP_COUNTS: tl.constexpr, ASM: tl.constexpr):
     o_b = tl.arange(0, 256)
     if WARP_COUNTS:
         # counted into this chunk's row of the workspace (the row's histogram itself would take every program's
@@ -328,7 +339,7 @@ def _phase_a(p_row, p_ws, i_s, lo, hi, BLOCK: tl.constexpr, WARP_COUNTS: tl.cons
         tl.debug_barrier()
         for start in range(lo, hi, BLOCK):
             o_c, b_key, m_c = _row_tile(p_row, start, hi, BLOCK)
-            _count_digits(p_chunk, (b_key >> 24) + 128, m_c)
+            _count_digits(p_chunk, (b_key >> 24) + 128, m_c, ASM)
         tl.debug_barrier()
         b_h = _shared(p_chunk + o_b)
         tl.debug_barrier()
@@ -342,7 +353,7 @@ def _phase_a(p_row, p_ws, i_s, lo, hi, BLOCK: tl.constexpr, WARP_COUNTS: tl.cons
 
 
 @triton.jit
-def _phase_b(p_row, p_ws, i_s, lo, hi, k, BLOCK: tl.constexpr, WARP_COUNTS: tl.constexpr):
+def _phase_b(p_row, p_ws, i_s, lo, hi, k, BLOCK: tl.constexpr, WARP_COUNTS: tl.constexpr, ASM: tl.constexpr):
     o_b = tl.arange(0, 256)
     d1, _ = _pick(_shared(p_ws + _C_HIST1 + o_b), k)
     top = d1 - 128  # digit 1 as key >> 24
@@ -353,7 +364,7 @@ def _phase_b(p_row, p_ws, i_s, lo, hi, k, BLOCK: tl.constexpr, WARP_COUNTS: tl.c
         o_c, b_key, m_c = _row_tile(p_row, start, hi, BLOCK)
         b_above += (m_c & ((b_key >> 24) > top)).to(tl.int32)
         if WARP_COUNTS:
-            _count_digits(p_chunk, (b_key >> 16) & 255, m_c & ((b_key >> 24) == top))
+            _count_digits(p_chunk, (b_key >> 16) & 255, m_c & ((b_key >> 24) == top), ASM)
         else:
             b_h += _histogram((b_key >> 16) & 255, m_c & ((b_key >> 24) == top), BLOCK)
     if WARP_COUNTS:
@@ -403,7 +414,7 @@ def _candidates(p_row, p_keys, p_cols, start, buffer_end, row_end, BLOCK: tl.con
 def _kth_key(b_key, lo, hi, k):
     """A threshold t with #(b_key > t) <= k <= #(b_key >= t), given #(b_key >= lo) >= k > #(b_key >= hi) (int64
     bounds; with fewer than k keys >= lo, lo itself): bisection, each step a compare and an add per key and one
-    block reduction (a 256-bin tl.histogram costs ~80 instructions per key for 8 bits), stopping early once a
+    block reduction (a 256-bin tl.histogram costs ~73 instructions per key for 8 bits), stopping early once a
     count is exactly k."""
     while hi - lo > 1:
         mid = lo + (hi - lo) // 2
@@ -460,7 +471,7 @@ def _select_looped(p_row, p_keys, p_cols, p_out, buffer_end, row_end, prefix16, 
     for start in range(0, end, BLOCK):
         o_c, b_key, m_c = _candidates(p_row, p_keys, p_cols, start, buffer_end, row_end, BLOCK)
         m_tie = m_c & (b_key == prefix)
-        # flat cumsums: `_running_count` here made phase D spill (sm_90a), register path included
+        # flat cumsums: `_running_count` here made phase D spill at k = 512 (sm_90a proxy), register path included
         m_pick = (m_c & (b_key > prefix)) | (m_tie & (ties + tl.cumsum(m_tie.to(tl.int32), 0) <= need))
         o_out = written + tl.cumsum(m_pick.to(tl.int32), 0) - 1
         tl.store(p_out + o_out, o_c, mask=m_pick & (o_out < k))
@@ -520,7 +531,8 @@ def _topk_row_kernel(scores_ptr, lengths_ptr, out_ptr, J, k, BLOCK: tl.constexpr
 
 @triton.jit(do_not_specialize=["S"])
 def _topk_kernel(scores_ptr, lengths_ptr, ws_ptr, out_ptr, J, W, CHUNK, S, CAP, k, BLOCK: tl.constexpr,
-                 SPLITS: tl.constexpr, SELECT: tl.constexpr, PHASE: tl.constexpr, WARP_COUNTS: tl.constexpr):
+                 SPLITS: tl.constexpr, SELECT: tl.constexpr, PHASE: tl.constexpr, WARP_COUNTS: tl.constexpr,
+                 ASM: tl.constexpr):
     """Row i_r. PHASE -1: one launch of 3S + 1 programs per row, the role from a ticket; 0..3: that phase
     alone (grid (R, S), or (R, 1) for D), ordered by the launches."""
     wait_for_prior_grids()
@@ -538,13 +550,13 @@ def _topk_kernel(scores_ptr, lengths_ptr, ws_ptr, out_ptr, J, W, CHUNK, S, CAP, 
     lo = i_s * CHUNK
     hi = tl.minimum(lo + CHUNK, n)
     if role == 0:
-        _phase_a(p_row, p_ws, i_s, lo, hi, BLOCK, WARP_COUNTS)
+        _phase_a(p_row, p_ws, i_s, lo, hi, BLOCK, WARP_COUNTS, ASM)
         if PHASE < 0:
             _signal(p_ws + _C_DONE_A)
     elif role == 1:
         if PHASE < 0:
             _wait(p_ws + _C_DONE_A, S)
-        _phase_b(p_row, p_ws, i_s, lo, hi, k, BLOCK, WARP_COUNTS)
+        _phase_b(p_row, p_ws, i_s, lo, hi, k, BLOCK, WARP_COUNTS, ASM)
         if PHASE < 0:
             _signal(p_ws + _C_DONE_B)
     elif role == 2:
