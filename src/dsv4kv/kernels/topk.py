@@ -333,7 +333,7 @@ def _phase_a(p_row, p_ws, i_s, lo, hi, BLOCK: tl.constexpr, WARP_COUNTS: tl.cons
     o_b = tl.arange(0, 256)
     if WARP_COUNTS:
         # counted into this chunk's row of the workspace (the row's histogram itself would take every program's
-        # reductions at its few busy bins: 1.5x slower at 1M columns), then added to it
+        # reductions at its few busy bins: 1.7x slower at 1M columns), then added to it
         p_chunk = p_ws + _C_HEADER + i_s * 256
         tl.store(p_chunk + o_b, tl.zeros([256], dtype=tl.int32))
         tl.debug_barrier()
@@ -427,8 +427,9 @@ def _kth_key(b_key, lo, hi, k):
 @triton.jit
 def _running_count(mask, BLOCK: tl.constexpr):
     """int32 [BLOCK]: how many lanes of mask up to and including each are set (tl.cumsum's result). Scanned as rows
-    of 4 lanes, each within a thread, and a scan of the row totals: 36-50% fewer instructions than a scan of the
-    flat vector, which shuffles each lane's value through its warp (sm_90a SASS, scripts/topk_sass.py)."""
+    of 4 lanes, each within a thread, and a scan of the row totals: 36-51% fewer instructions than a scan of the
+    flat vector, which shuffles each lane's value through its warp (a compaction loop's sm_90a SASS,
+    docs/device/2026-11-26-topk-sass-cpu.log)."""
     b_rows = tl.reshape(mask.to(tl.int32), (BLOCK // 4, 4))
     b_totals = tl.sum(b_rows, 1)
     return tl.reshape(tl.cumsum(b_rows, 1) + (tl.cumsum(b_totals, 0) - b_totals)[:, None], (BLOCK,))
