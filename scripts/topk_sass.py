@@ -53,8 +53,6 @@ def report(label: str, module) -> None:
                     consts["WARP_COUNTS"] = module.WARP_COUNTS
                 if "ASM" in module._topk_kernel.arg_names:
                     consts["ASM"] = module.WARP_COUNTS
-                if "D_IN_C" in module._topk_kernel.arg_names:
-                    consts["D_IN_C"] = module.D_IN_C
                 print(f"{label} split {block}-column tiles, k {k}, phase {'ABCD'[phase]}: "
                       f"{compile_kernel(module._topk_kernel, consts, 4 if select <= 1024 else 8)}", flush=True)
     for block, warps in ((4096, 4), (16384, 8)):  # as launched for 1 row of 4096, 64 rows of 16K

@@ -56,26 +56,24 @@ def make_rows(seed, rows, cols, kind, device="cpu"):
 
 @pytest.fixture(params=["row", "fused", "phased", "phased-histograms"])
 def mode(request, monkeypatch):
-    """The one-program-per-row kernel, or the split radix select in one launch (tickets order the phases), in three
-    (phase D run by phase C's last program, `D_IN_C`) with phases A and B counting digits into the workspace
-    (`WARP_COUNTS`), or in four with tl.histogram: the same results."""
+    """The one-program-per-row kernel, or the split radix select in one launch (tickets order the phases) or in
+    four, its phases A and B counting digits into the workspace (`WARP_COUNTS`) or by tl.histogram: the same
+    results."""
     for name in ("ROW_MAX_COLS", "ROW_MAX_COLS_MANY"):
         monkeypatch.setattr(topk_module, name, 1 << 30 if request.param == "row" else 0)
     monkeypatch.setattr(topk_module, "FUSED", request.param == "fused")
     monkeypatch.setattr(topk_module, "WARP_COUNTS", request.param != "phased-histograms")
-    monkeypatch.setattr(topk_module, "D_IN_C", request.param != "phased-histograms")
     return request.param
 
 
 @pytest.fixture(params=["fused", "phased", "phased-histograms"])
 def split_mode(request, monkeypatch):
-    """The split radix select for every row length (its workspace, buffer and select paths): in one launch, in three
-    counting digits into the workspace, in four by tl.histogram."""
+    """The split radix select for every row length (its workspace, buffer and select paths), in one launch or four,
+    counting digits into the workspace or by tl.histogram."""
     for name in ("ROW_MAX_COLS", "ROW_MAX_COLS_MANY"):
         monkeypatch.setattr(topk_module, name, 0)
     monkeypatch.setattr(topk_module, "FUSED", request.param == "fused")
     monkeypatch.setattr(topk_module, "WARP_COUNTS", request.param != "phased-histograms")
-    monkeypatch.setattr(topk_module, "D_IN_C", request.param != "phased-histograms")
     return request.param
 
 
@@ -218,7 +216,7 @@ def test_topk_kernel_choice(monkeypatch):
         lengths = torch.full((rows,), cols, dtype=torch.int32, device=DEVICE)
         topk_indices(torch.zeros(rows, cols, device=DEVICE), lengths, 8)
         assert {name for name, _ in launches} == {want}, (rows, cols)
-        assert len(launches) == (1 if want == "row" else 3 if topk_module.D_IN_C else 4)
+        assert len(launches) == (1 if want == "row" else 4)
 
 
 def test_topk_row_kernel_needs_no_workspace():

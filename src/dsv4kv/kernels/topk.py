@@ -36,8 +36,7 @@ C  [S per row]  digit 2 from hist2, i.e. the 16-bit prefix P of T; the chunk's c
 D  [1 per row]  the low 16 bits of T, then the picks (running counts, ties counted in column order) and the -1
                 tail. With M <= SELECT the buffer is read once into registers and T found there by bisection
                 (`_kth_key`, at most 16 steps of one compare per key); else three passes over the buffer, digits 3
-                and 4 from two histograms. It zeroes the row's histograms and counters for the next call. With
-                `D_IN_C` (the default) the row's last phase-C program to finish runs it: three launches.
+                and 4 from two histograms. It zeroes the row's histograms and counters for the next call.
 
 One launch (`FUSED = True`; four launches are the default, faster on the H200): every program of row r takes a
 ticket from the row's counter when it starts and the ticket gives its role: tickets 0..S-1 run phase A on chunk t,
@@ -47,8 +46,7 @@ it cannot deadlock however many programs the GPU holds at once (CUB's decoupled 
 and under Triton's interpreter, which runs programs one after another, nothing ever waits. A signal is a CTA
 barrier, then a release increment by one thread; a wait polls with acquire reads by one thread, then a CTA barrier
 (CUTLASS's `GenericBarrier` does the same); data another program wrote is read past L1 (".cg").
-`FUSED = False` launches the phases as kernels instead (the same code, no tickets, no waits): three, or four
-without `D_IN_C`.
+`FUSED = False` launches the four phases as four kernels instead (the same code, no tickets, no waits).
 
 Passes over the scores: three (phases A-C, chunks in parallel; after the first, from L2), then the M buffered
 candidates. If M exceeds the buffer's capacity (e.g. tens of thousands of equal scores), phase D makes its
@@ -97,9 +95,6 @@ BIG_FROM = 1 << 20
 # tl.histogram per tile (~73 SASS instructions per key). H200, 64 x 32K 45.4 -> 34.4 us, 1 x 1M 33.5 -> 30.2
 # (docs/performance.md, "Top-k's digits counted by warp").
 WARP_COUNTS = True
-# Phase D run by the last phase-C program of each row to finish (a count of finished programs, no waiting): three
-# launches instead of four.
-D_IN_C = True
 _BINS = 256  # 8-bit digits: four levels cover the 32-bit key
 _LINE = 32  # int32s per 128-byte line: each counter on its own line, so spinning readers do not share a line
 _TICKET, _DONE_A, _DONE_B, _DONE_C = 0, _LINE, 2 * _LINE, 3 * _LINE
@@ -208,12 +203,11 @@ def topk_indices(scores: torch.Tensor, lengths: torch.Tensor, k: int, *, out: to
     meta = dict(BLOCK=block, SPLITS=triton.next_power_of_2(programs), SELECT=select, WARP_COUNTS=WARP_COUNTS, ASM=asm,
                 num_warps=warps, **launch_options(device))
     if FUSED:
-        _topk_kernel[(rows, 3 * splits + 1)](*args, PHASE=-1, D_IN_C=False, **meta)
+        _topk_kernel[(rows, 3 * splits + 1)](*args, PHASE=-1, **meta)
     else:
         for phase in range(3):
-            _topk_kernel[(rows, splits)](*args, PHASE=phase, D_IN_C=D_IN_C, **meta)
-        if not D_IN_C:
-            _topk_kernel[(rows, 1)](*args, PHASE=3, D_IN_C=False, **meta)
+            _topk_kernel[(rows, splits)](*args, PHASE=phase, **meta)
+        _topk_kernel[(rows, 1)](*args, PHASE=3, **meta)
     return out
 
 
@@ -539,10 +533,9 @@ def _topk_row_kernel(scores_ptr, lengths_ptr, out_ptr, J, k, BLOCK: tl.constexpr
 @triton.jit(do_not_specialize=["S"])
 def _topk_kernel(scores_ptr, lengths_ptr, ws_ptr, out_ptr, J, W, CHUNK, S, CAP, k, BLOCK: tl.constexpr,
                  SPLITS: tl.constexpr, SELECT: tl.constexpr, PHASE: tl.constexpr, WARP_COUNTS: tl.constexpr,
-                 ASM: tl.constexpr, D_IN_C: tl.constexpr):
+                 ASM: tl.constexpr):
     """Row i_r. PHASE -1: one launch of 3S + 1 programs per row, the role from a ticket; 0..3: that phase
-    alone (grid (R, S), or (R, 1) for D), ordered by the launches; with D_IN_C, phase C's last program of the row
-    runs phase D."""
+    alone (grid (R, S), or (R, 1) for D), ordered by the launches."""
     wait_for_prior_grids()
     i_r = tl.program_id(0)
     n = tl.minimum(tl.maximum(tl.load(lengths_ptr + i_r), 0), J)
@@ -573,26 +566,13 @@ def _topk_kernel(scores_ptr, lengths_ptr, ws_ptr, out_ptr, J, W, CHUNK, S, CAP, 
         _phase_c(p_row, p_ws, i_s, lo, hi, S, CAP, k, BLOCK, SPLITS)
         if PHASE < 0:
             _signal(p_ws + _C_DONE_C)
-        elif D_IN_C:
-            # the row's last phase-C program to finish selects: a CTA barrier, then one thread's acquire-release
-            # count publishes this program's buffer writes and, for the last, acquires every other's
-            tl.debug_barrier()
-            if tl.atomic_add(p_ws + _C_DONE_C, 1, sem="acq_rel") == S - 1:
-                tl.debug_barrier()
-                _select_row(p_row, p_ws, out_ptr + i_r.to(tl.int64) * k, n, S, CAP, k, BLOCK, SPLITS, SELECT)
     else:
         if PHASE < 0:
             _wait(p_ws + _C_DONE_A, S)  # all three: then every ticket is taken and no program touches
             _wait(p_ws + _C_DONE_B, S)  # the row's workspace again, so it can be zeroed below
             _wait(p_ws + _C_DONE_C, S)
-        _select_row(p_row, p_ws, out_ptr + i_r.to(tl.int64) * k, n, S, CAP, k, BLOCK, SPLITS, SELECT)
-
-
-@triton.jit
-def _select_row(p_row, p_ws, p_out, n, S, CAP, k, BLOCK: tl.constexpr, SPLITS: tl.constexpr, SELECT: tl.constexpr):
-    """Phase D, then the row's counters and histograms zeroed for the next call (no program of this call touches
-    them again)."""
-    _phase_d(p_row, p_ws, p_out, n, S, CAP, k, BLOCK, SPLITS, SELECT)
-    tl.debug_barrier()
-    o_h = tl.arange(0, 1024)
-    tl.store(p_ws + o_h, tl.zeros([1024], dtype=tl.int32), mask=o_h < _C_HEADER)
+        _phase_d(p_row, p_ws, out_ptr + i_r.to(tl.int64) * k, n, S, CAP, k, BLOCK, SPLITS, SELECT)
+        # leave the counters and histograms zero for the next call
+        tl.debug_barrier()
+        o_h = tl.arange(0, 1024)
+        tl.store(p_ws + o_h, tl.zeros([1024], dtype=tl.int32), mask=o_h < _C_HEADER)
