@@ -31,19 +31,32 @@ DIVISIBLE_BY_16 = {"win_page_bytes", "ent_page_bytes", "n_picks", "H", "bt_strid
 TILES = [(64, 64, 8), (64, 32, 8), (16, 32, 4)]  # (BLOCK_H, BLOCK_N, num_warps) of `attention._config`
 
 
+def compile_sm90(kernel, consts: dict, pointers: dict, *, divisible=(), floats=(), **options):
+    """`kernel` compiled for sm_90a as a launch would specialize it: `consts` as constexprs, the named pointers with
+    their types and 16-byte alignment, runtime ints as i32 (fp32 where named in `floats`), those in `divisible`
+    marked divisible by 16. options: num_warps, num_stages, maxnreg."""
+    names = kernel.arg_names
+    signature = {n: "constexpr" if n in consts else pointers.get(n, "fp32" if n in floats else "i32") for n in names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n in pointers or n in divisible}
+    source = triton.compiler.ASTSource(fn=kernel, signature=signature, attrs=attrs,
+                                       constexprs={(names.index(n),): v for n, v in consts.items() if n in names})
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def registers_and_spills(ptxas: str) -> tuple[int, int, int]:
+    """(registers, spill store bytes, spill load bytes) from ptxas -v's report."""
+    stores, loads = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", ptxas).groups()
+    return int(re.search(r"Used (\d+) registers", ptxas).group(1)), int(stores), int(loads)
+
+
 def compile_kernel(kernel, block_h: int, block_n: int, warps: int, csa: bool, scratch: bool):
     """The kernel compiled for sm_90a (runtime ints as i32; constexprs of a V4-Flash CSA or HCA launch; scratch:
     the logits through memory, `attention.QK_SCRATCH`)."""
     consts = dict(RATIO=4 if csa else 128, ENT_PER_PAGE=256 if csa else 8, WINDOW=128, D=512, NOPE=448,
                   QK_SCRATCH=scratch, DATA_BYTES=576, SCALE_BYTES=8, ENTRIES=2 if csa else 1, Q_SPLIT=False, DOT_F32=False,
                   BLOCK_H=block_h, BLOCK_N=block_n, SPLIT=False)
-    names = kernel.arg_names
-    signature = {n: "constexpr" if n in consts else POINTERS.get(n, "fp32" if n == "qk_scale" else "i32")
-                 for n in names}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n in POINTERS or n in DIVISIBLE_BY_16}
-    source = triton.compiler.ASTSource(fn=kernel, signature=signature, attrs=attrs,
-                                       constexprs={(names.index(n),): v for n, v in consts.items() if n in names})
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=1))
+    return compile_sm90(kernel, consts, POINTERS, divisible=DIVISIBLE_BY_16, floats={"qk_scale"}, num_warps=warps,
+                        num_stages=1)
 
 
 def tool(name: str) -> str:
@@ -92,8 +105,7 @@ def main() -> int:
         for block_h, block_n, warps in TILES:
             compiled = compile_kernel(kernel, block_h, block_n, warps, csa, args.scratch)
             ptxas, sass = ptxas_and_sass(compiled)
-            regs = re.search(r"Used (\d+) registers", ptxas).group(1)
-            spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", ptxas).groups()
+            regs, *spills = registers_and_spills(ptxas)
             count, ops = loop_mix(sass)
             print(f"{'CSA' if csa else 'HCA'} heads {block_h} keys {block_n} warps {warps}: {regs} registers, "
                   f"spill stores / loads {spills[0]} / {spills[1]} B, shared {compiled.metadata.shared} B, "

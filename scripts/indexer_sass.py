@@ -16,15 +16,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import sys
 
-import triton
 import triton.language as tl
-from triton.backends.compiler import GPUTarget
 
 sys.path.insert(0, os.path.dirname(__file__))
-from attention_sass import loops, ptxas_and_sass  # noqa: E402
+from attention_sass import compile_sm90, loops, ptxas_and_sass, registers_and_spills  # noqa: E402
 
 from dsv4kv.kernels import indexer  # noqa: E402
 
@@ -42,14 +39,8 @@ def compile_row_kernel(fp8: bool, stages: int, block_j: int = 64, warps: int = 4
     consts = dict(FORMAT=indexer._MXFP4, RATIO=4, D=128, P=256, PAGE_BYTES=256 * 68, DATA_BYTES=64, SCALE_BYTES=4,
                   BLOCK_H=64, BLOCK_J=block_j, FILL_J=block_j, DOT=tl.bfloat16, FILL=False, MMA8=fp8, ASM=True,
                   BITS=bits, PAGE_TILES=page_tiles)
-    names = kernel.arg_names
-    signature = {n: "constexpr" if n in consts else POINTERS.get(n, "fp32" if n == "score_scale" else "i32")
-                 for n in names}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n in POINTERS or n in DIVISIBLE_BY_16}
-    source = triton.compiler.ASTSource(fn=kernel, signature=signature, attrs=attrs,
-                                       constexprs={(names.index(n),): v for n, v in consts.items()})
-    options = dict(num_warps=warps, num_stages=stages, **({"maxnreg": maxnreg} if maxnreg else {}))
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+    return compile_sm90(kernel, consts, POINTERS, divisible=DIVISIBLE_BY_16, floats={"score_scale"}, num_warps=warps,
+                        num_stages=stages, **({"maxnreg": maxnreg} if maxnreg else {}))
 
 
 def main() -> int:
@@ -62,8 +53,7 @@ def main() -> int:
                            (True, indexer.FP8_MAX_REGISTERS, True)):
         compiled = compile_row_kernel(fp8, stages, maxnreg=cap, bits=bits)
         ptxas, sass = ptxas_and_sass(compiled)
-        regs = re.search(r"Used (\d+) registers", ptxas).group(1)
-        spills = re.search(r"(\d+) bytes spill stores", ptxas).group(1)
+        regs, spills, _ = registers_and_spills(ptxas)
         found = loops(sass)  # with the FP8 path the kernel holds both key loops (the bf16 one is the fallback)
         decode = "bit moves" if bits else "through fp32"
         print(f"{'FP8 MMA' if fp8 else 'bf16'} path (bf16 decode {decode}){f', maxnreg {cap}' if cap else ''}, "

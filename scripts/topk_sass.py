@@ -14,14 +14,12 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
-import re
 import sys
 
 import triton
-from triton.backends.compiler import GPUTarget
 
 sys.path.insert(0, os.path.dirname(__file__))
-from attention_sass import loops, ptxas_and_sass  # noqa: E402
+from attention_sass import compile_sm90, loops, ptxas_and_sass, registers_and_spills  # noqa: E402
 
 import dsv4kv.kernels.topk as current  # noqa: E402
 
@@ -30,15 +28,8 @@ POINTERS = {"scores_ptr": "*fp32", "lengths_ptr": "*i32", "ws_ptr": "*i32", "out
 
 def compile_kernel(kernel, consts: dict, warps: int) -> str:
     """'registers R, spills S B, loops [N, ...]' of `kernel` built for sm_90a with `consts`."""
-    names = kernel.arg_names
-    signature = {n: "constexpr" if n in consts else POINTERS.get(n, "i32") for n in names}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n in POINTERS}
-    source = triton.compiler.ASTSource(fn=kernel, signature=signature, attrs=attrs,
-                                       constexprs={(names.index(n),): v for n, v in consts.items()})
-    ptxas, sass = ptxas_and_sass(triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                                                options=dict(num_warps=warps)))
-    registers = re.search(r"Used (\d+) registers", ptxas).group(1)
-    spills = re.search(r"(\d+) bytes spill stores", ptxas).group(1)
+    ptxas, sass = ptxas_and_sass(compile_sm90(kernel, consts, POINTERS, num_warps=warps))
+    registers, spills, _ = registers_and_spills(ptxas)
     sizes = sorted((n for n, _ in loops(sass, at_least=20)), reverse=True)
     return f"registers {registers:>3}, spills {spills:>2} B, loops {sizes}"
 
