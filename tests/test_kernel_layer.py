@@ -68,6 +68,36 @@ def test_kernels_match_the_reference_layer(index, formats):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("index", [0, 1, 2])
+def test_decode_steps_append_the_window_beside_attention(monkeypatch, index):
+    """With one row per request, the window append runs before attention in program order (beside it on a GPU's side
+    stream): the ring entry each row overwrites, position p - window, is outside that row's window. Past the window
+    (16 tokens), decode steps still match the reference layer, and a step where a request brings 3 rows (whose
+    appends would overwrite entries its own earlier rows read) keeps the append after attention. Rings bit for bit."""
+    from dsv4kv import kernels
+    calls = []
+    for name in ("append_window", "sparse_attention_paged"):
+        original = getattr(kernels, name)
+        monkeypatch.setattr(kernels, name, lambda *a, _f=original, _n=name, **kw: (calls.append(_n), _f(*a, **kw))[1])
+    torch_layer, triton_layer = layer_pair(index, seed=3)
+    caches = [make_cache("fp8", "mxfp4") for _ in range(2)]
+    rids = [[c.admit() for _ in range(2)] for c in caches]
+    buffers = caches[1].step_buffers(max_tokens=40, max_requests=3, max_seq_len=128)
+    gen = torch.Generator().manual_seed(index)
+    steps = [[(0, 21), (1, 17)]] + [[(0, 1), (1, 1)]] * 3 + [[(0, 3), (1, 1)]] + [[(1, 1), (0, 1)]] * 2
+    for step in steps:
+        x = torch.randn(sum(n for _, n in step), TINY.hidden_size, generator=gen).to(torch.bfloat16).to(DEVICE)
+        want = torch_layer(x, caches[0].plan_step([(rids[0][i], n) for i, n in step]), caches[0])
+        calls.clear()
+        got = triton_layer(x, caches[1].plan_step([(rids[1][i], n) for i, n in step], buffers=buffers), caches[1])
+        decode = all(n == 1 for _, n in step)
+        assert calls == (["append_window", "sparse_attention_paged"] if decode
+                         else ["sparse_attention_paged", "append_window"]), (step, calls)
+        error = (got.float() - want.float()).abs().amax(-1) / want.float().abs().amax(-1)
+        assert float(error.max()) <= ROW_TOL, (step, error)
+        assert torch.equal(caches[1].pools.layers[index].window, caches[0].pools.layers[index].window), step
+
+
 def test_backend_choice_and_bad_input():
     layer = DSV4Attention(TINY, 0, dtype=torch.float32)
     assert layer.resolved_backend(torch.device("cpu")) == "torch"

@@ -41,6 +41,10 @@ __all__ = ["DSV4Attention", "Projected", "RMSNorm", "init_random_weights", "BACK
 # "torch": the PyTorch reference ops; "triton": the kernels (CUDA, or CPU under TRITON_INTERPRET=1);
 # "auto": the kernels for bf16 activations on CUDA, else the reference.
 BACKENDS = ("auto", "torch", "triton")
+# The kernel path's window-ring append beside attention on the side stream when each request has one row in the
+# step (`DSV4Attention.attention_core`); False: after attention on the main stream, as every other step does. Read at
+# each call.
+WINDOW_APPEND_BESIDE = True
 
 # Geometry fields one layer's weights and computation depend on; the layer's own LayerSpec is compared too.
 _LAYER_FIELDS = ("hidden_size", "num_heads", "head_dim", "rope_dim", "q_lora_rank", "o_groups", "o_lora_rank",
@@ -309,7 +313,8 @@ class DSV4Attention(nn.Module):
         bf16 [R, heads, head_dim], ready for the output projection. No checks: `forward` makes them.
 
         The step's kv is encoded once into a step page; attention reads its own window keys from there and
-        older ones from the ring, which is updated (a byte copy) only after attention.
+        older ones from the ring, which is updated (a byte copy) after attention, or beside it when each request
+        has one row in the step (no row's window holds an entry the append overwrites).
 
         On CUDA the longest chain to attention (CSA: the indexer's compress, scores and top-k; HCA: the main
         compress; window layers: the kv insert) stays on the current stream and the kernels that do not feed it
@@ -368,6 +373,12 @@ class DSV4Attention(nn.Module):
         # the main stream keeps the longest chain to attention: the indexer chain (CSA), the main compress (HCA) or
         # the kv insert (window layers); the rest goes to the side stream
         streams = StepStreams(device)
+        # With one row per request (every decode step: counts are >= 1), the ring entry a row's append overwrites,
+        # position p - window, is outside that row's window (p - window + 1 .. p), and no other row reads that
+        # request's ring: the append may then run before attention, beside the chain, instead of after it on the
+        # main stream. A host fact of the plan; a graph captured over a decode plan replays decode plans only
+        # (`DecodeGraph.step` checks one token per request).
+        window_first = WINDOW_APPEND_BESIDE and plan.num_tokens == plan.num_requests
         streams.fork()
         try:  # the side stream is joined whatever happens: no tensor it uses is freed under it
             with streams.on_side():
@@ -405,14 +416,25 @@ class DSV4Attention(nn.Module):
                 workspace = plan.derived(("topk workspace", columns, g.index_topk),
                                          lambda: topk_workspace(rows, columns, g.index_topk, device))
                 picks = topk_indices(scores, visible, g.index_topk, workspace=workspace)
+            if window_first:
+                if not spec.compressed:  # the step page: a window layer's kv insert runs on main
+                    streams.side_waits(streams.main_mark())
+                attention_inputs = streams.side_mark()
+                with streams.on_side():
+                    append_window(layer_cache.window, main, g.window, plan, step_kv)
+                streams.main_waits(attention_inputs)
+            else:
+                streams.join()
+            out = sparse_attention_paged(q, plan, sinks=self.sinks, scale=g.head_dim ** -0.5, layout=main,
+                                         window=g.window, window_pool=layer_cache.window, step_kv=step_kv,
+                                         entry_pool=layer_cache.entries if spec.compressed else None,
+                                         ratio=spec.ratio if spec.compressed else 0, page_tokens=page_tokens,
+                                         picks=picks, max_entries=entries,
+                                         inverse_rope=cos_sin)  # the output's inverse RoPE too
         finally:
             streams.join()
-        out = sparse_attention_paged(q, plan, sinks=self.sinks, scale=g.head_dim ** -0.5, layout=main, window=g.window,
-                                     window_pool=layer_cache.window, step_kv=step_kv,
-                                     entry_pool=layer_cache.entries if spec.compressed else None,
-                                     ratio=spec.ratio if spec.compressed else 0, page_tokens=page_tokens, picks=picks,
-                                     max_entries=entries, inverse_rope=cos_sin)  # the output's inverse RoPE too
-        append_window(layer_cache.window, main, g.window, plan, step_kv)
+        if not window_first:
+            append_window(layer_cache.window, main, g.window, plan, step_kv)
         if plan.snapshots is not None:  # prefix caching: rows of boundaries inside the step
             cache.capture_boundaries(self.layer_index, plan, step_kv=step_kv, state_rows=state_rows)
         return out

@@ -293,12 +293,19 @@ def _shared(p):
 
 
 @triton.jit
-def _prefix16(p_ws, k):
-    """The 16-bit prefix of the threshold (signed, as key >> 16), its digit 2 and the count still
-    needed among keys with that prefix, from hist1 and hist2."""
+def _histograms(p_ws):
+    """hist1 and hist2, both loads issued before either is used (a pick's scan holds CTA barriers, which a later
+    load would not be moved above)."""
     o_b = tl.arange(0, 256)
-    d1, need1 = _pick(_shared(p_ws + _C_HIST1 + o_b), k)
-    d2, need2 = _pick(_shared(p_ws + _C_HIST2 + o_b), need1)
+    return _shared(p_ws + _C_HIST1 + o_b), _shared(p_ws + _C_HIST2 + o_b)
+
+
+@triton.jit
+def _prefix16(hist1, hist2, k):
+    """The 16-bit prefix of the threshold (signed, as key >> 16), its digit 2 and the count still
+    needed among keys with that prefix, from the row's two histograms (`_histograms`)."""
+    d1, need1 = _pick(hist1, k)
+    d2, need2 = _pick(hist2, need1)
     return (d1 - 128) * 256 + d2, d2, need2
 
 
@@ -331,13 +338,15 @@ def _wait(p_count, target):
 @triton.jit
 def _phase_a(p_row, p_ws, i_s, lo, hi, BLOCK: tl.constexpr, WARP_COUNTS: tl.constexpr, ASM: tl.constexpr):
     o_b = tl.arange(0, 256)
+    o_c, b_key, m_c = _row_tile(p_row, lo, hi, BLOCK)  # the first tile in flight before anything else
     if WARP_COUNTS:
         # counted into this chunk's row of the workspace (the row's histogram itself would take every program's
         # reductions at its few busy bins: 1.7x slower at 1M columns), then added to it
         p_chunk = p_ws + _C_HEADER + i_s * 256
         tl.store(p_chunk + o_b, tl.zeros([256], dtype=tl.int32))
         tl.debug_barrier()
-        for start in range(lo, hi, BLOCK):
+        _count_digits(p_chunk, (b_key >> 24) + 128, m_c, ASM)
+        for start in range(lo + BLOCK, hi, BLOCK):
             o_c, b_key, m_c = _row_tile(p_row, start, hi, BLOCK)
             _count_digits(p_chunk, (b_key >> 24) + 128, m_c, ASM)
         tl.debug_barrier()
@@ -345,28 +354,40 @@ def _phase_a(p_row, p_ws, i_s, lo, hi, BLOCK: tl.constexpr, WARP_COUNTS: tl.cons
         tl.debug_barrier()
         tl.store(p_chunk + o_b, tl.zeros([256], dtype=tl.int32))  # phase B counts here
     else:
-        b_h = tl.zeros([256], dtype=tl.int32)
-        for start in range(lo, hi, BLOCK):
+        b_h = _histogram((b_key >> 24) + 128, m_c, BLOCK)
+        for start in range(lo + BLOCK, hi, BLOCK):
             o_c, b_key, m_c = _row_tile(p_row, start, hi, BLOCK)
             b_h += _histogram((b_key >> 24) + 128, m_c, BLOCK)
     tl.atomic_add(p_ws + _C_HIST1 + o_b, b_h, mask=b_h != 0, sem="relaxed")
 
 
 @triton.jit
+def _digit2_tile(p_chunk, b_key, m_c, top, b_above, b_h, BLOCK: tl.constexpr, WARP_COUNTS: tl.constexpr,
+                 ASM: tl.constexpr):
+    """Phase B over one tile: its keys above top digit `top` added to b_above, its digit 2 among keys of that top
+    digit counted (into p_chunk, or added to b_h). Returns (b_above, b_h)."""
+    b_above += (m_c & ((b_key >> 24) > top)).to(tl.int32)
+    if WARP_COUNTS:
+        _count_digits(p_chunk, (b_key >> 16) & 255, m_c & ((b_key >> 24) == top), ASM)
+    else:
+        b_h += _histogram((b_key >> 16) & 255, m_c & ((b_key >> 24) == top), BLOCK)
+    return b_above, b_h
+
+
+@triton.jit
 def _phase_b(p_row, p_ws, i_s, lo, hi, k, BLOCK: tl.constexpr, WARP_COUNTS: tl.constexpr, ASM: tl.constexpr):
     o_b = tl.arange(0, 256)
+    o_c, b_key, m_c = _row_tile(p_row, lo, hi, BLOCK)  # the first tile's loads in flight with hist1's
     d1, _ = _pick(_shared(p_ws + _C_HIST1 + o_b), k)
     top = d1 - 128  # digit 1 as key >> 24
     p_chunk = p_ws + _C_HEADER + i_s * 256  # this chunk's digit-2 counts (zeroed by phase A), then its suffix
     b_above = tl.zeros([BLOCK], dtype=tl.int32)  # keys whose top digit is higher: all in the buffer
     b_h = tl.zeros([256], dtype=tl.int32)
-    for start in range(lo, hi, BLOCK):
+    # the first tile outside the loop, so no tile is carried by it (registers; an empty chunk's tile is all masked)
+    b_above, b_h = _digit2_tile(p_chunk, b_key, m_c, top, b_above, b_h, BLOCK, WARP_COUNTS, ASM)
+    for start in range(lo + BLOCK, hi, BLOCK):
         o_c, b_key, m_c = _row_tile(p_row, start, hi, BLOCK)
-        b_above += (m_c & ((b_key >> 24) > top)).to(tl.int32)
-        if WARP_COUNTS:
-            _count_digits(p_chunk, (b_key >> 16) & 255, m_c & ((b_key >> 24) == top), ASM)
-        else:
-            b_h += _histogram((b_key >> 16) & 255, m_c & ((b_key >> 24) == top), BLOCK)
+        b_above, b_h = _digit2_tile(p_chunk, b_key, m_c, top, b_above, b_h, BLOCK, WARP_COUNTS, ASM)
     if WARP_COUNTS:
         tl.debug_barrier()  # every warp's counts are in
         b_h = _shared(p_chunk + o_b)
@@ -378,22 +399,32 @@ def _phase_b(p_row, p_ws, i_s, lo, hi, k, BLOCK: tl.constexpr, WARP_COUNTS: tl.c
 
 
 @triton.jit
+def _buffer_tile(p_keys, CAP, o_c, b_key, m_c, prefix, at):
+    """Phase C over one tile: its keys with key >> 16 >= prefix into the buffer from slot `at`, in column order.
+    Returns how many."""
+    m_keep = m_c & ((b_key >> 16) >= prefix)
+    # a flat cumsum: `_running_count` made this phase slower (122 registers against 110; docs/performance.md)
+    o_buf = at + tl.cumsum(m_keep.to(tl.int32), 0) - 1
+    tl.store(p_keys + o_buf, b_key, mask=m_keep)
+    tl.store(p_keys + CAP + o_buf, o_c, mask=m_keep)
+    return tl.sum(m_keep.to(tl.int32))
+
+
+@triton.jit
 def _phase_c(p_row, p_ws, i_s, lo, hi, S, CAP, k, BLOCK: tl.constexpr, SPLITS: tl.constexpr):
-    prefix, d2, _ = _prefix16(p_ws, k)
+    o_c, b_key, m_c = _row_tile(p_row, lo, hi, BLOCK)  # the first tile's loads in flight with the histograms'
+    hist1, hist2 = _histograms(p_ws)
+    prefix, d2, _ = _prefix16(hist1, hist2, k)
     o_s = tl.arange(0, SPLITS)
     b_count = _buffered(p_ws, d2, S, SPLITS)
-    base = tl.sum(tl.where(o_s < i_s, b_count, 0))
+    at = tl.sum(tl.where(o_s < i_s, b_count, 0))
     hi = tl.where(tl.sum(b_count) <= CAP, hi, lo)  # an overflowing row is read whole by phase D
     p_keys = p_ws + _C_HEADER + S * 256
-    written = tl.full((), 0, tl.int32)
-    for start in range(lo, hi, BLOCK):
+    # the first tile outside the loop, so no tile is carried by it (168 registers against 110 on the proxy)
+    at += _buffer_tile(p_keys, CAP, o_c, b_key, m_c & (o_c < hi), prefix, at)
+    for start in range(lo + BLOCK, hi, BLOCK):
         o_c, b_key, m_c = _row_tile(p_row, start, hi, BLOCK)
-        m_keep = m_c & ((b_key >> 16) >= prefix)
-        # a flat cumsum: `_running_count` made this phase slower (122 registers against 110; docs/performance.md)
-        o_buf = base + written + tl.cumsum(m_keep.to(tl.int32), 0) - 1
-        tl.store(p_keys + o_buf, b_key, mask=m_keep)
-        tl.store(p_keys + CAP + o_buf, o_c, mask=m_keep)
-        written += tl.sum(m_keep.to(tl.int32))
+        at += _buffer_tile(p_keys, CAP, o_c, b_key, m_c, prefix, at)
 
 
 @triton.jit
@@ -494,10 +525,16 @@ def _phase_d(p_row, p_ws, p_out, n, S, CAP, k, BLOCK: tl.constexpr, SPLITS: tl.c
              SELECT: tl.constexpr):
     p_keys = p_ws + _C_HEADER + S * 256
     p_cols = p_keys + CAP
-    prefix16, d2, need2 = _prefix16(p_ws, k)
+    # the register path's candidates (the buffer's first SELECT slots, however many hold one) in flight with the
+    # histograms', before the count of them is known
+    o_t = tl.arange(0, SELECT)
+    b_bkey = tl.load(p_keys + o_t, mask=o_t < CAP, other=0, cache_modifier=".cg")
+    b_bcol = tl.load(p_cols + o_t, mask=o_t < CAP, other=0, cache_modifier=".cg")
+    hist1, hist2 = _histograms(p_ws)
+    prefix16, d2, need2 = _prefix16(hist1, hist2, k)
     total = tl.sum(_buffered(p_ws, d2, S, SPLITS))
     if (total <= SELECT) & (total <= CAP):  # the usual case: every buffered candidate in registers at once
-        o_c, b_key, m_c = _candidates(p_row, p_keys, p_cols, 0, total, 0, SELECT)
+        o_c, b_key, m_c = b_bcol, b_bkey, o_t < total  # slots past `total` hold stale keys: every use is masked
         # T has the 16-bit prefix: #(key >= prefix16 << 16) >= k > #(key >= (prefix16 + 1) << 16) (fewer than
         # k candidates: prefix16 << 16 is int32 min, where the empty lanes sit, and every candidate is a pick)
         lo = (prefix16 * 65536).to(tl.int64)
