@@ -35,7 +35,7 @@ def compile_kernel(kernel, consts: dict, warps: int) -> str:
 
 
 def report(label: str, module) -> None:
-    for per_sm, block in sorted(set(module.SPLIT_TILING.values())):
+    for size, (per_sm, block) in sorted(module.SPLIT_TILING.items(), key=lambda item: item[1]):
         for k in (512, 1024):
             select = max(1024, triton.next_power_of_2(k + k // 2))
             for phase in range(4):
@@ -44,6 +44,8 @@ def report(label: str, module) -> None:
                     consts["WARP_COUNTS"] = module.WARP_COUNTS
                 if "ASM" in module._topk_kernel.arg_names:
                     consts["ASM"] = module.WARP_COUNTS
+                if "AHEAD" in module._topk_kernel.arg_names:
+                    consts["AHEAD"] = module.FIRST_TILE_AHEAD[size]
                 print(f"{label} split {block}-column tiles, k {k}, phase {'ABCD'[phase]}: "
                       f"{compile_kernel(module._topk_kernel, consts, 4 if select <= 1024 else 8)}", flush=True)
     for block, warps in ((4096, 4), (16384, 8)):  # as launched for 1 row of 4096, 64 rows of 16K

@@ -85,7 +85,8 @@ def test_the_recorder_sees_what_triton_specializes():
     def key(S, k, scores):
         args = (scores, torch.zeros(2, dtype=torch.int32), torch.zeros(4, dtype=torch.int32),
                 torch.zeros(4, dtype=torch.int32), 32, 1024, 64, S, 48, k)
-        meta = dict(BLOCK=64, SPLITS=8, SELECT=64, PHASE=0, WARP_COUNTS=True, ASM=False, num_warps=4)
+        meta = dict(BLOCK=64, SPLITS=8, SELECT=64, PHASE=0, WARP_COUNTS=True, ASM=False, AHEAD=True,
+                    num_warps=4)
         return dict(specialization_key(kernel, args, meta))
 
     scores = torch.zeros(64)

@@ -54,26 +54,31 @@ def make_rows(seed, rows, cols, kind, device="cpu"):
     return scores.to(device), lengths.to(torch.int32).to(device)
 
 
+def split_variant(monkeypatch, param):
+    """The split kernel's launch mode (one launch, or four) and per-phase code: "phased-histograms" counts digits by
+    tl.histogram (not `WARP_COUNTS`) and loads each chunk's first tile after the histogram reads (not
+    `FIRST_TILE_AHEAD`, as the big tiling does on a GPU); the other two count into the workspace and load it ahead."""
+    monkeypatch.setattr(topk_module, "FUSED", param == "fused")
+    monkeypatch.setattr(topk_module, "WARP_COUNTS", param != "phased-histograms")
+    ahead = param != "phased-histograms"
+    monkeypatch.setattr(topk_module, "FIRST_TILE_AHEAD", {"small": ahead, "big": ahead})
+
+
 @pytest.fixture(params=["row", "fused", "phased", "phased-histograms"])
 def mode(request, monkeypatch):
-    """The one-program-per-row kernel, or the split radix select in one launch (tickets order the phases) or in
-    four, its phases A and B counting digits into the workspace (`WARP_COUNTS`) or by tl.histogram: the same
-    results."""
+    """The one-program-per-row kernel, or the split radix select (`split_variant`): the same results."""
     for name in ("ROW_MAX_COLS", "ROW_MAX_COLS_MANY"):
         monkeypatch.setattr(topk_module, name, 1 << 30 if request.param == "row" else 0)
-    monkeypatch.setattr(topk_module, "FUSED", request.param == "fused")
-    monkeypatch.setattr(topk_module, "WARP_COUNTS", request.param != "phased-histograms")
+    split_variant(monkeypatch, request.param)
     return request.param
 
 
 @pytest.fixture(params=["fused", "phased", "phased-histograms"])
 def split_mode(request, monkeypatch):
-    """The split radix select for every row length (its workspace, buffer and select paths), in one launch or four,
-    counting digits into the workspace or by tl.histogram."""
+    """The split radix select for every row length (its workspace, buffer and select paths), `split_variant`."""
     for name in ("ROW_MAX_COLS", "ROW_MAX_COLS_MANY"):
         monkeypatch.setattr(topk_module, name, 0)
-    monkeypatch.setattr(topk_module, "FUSED", request.param == "fused")
-    monkeypatch.setattr(topk_module, "WARP_COUNTS", request.param != "phased-histograms")
+    split_variant(monkeypatch, request.param)
     return request.param
 
 

@@ -90,6 +90,11 @@ FUSED = False  # four launches; True: one launch ordered by tickets. H200 (docs/
 # 47.8 against 54.6 at 8 x 262K. Two compilations, one per tiling (the tile width and SPLITS).
 SPLIT_TILING = {"small": (2, 1024), "big": (4, 2048)}
 BIG_FROM = 1 << 20
+# Whether phases A-C load a chunk's first tile before their histogram reads (its latency overlaps theirs) rather than
+# after them, per tiling. H200, 2026-11-26 (docs/performance.md): with 2 programs per SM the latency shows, 1 x 262K
+# 19.5 -> 18.0 us; with 4 the other programs hide it, and the tile held across the reads cost phase B 96 -> 119
+# registers (a program per SM): 64 x 32K 34.6 -> 35.9.
+FIRST_TILE_AHEAD = {"small": True, "big": False}
 # Phases A and B count digits into global memory (`_count_digits`: on a GPU one reduction per group of a warp's
 # lanes holding the same digit, PTX match.any + red; under the interpreter an atomic per key) instead of a 256-bin
 # tl.histogram per tile (~73 SASS instructions per key). H200, 64 x 32K 45.4 -> 34.4 us, 1 x 1M 33.5 -> 30.2
@@ -104,11 +109,16 @@ _HEADER = _HIST2 + _BINS  # counters, hist1, hist2; then suffix [S, 256] and the
 _CPU_TILING = (6, 64)  # the interpreter's programs and tile columns: small, so tests split rows (S > 1)
 
 
+def _size(rows: int, cols: int) -> str:
+    """The split kernel's tiling key for scores [rows, cols] ("small" / "big")."""
+    return "big" if rows * cols >= BIG_FROM else "small"
+
+
 def _tiling(rows: int, cols: int, device: torch.device) -> tuple[int, int]:
     """(programs per phase the split aims for, columns per tile) for a [rows, cols] problem (`SPLIT_TILING`)."""
     if device.type != "cuda":
         return _CPU_TILING
-    per_sm, block = SPLIT_TILING["big" if rows * cols >= BIG_FROM else "small"]
+    per_sm, block = SPLIT_TILING[_size(rows, cols)]
     return per_sm * sm_count(device), block
 
 
@@ -201,6 +211,7 @@ def topk_indices(scores: torch.Tensor, lengths: torch.Tensor, k: int, *, out: to
     require(not asm or block >= 32 * warps, f"top-k: a {block}-column tile over {warps} warps would replicate keys, "
             "which the warp counts would count twice (SPLIT_TILING)")
     meta = dict(BLOCK=block, SPLITS=triton.next_power_of_2(programs), SELECT=select, WARP_COUNTS=WARP_COUNTS, ASM=asm,
+                AHEAD=FIRST_TILE_AHEAD[_size(rows, cols)],
                 num_warps=warps, **launch_options(device))
     if FUSED:
         _topk_kernel[(rows, 3 * splits + 1)](*args, PHASE=-1, **meta)
@@ -336,17 +347,22 @@ def _wait(p_count, target):
 
 
 @triton.jit
-def _phase_a(p_row, p_ws, i_s, lo, hi, BLOCK: tl.constexpr, WARP_COUNTS: tl.constexpr, ASM: tl.constexpr):
+def _phase_a(p_row, p_ws, i_s, lo, hi, BLOCK: tl.constexpr, WARP_COUNTS: tl.constexpr, ASM: tl.constexpr,
+             AHEAD: tl.constexpr):
     o_b = tl.arange(0, 256)
-    o_c, b_key, m_c = _row_tile(p_row, lo, hi, BLOCK)  # the first tile in flight before anything else
+    first = lo  # where the loop starts: past the first tile when that is loaded ahead
+    if AHEAD:  # the first tile in flight before anything else (`FIRST_TILE_AHEAD`)
+        o_c, b_key, m_c = _row_tile(p_row, lo, hi, BLOCK)
+        first = lo + BLOCK
     if WARP_COUNTS:
         # counted into this chunk's row of the workspace (the row's histogram itself would take every program's
         # reductions at its few busy bins: 1.7x slower at 1M columns), then added to it
         p_chunk = p_ws + _C_HEADER + i_s * 256
         tl.store(p_chunk + o_b, tl.zeros([256], dtype=tl.int32))
         tl.debug_barrier()
-        _count_digits(p_chunk, (b_key >> 24) + 128, m_c, ASM)
-        for start in range(lo + BLOCK, hi, BLOCK):
+        if AHEAD:  # outside the loop, which carries no tile (registers; an empty chunk's tile is all masked)
+            _count_digits(p_chunk, (b_key >> 24) + 128, m_c, ASM)
+        for start in range(first, hi, BLOCK):
             o_c, b_key, m_c = _row_tile(p_row, start, hi, BLOCK)
             _count_digits(p_chunk, (b_key >> 24) + 128, m_c, ASM)
         tl.debug_barrier()
@@ -354,8 +370,10 @@ def _phase_a(p_row, p_ws, i_s, lo, hi, BLOCK: tl.constexpr, WARP_COUNTS: tl.cons
         tl.debug_barrier()
         tl.store(p_chunk + o_b, tl.zeros([256], dtype=tl.int32))  # phase B counts here
     else:
-        b_h = _histogram((b_key >> 24) + 128, m_c, BLOCK)
-        for start in range(lo + BLOCK, hi, BLOCK):
+        b_h = tl.zeros([256], dtype=tl.int32)
+        if AHEAD:
+            b_h = _histogram((b_key >> 24) + 128, m_c, BLOCK)
+        for start in range(first, hi, BLOCK):
             o_c, b_key, m_c = _row_tile(p_row, start, hi, BLOCK)
             b_h += _histogram((b_key >> 24) + 128, m_c, BLOCK)
     tl.atomic_add(p_ws + _C_HIST1 + o_b, b_h, mask=b_h != 0, sem="relaxed")
@@ -375,17 +393,21 @@ def _digit2_tile(p_chunk, b_key, m_c, top, b_above, b_h, BLOCK: tl.constexpr, WA
 
 
 @triton.jit
-def _phase_b(p_row, p_ws, i_s, lo, hi, k, BLOCK: tl.constexpr, WARP_COUNTS: tl.constexpr, ASM: tl.constexpr):
+def _phase_b(p_row, p_ws, i_s, lo, hi, k, BLOCK: tl.constexpr, WARP_COUNTS: tl.constexpr, ASM: tl.constexpr,
+             AHEAD: tl.constexpr):
     o_b = tl.arange(0, 256)
-    o_c, b_key, m_c = _row_tile(p_row, lo, hi, BLOCK)  # the first tile's loads in flight with hist1's
+    first = lo
+    if AHEAD:  # the first tile's loads in flight with hist1's
+        o_c, b_key, m_c = _row_tile(p_row, lo, hi, BLOCK)
+        first = lo + BLOCK
     d1, _ = _pick(_shared(p_ws + _C_HIST1 + o_b), k)
     top = d1 - 128  # digit 1 as key >> 24
     p_chunk = p_ws + _C_HEADER + i_s * 256  # this chunk's digit-2 counts (zeroed by phase A), then its suffix
     b_above = tl.zeros([BLOCK], dtype=tl.int32)  # keys whose top digit is higher: all in the buffer
     b_h = tl.zeros([256], dtype=tl.int32)
-    # the first tile outside the loop, so no tile is carried by it (registers; an empty chunk's tile is all masked)
-    b_above, b_h = _digit2_tile(p_chunk, b_key, m_c, top, b_above, b_h, BLOCK, WARP_COUNTS, ASM)
-    for start in range(lo + BLOCK, hi, BLOCK):
+    if AHEAD:  # outside the loop, as in phase A
+        b_above, b_h = _digit2_tile(p_chunk, b_key, m_c, top, b_above, b_h, BLOCK, WARP_COUNTS, ASM)
+    for start in range(first, hi, BLOCK):
         o_c, b_key, m_c = _row_tile(p_row, start, hi, BLOCK)
         b_above, b_h = _digit2_tile(p_chunk, b_key, m_c, top, b_above, b_h, BLOCK, WARP_COUNTS, ASM)
     if WARP_COUNTS:
@@ -411,8 +433,11 @@ def _buffer_tile(p_keys, CAP, o_c, b_key, m_c, prefix, at):
 
 
 @triton.jit
-def _phase_c(p_row, p_ws, i_s, lo, hi, S, CAP, k, BLOCK: tl.constexpr, SPLITS: tl.constexpr):
-    o_c, b_key, m_c = _row_tile(p_row, lo, hi, BLOCK)  # the first tile's loads in flight with the histograms'
+def _phase_c(p_row, p_ws, i_s, lo, hi, S, CAP, k, BLOCK: tl.constexpr, SPLITS: tl.constexpr, AHEAD: tl.constexpr):
+    first = lo
+    if AHEAD:  # the first tile's loads in flight with the histograms'
+        o_c, b_key, m_c = _row_tile(p_row, lo, hi, BLOCK)
+        first = lo + BLOCK
     hist1, hist2 = _histograms(p_ws)
     prefix, d2, _ = _prefix16(hist1, hist2, k)
     o_s = tl.arange(0, SPLITS)
@@ -420,11 +445,12 @@ def _phase_c(p_row, p_ws, i_s, lo, hi, S, CAP, k, BLOCK: tl.constexpr, SPLITS: t
     at = tl.sum(tl.where(o_s < i_s, b_count, 0))
     hi = tl.where(tl.sum(b_count) <= CAP, hi, lo)  # an overflowing row is read whole by phase D
     p_keys = p_ws + _C_HEADER + S * 256
-    # the first tile outside the loop, so no tile is carried by it (168 registers against 110 on the proxy)
-    at += _buffer_tile(p_keys, CAP, o_c, b_key, m_c & (o_c < hi), prefix, at)
-    for start in range(lo + BLOCK, hi, BLOCK):
+    if AHEAD:  # outside the loop, as in phase A (carried by it, 168 registers at 2048-column tiles on the proxy)
+        at += _buffer_tile(p_keys, CAP, o_c, b_key, m_c & (o_c < hi), prefix, at)
+    written = tl.full((), 0, tl.int32)
+    for start in range(first, hi, BLOCK):
         o_c, b_key, m_c = _row_tile(p_row, start, hi, BLOCK)
-        at += _buffer_tile(p_keys, CAP, o_c, b_key, m_c, prefix, at)
+        written += _buffer_tile(p_keys, CAP, o_c, b_key, m_c, prefix, at + written)
 
 
 @triton.jit
@@ -570,7 +596,7 @@ def _topk_row_kernel(scores_ptr, lengths_ptr, out_ptr, J, k, BLOCK: tl.constexpr
 @triton.jit(do_not_specialize=["S"])
 def _topk_kernel(scores_ptr, lengths_ptr, ws_ptr, out_ptr, J, W, CHUNK, S, CAP, k, BLOCK: tl.constexpr,
                  SPLITS: tl.constexpr, SELECT: tl.constexpr, PHASE: tl.constexpr, WARP_COUNTS: tl.constexpr,
-                 ASM: tl.constexpr):
+                 ASM: tl.constexpr, AHEAD: tl.constexpr):
     """Row i_r. PHASE -1: one launch of 3S + 1 programs per row, the role from a ticket; 0..3: that phase
     alone (grid (R, S), or (R, 1) for D), ordered by the launches."""
     wait_for_prior_grids()
@@ -588,19 +614,19 @@ def _topk_kernel(scores_ptr, lengths_ptr, ws_ptr, out_ptr, J, W, CHUNK, S, CAP, 
     lo = i_s * CHUNK
     hi = tl.minimum(lo + CHUNK, n)
     if role == 0:
-        _phase_a(p_row, p_ws, i_s, lo, hi, BLOCK, WARP_COUNTS, ASM)
+        _phase_a(p_row, p_ws, i_s, lo, hi, BLOCK, WARP_COUNTS, ASM, AHEAD)
         if PHASE < 0:
             _signal(p_ws + _C_DONE_A)
     elif role == 1:
         if PHASE < 0:
             _wait(p_ws + _C_DONE_A, S)
-        _phase_b(p_row, p_ws, i_s, lo, hi, k, BLOCK, WARP_COUNTS, ASM)
+        _phase_b(p_row, p_ws, i_s, lo, hi, k, BLOCK, WARP_COUNTS, ASM, AHEAD)
         if PHASE < 0:
             _signal(p_ws + _C_DONE_B)
     elif role == 2:
         if PHASE < 0:
             _wait(p_ws + _C_DONE_B, S)
-        _phase_c(p_row, p_ws, i_s, lo, hi, S, CAP, k, BLOCK, SPLITS)
+        _phase_c(p_row, p_ws, i_s, lo, hi, S, CAP, k, BLOCK, SPLITS, AHEAD)
         if PHASE < 0:
             _signal(p_ws + _C_DONE_C)
     else:
