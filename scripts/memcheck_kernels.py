@@ -36,6 +36,20 @@ for kv_format, indexer_format, fp8_from in (("fp8", "mxfp4", 0), ("fp8", "mxfp4"
         torch.cuda.synchronize()
         print(f"{kv_format}/{indexer_format} layer {layer.layer_index} unpadded decode: "
               f"finite={bool(torch.isfinite(out).all())}", flush=True)
+# a CSA decode step past the top-k row kernel's 4096 candidates (20K tokens: 5000 columns): the indexer counts the
+# split top-k's first digit (`digit_counts`) and top-k runs its other three launches; random valid cache bytes
+from dsv4kv.bench.synthetic import fill_layer  # noqa: E402
+
+indexer_kernels.FP8_MIN_PROGRAMS_PER_SM = default_fp8_from
+cache = CacheManager(geometry, max_requests=2, max_tokens=2 * 20480, page_tokens=256, device="cuda", max_seq_len=20480)
+rid = cache.admit()
+cache.plan_step([(rid, 20000)])
+fill_layer(cache.pools.layers[2], window=geometry.window, seed=2)
+plan = cache.plan_step([(rid, 1)], buffers=cache.step_buffers(max_tokens=2, max_requests=2, max_seq_len=20480))
+out = layers[1](torch.randn(1, geometry.hidden_size, generator=gen, device="cuda").to(torch.bfloat16), plan, cache)
+torch.cuda.synchronize()
+print(f"layer 2 (CSA) decode at 20001 tokens, digits counted by the indexer: finite={bool(torch.isfinite(out).all())}",
+      flush=True)
 # top-k's kernels directly, at sizes the layers above do not reach: the split radix select (one long row in four
 # launches and in one; many rows with phase D's select in registers, looped over its buffer (integer scores: a full
 # row buffers ~1300 keys, past SELECT = 1024), and over the row when the buffer overflows), the row kernel; NaN past

@@ -313,6 +313,54 @@ def test_unfilled_columns_are_never_picked(stack_rows, monkeypatch):
     assert (picks >= 0).sum(1).tolist() == torch.clamp(visible, max=8).tolist()
 
 
+@pytest.mark.parametrize("indexer_format,fp8_from", [("mxfp4", 0), ("mxfp4", 1 << 30), ("fp8", 0), ("bf16", 0)],
+                         ids=["mxfp4-fp8-path", "mxfp4-bf16-path", "fp8", "bf16"])
+def test_row_kernel_counts_topk_first_digit(indexer_format, fp8_from, monkeypatch):
+    """`digit_counts`: each program adds the top-k's digit-1 counts of the scores it wrote (columns < visible(t)) to
+    its row's histogram in the top-k workspace, two calls adding up; top-k with `first_digit_counted` then picks what
+    it picks counting itself. Rows span several programs (32-entry chunks); padding rows count nothing; the columns
+    past visible hold +inf (never written, never counted). The stacked kernel refuses the argument."""
+    from dsv4kv.kernels import topk as topk_mod
+    from test_kernel_topk import first_digit_histograms
+
+    monkeypatch.setattr(kernel_mod, "_config", lambda rows, entries, device: (16, 2, 4))
+    monkeypatch.setattr(kernel_mod, "FP8_MIN_PROGRAMS_PER_SM", fp8_from)
+    for name in ("ROW_MAX_COLS", "ROW_MAX_COLS_MANY"):
+        monkeypatch.setattr(topk_mod, name, 0)
+    cache, layout, pool = make_cache(TINY, indexer_format, page_tokens=PAGE, max_requests=4, max_tokens=700)
+    rids = admit(cache, 3)
+    cache.plan_step([(rids[0], 250), (rids[1], 50), (rids[2], 3)])
+    buffers = cache.step_buffers(max_tokens=5, max_requests=4)
+    plan = cache.plan_step([(rid, 1) for rid in rids], buffers=buffers)  # a decode step: 2 padding rows
+    assert kernel_mod.counts_digits(plan)
+    g = gen(31)
+    for rid in rids:
+        write_all_keys(cache, rid, layout, pool, torch.randn(200, layout.dim, generator=g).to(DEVICE), M, PAGE)
+    rows, entries = plan.positions.shape[0], 80
+    q, w = make_query(layout, rows, TINY.index_n_heads, seed=32, padding_from=plan.num_tokens)
+    ws = topk_mod.topk_workspace(rows, entries, 8, DEVICE)
+    counts = topk_mod.first_digit_counts(ws)
+    got = torch.full((rows, entries), float("inf"), device=DEVICE)
+    indexer_scores_paged(q, w, plan, pool, layout, ratio=M, page_tokens=PAGE, out=got, digit_counts=counts)
+    visible = torch.clamp((plan.positions + 1) // M, min=0).to(torch.int32)
+    assert visible.tolist() == [62, 12, 1, 0, 0]
+    assert_close_scores(torch.where(torch.arange(entries, device=DEVICE) < visible[:, None], got, float("-inf")),
+                        reference(plan, pool, layout, q, w, entries, ratio=M, page_tokens=PAGE))
+    want = first_digit_histograms(got, visible)
+    assert want.sum(1).tolist() == visible.tolist() and torch.equal(counts, want)
+    indexer_scores_paged(q, w, plan, pool, layout, ratio=M, page_tokens=PAGE, out=got, digit_counts=counts)
+    assert torch.equal(counts, 2 * want)  # added, not stored
+    counts -= want
+    picks = topk_mod.topk_indices(got, visible, 8, workspace=ws, first_digit_counted=True)
+    assert torch.equal(picks, topk_mod.topk_indices(got, visible, 8)) and counts.eq(0).all()
+    with pytest.raises(ValueError, match="stacked kernel"):
+        indexer_scores_paged(q, w, plan, pool, layout, ratio=M, page_tokens=PAGE, out=got, digit_counts=counts,
+                             stack_rows=True)
+    with pytest.raises(ValueError, match="digit_counts: expected torch.int32"):
+        indexer_scores_paged(q, w, plan, pool, layout, ratio=M, page_tokens=PAGE, out=got,
+                             digit_counts=counts.float())
+
+
 def test_stacked_rows_in_any_order(monkeypatch):
     """Rows of several requests interleaved inside blocks (a plan's rows are in request order, but the stacked
     kernel does not rely on it): row for row the reference's scores, and the row kernel's on the ordered plan."""

@@ -160,6 +160,49 @@ def test_topk_workspace_reused(split_mode):
         assert ws[:, :topk_module._HEADER].eq(0).all()
 
 
+def first_digit_histograms(scores, lengths):
+    """int32 [R, 256]: per row, how many candidates (columns < length, score not -inf) have each digit 1 of the
+    sortable key (`topk._sortable` >> 24, + 128): what phase A counts."""
+    bits = scores.view(torch.int32)
+    bits = torch.where(bits == -(2 ** 31), 0, bits)
+    digit = ((bits ^ ((bits >> 31) & 0x7FFFFFFF)) >> 24) + 128
+    cols = torch.arange(scores.shape[1], device=scores.device)
+    candidate = (cols < lengths.long().clamp(0, scores.shape[1])[:, None]) & (scores != float("-inf"))
+    counts = torch.zeros(scores.shape[0], 256, dtype=torch.int64, device=scores.device)
+    counts.scatter_add_(1, torch.where(candidate, digit, 0).long(), candidate.long())
+    return counts.int()
+
+
+@pytest.mark.parametrize("param", ["phased", "phased-histograms"])
+def test_topk_first_digit_counted_by_the_producer(param, monkeypatch):
+    """With digit 1 already counted into the workspace's histograms (`first_digit_counts`, as the indexer does at
+    decode), the three remaining launches pick what four do, call after call on one workspace (phase B zeroes its
+    chunk rows itself: they hold the previous call's suffix counts), and leave the histograms zero. Row kernel and
+    one-launch shapes refuse the flag."""
+    for name in ("ROW_MAX_COLS", "ROW_MAX_COLS_MANY"):
+        monkeypatch.setattr(topk_module, name, 0)
+    split_variant(monkeypatch, param)
+    ws = topk_workspace(3, 150, 20, DEVICE)
+    ws[:, topk_module._HEADER:] = 12345
+    for seed, kind in ((1, "ties"), (2, "normal"), (3, "wide"), (4, "equal")):
+        scores, lengths = make_rows(seed, 3, 150, kind, DEVICE)
+        counts = topk_module.first_digit_counts(ws)
+        assert counts.shape == (3, 256) and counts.eq(0).all()
+        counts += first_digit_histograms(scores, lengths)
+        got = topk_indices(scores, lengths, 20, workspace=ws, first_digit_counted=True)
+        assert torch.equal(got, reference(scores, lengths, 20)), kind
+        assert ws[:, :topk_module._HEADER].eq(0).all()
+    monkeypatch.setattr(topk_module, "FUSED", True)
+    assert topk_module.first_digit_counts(ws) is None
+    with pytest.raises(ValueError, match="one-launch split kernel"):
+        topk_indices(scores, lengths, 20, workspace=ws, first_digit_counted=True)
+    monkeypatch.setattr(topk_module, "FUSED", False)
+    monkeypatch.setattr(topk_module, "ROW_MAX_COLS", 1 << 30)
+    assert topk_module.first_digit_counts(topk_workspace(3, 150, 20, DEVICE)) is None
+    with pytest.raises(ValueError, match="take the row kernel"):
+        topk_indices(scores, lengths, 20, first_digit_counted=True)
+
+
 def test_topk_bad_inputs(split_mode):
     scores, lengths = make_rows(0, 3, 40, "ties", DEVICE)
     i32 = dict(dtype=torch.int32, device=DEVICE)

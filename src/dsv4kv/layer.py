@@ -323,7 +323,8 @@ class DSV4Attention(nn.Module):
         events allow."""
         from .kernels import (append_state, append_window, compress_insert, indexer_query_and_weights,
                               indexer_scores_paged, kv_insert, rope_rows, sparse_attention_paged, topk_indices)
-        from .kernels.topk import topk_workspace
+        from .kernels.indexer import counts_digits
+        from .kernels.topk import first_digit_counts, topk_workspace
         from .streams import StepStreams
         g, spec = self.geometry, self.spec
         layer_cache, cache_spec = cache.pools.layers[self.layer_index], cache.spec.layers[self.layer_index]
@@ -407,15 +408,18 @@ class DSV4Attention(nn.Module):
                 with streams.on_side():
                     append(state_rows[1])
                 streams.main_waits(query_done)
-                scores = indexer_scores_paged(q_index, weights, plan, layer_cache.index_keys, index_layout,
-                                              ratio=spec.ratio, page_tokens=page_tokens, max_entries=columns,
-                                              q_fp8=q_fp8)
-                visible = plan.derived(("visible", spec.ratio),
-                                       lambda: torch.clamp((positions + 1) // spec.ratio, min=0).to(torch.int32))
                 # top-k leaves its workspace zeroed, so one serves every CSA layer of the step
                 workspace = plan.derived(("topk workspace", columns, g.index_topk),
                                          lambda: topk_workspace(rows, columns, g.index_topk, device))
-                picks = topk_indices(scores, visible, g.index_topk, workspace=workspace)
+                # decode: the scores kernel counts top-k's first digit as it writes them (the split top-k's pass A)
+                counts = first_digit_counts(workspace) if counts_digits(plan) else None
+                scores = indexer_scores_paged(q_index, weights, plan, layer_cache.index_keys, index_layout,
+                                              ratio=spec.ratio, page_tokens=page_tokens, max_entries=columns,
+                                              q_fp8=q_fp8, digit_counts=counts)
+                visible = plan.derived(("visible", spec.ratio),
+                                       lambda: torch.clamp((positions + 1) // spec.ratio, min=0).to(torch.int32))
+                picks = topk_indices(scores, visible, g.index_topk, workspace=workspace,
+                                     first_digit_counted=counts is not None)
             if window_first:
                 if not spec.compressed:  # the step page: a window layer's kv insert runs on main
                     streams.side_waits(streams.main_mark())

@@ -87,14 +87,16 @@ from ..plan import StepPlan
 from .common import check_pool, check_tensor, hopper_or_later, interpreted, padded_rows, sm_count
 from .encode import e4m3_grid_code, e4m3_round, round_bf16
 from .launch import launch_options, wait_for_prior_grids
+from .topk import count_first_digits
 
-__all__ = ["indexer_scores_paged", "indexer_query_fp8", "fp8_query_wanted"]
+__all__ = ["indexer_scores_paged", "indexer_query_fp8", "fp8_query_wanted", "counts_digits"]
 
 _BF16, _FP8, _MXFP4 = 0, 1, 2
 _SIGN = tl.constexpr(-(2 ** 31))  # fp32 sign bit as an int32 constant
 _E2M1_MAG = tl.constexpr(0x01C00000)  # fp32 bits 22..24
 _TWO_126 = tl.constexpr(2.0 ** 126)
 _FILL_ELEMS = 2048  # elements per -inf store tile: 16 per thread at 4 warps, i.e. four 16-B stores
+_COUNT_BLOCK = tl.constexpr(1024)  # scores per tile of the digit count (`digit_counts`): >= 32 lanes x warps
 
 # Tile choices, read at each call (scripts/bench_variants.py reassigns them to time variants; the defaults are
 # the fastest measured: on the H200, and the row kernel's single stage on the H100; docs/performance.md).
@@ -481,15 +483,17 @@ def _indexer_scores_kernel(
     pool_ptr,  # uint8 [pages, PAGE_BYTES]
     out_ptr,  # fp32 [R, num_entries]
     q8_ptr, q8_scale_ptr,  # MMA8: uint8 [R, H, D], fp32 [R, H] (`fp8_query_operand`); unread otherwise
+    counts_ptr, counts_stride,  # COUNT: int32 [R, 256] rows `counts_stride` apart (`digit_counts`); unread otherwise
     num_heads, num_entries, table_stride, score_scale, chunk,
     FORMAT: tl.constexpr, RATIO: tl.constexpr, D: tl.constexpr, P: tl.constexpr, PAGE_BYTES: tl.constexpr,
     DATA_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_J: tl.constexpr, FILL_J: tl.constexpr, DOT: tl.constexpr,
     FILL: tl.constexpr, MMA8: tl.constexpr, ASM: tl.constexpr, BITS: tl.constexpr, PAGE_TILES: tl.constexpr,
+    COUNT: tl.constexpr,
 ):
     """The row kernel: one token row, one chunk of `chunk` entries (a multiple of BLOCK_J). MMA8: MXFP4 keys on FP8
     MMAs (`_mxfp4_fp8_scores`) when every head of the row's query passed `fp8_query_operand`'s check, else the bf16
-    path."""
+    path. COUNT: then the top-k's digit 1 of the chunk's scores into the row's histogram (`count_first_digits`)."""
     wait_for_prior_grids()
     i_t, i_c = tl.program_id(0), tl.program_id(1)
     t = i_t.to(tl.int64)
@@ -531,6 +535,10 @@ def _indexer_scores_kernel(
                                  DATA_BYTES, SCALE_BYTES, BLOCK_J, DOT, BITS)  # [BLOCK_J, BLOCK_H]
                 b_s = tl.sum(_relu(b_dot) * b_w[None, :], axis=1)
                 tl.store(p_out + o_j, tl.where(o_j < visible, b_s, float("-inf")), mask=o_j < num_entries)
+        if COUNT:  # read back from this program's own stores, in a layout with no replicated lanes
+            tl.debug_barrier()
+            count_first_digits(p_out, chunk_lo, tl.minimum(chunk_hi, visible), counts_ptr + t * counts_stride, ASM,
+                               _COUNT_BLOCK)
 
     if FILL:  # the rest of the chunk is past visible(t): one wide streaming store (FILL_J = the chunk)
         fill_lo = tl.maximum(chunk_lo, tl.cdiv(visible, BLOCK_J) * BLOCK_J)
@@ -684,6 +692,12 @@ def _format(layout: EntryLayout) -> int:
     return _BF16
 
 
+def counts_digits(plan: StepPlan) -> bool:
+    """Whether `indexer_scores_paged` over `plan` (the automatic kernel choice) takes the row kernel, which can count
+    the top-k's first digit as it writes the scores (`digit_counts=`). A host fact, as the wrapper's own choice."""
+    return not _stacked(plan)
+
+
 def fp8_query_wanted(plan: StepPlan, layout: EntryLayout, entries: int) -> bool:
     """Whether `indexer_scores_paged` over `plan` with `entries` score columns (the automatic kernel choice) runs
     the row kernel's FP8 MMA path, which reads q's FP8 operand (`q_fp8=`). Host facts only, as the wrapper's own
@@ -717,7 +731,8 @@ def indexer_query_fp8(q: torch.Tensor, *, out: tuple[torch.Tensor, torch.Tensor]
 def indexer_scores_paged(q: torch.Tensor, weights: torch.Tensor, plan, key_pool: torch.Tensor, layout: EntryLayout,
                          *, ratio: int, page_tokens: int, out: torch.Tensor | None = None,
                          max_entries: int | None = None, stack_rows: bool | None = None,
-                         fill: bool = False, q_fp8: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                         fill: bool = False, q_fp8: tuple[torch.Tensor, torch.Tensor] | None = None,
+                         digit_counts: torch.Tensor | None = None) -> torch.Tensor:
     """Indexer scores of every plan row against its request's compressed keys -> fp32 [R, J].
 
     Args:
@@ -742,6 +757,10 @@ def indexer_scores_paged(q: torch.Tensor, weights: torch.Tensor, plan, key_pool:
 
         q_fp8: `indexer_query_fp8(q)` (uint8 [R, H, D], fp32 [R, H]) when the caller already has it (the layer's
             query kernel writes it); computed here (one more launch) when the FP8 path runs without it.
+        digit_counts: int32 [R, 256], rows any stride apart (`topk.first_digit_counts` of the top-k's workspace):
+            each program adds the digit-1 counts of the scores it wrote (columns < visible(t) other than -inf), so
+            `topk_indices(out, visible, k, first_digit_counted=True)` skips its first pass. Row kernel only
+            (`counts_digits(plan)`); the counts go straight to the row's histogram (a reduction per warp and digit).
 
     MXFP4 keys run on FP8 MMAs in the row kernel when its grid has at least FP8_MIN_PROGRAMS_PER_SM programs per SM
     and every head of the row's q is MXFP4-valued (`fp8_query_operand`); the scores are those of the bf16 path up to
@@ -779,6 +798,13 @@ def indexer_scores_paged(q: torch.Tensor, weights: torch.Tensor, plan, key_pool:
         require(isinstance(q_fp8, tuple) and len(q_fp8) == 2, "q_fp8: expected (codes, scales) from indexer_query_fp8")
         check_tensor("q_fp8 codes", q_fp8[0], dtype=torch.uint8, shape=tuple(q.shape), device=device)
         check_tensor("q_fp8 scales", q_fp8[1], dtype=torch.float32, shape=(rows, heads), device=device)
+    stacked = _stacked(plan) if stack_rows is None else stack_rows
+    if digit_counts is not None:
+        check_tensor("digit_counts", digit_counts, dtype=torch.int32, shape=(rows, 256), device=device,
+                     contiguous=False)
+        require(digit_counts.stride(1) == 1, "digit_counts: expected each row's 256 counts contiguous")
+        require(not stacked, "digit_counts: only the row (decode) kernel counts digits; this call takes the stacked "
+                             "kernel (see counts_digits)")
     if out is not None:
         check_tensor("out", out, dtype=torch.float32, shape=(rows, None), device=device)
         require(max_entries is None or max_entries == out.shape[1],
@@ -801,7 +827,7 @@ def indexer_scores_paged(q: torch.Tensor, weights: torch.Tensor, plan, key_pool:
               # there the same bf16 values go through an fp32 dot, which forms the same exact products
               "DOT": tl.float32 if interpreted() else tl.bfloat16, "FILL": fill}
     args = (q, weights, plan.positions, plan.token_request, plan.request_slots, plan.block_table, key_pool, out)
-    if _stacked(plan) if stack_rows is None else stack_rows:
+    if stacked:
         block_t, block_j, iters, num_warps, num_stages = _stack_config(rows, entries, block_h, device)
         chunk = block_j * iters  # a runtime int (a multiple of 16 for Triton): no compilation per chunk size
         grid = (triton.cdiv(rows, block_t), triton.cdiv(entries, chunk))
@@ -821,12 +847,17 @@ def indexer_scores_paged(q: torch.Tensor, weights: torch.Tensor, plan, key_pool:
         # 128 it takes 127 with no spills and 4 programs fit
         cap = {"maxnreg": FP8_MAX_REGISTERS} if mma8 and not interpreted() else {}
         bits = BF16_BITS and device.type == "cuda" and hopper_or_later(device) and not interpreted()  # bf16x2: sm_90
+        require(digit_counts is None or _COUNT_BLOCK.value >= 32 * num_warps,
+                f"digit_counts: a {_COUNT_BLOCK.value}-score tile over {num_warps} warps would replicate lanes, "
+                "which the warp counts would count twice (_ROW_TILES)")
+        counts = (digit_counts, digit_counts.stride(0)) if digit_counts is not None else (out, 0)  # unread: stand-in
         # FILL_J (the chunk, a tile shape) matters only with fill: without, one kernel serves every chunk size
-        _indexer_scores_kernel[grid](*args, q8, q8_scale, heads, entries, plan.block_table.stride(0), dim ** -0.5,
-                                     chunk,
+        _indexer_scores_kernel[grid](*args, q8, q8_scale, *counts, heads, entries, plan.block_table.stride(0),
+                                     dim ** -0.5, chunk,
                                      **common, BLOCK_J=block_j, FILL_J=chunk if fill else block_j, MMA8=mma8,
                                      ASM=not interpreted(), BITS=bits,
                                      PAGE_TILES=mma8 and PAGE_TILES and per_page % block_j == 0,
+                                     COUNT=digit_counts is not None,
                                      num_warps=num_warps,
                                      num_stages=_ROW_TILES["num_stages"],
                                      **cap, **launch_options(device))

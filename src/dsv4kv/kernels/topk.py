@@ -27,9 +27,11 @@ as R shrinks, so one long decode row still fills the GPU). Four phases:
 A  [S per row]  histogram of digit 1 (bits 31..24) of a chunk                     -> atomics into hist1[r]
 B  [S per row]  digit 1 from hist1; histogram of digit 2 among keys of that top digit -> atomics into
                 hist2[r]; the chunk's count of keys >= each 16-bit prefix that could be chosen, suffix[r, s, :]
-                With `WARP_COUNTS` (the default) A and B count a chunk's digits into its row suffix[r, s, :] (on a
-                GPU by warp: the lanes that share a digit add their count in one reduction to global memory),
-                read that back as the chunk's histogram and zero it (A) or overwrite it with the suffix counts (B).
+                With `WARP_COUNTS` (the default) A and B zero a chunk's row suffix[r, s, :], count the chunk's
+                digits into it (on a GPU by warp: the lanes that share a digit add their count in one reduction to
+                global memory) and read that back as the chunk's histogram; B then overwrites it with the suffix.
+                A does not run where the scores' producer counted digit 1 into hist1 (`first_digit_counted`: the
+                indexer of a decode step, `indexer_scores_paged(digit_counts=)`).
 C  [S per row]  digit 2 from hist2, i.e. the 16-bit prefix P of T; the chunk's candidates with key >> 16 >= P
                 (M in the row, ~k plus one fine bin) go to a per-row buffer (key, column) in column order,
                 offsets from suffix[r, :, d2]
@@ -72,7 +74,7 @@ from ..ops.common import require
 from .common import check_tensor, sm_count
 from .launch import launch_options, wait_for_prior_grids
 
-__all__ = ["topk_indices", "topk_workspace", "MAX_K"]
+__all__ = ["topk_indices", "topk_workspace", "first_digit_counts", "count_first_digits", "MAX_K"]
 
 MAX_K = 2048
 # The one-program-per-row kernel (`_topk_row_kernel`: the row in registers, the k-th largest key by bisection) for
@@ -158,8 +160,18 @@ def topk_workspace(rows: int, cols: int, k: int, device: torch.device | str, *,
     return torch.zeros(rows, _HEADER + _BINS * splits + 2 * capacity, dtype=torch.int32, device=device)
 
 
+def first_digit_counts(workspace: torch.Tensor) -> torch.Tensor | None:
+    """The row histograms of digit 1 inside a `topk_workspace` (int32 [rows, 256] view), for a kernel that writes the
+    scores to count their first digit as it goes (`indexer_scores_paged(digit_counts=...)`) so that `topk_indices(...,
+    first_digit_counted=True)` skips phase A; None where top-k counts its own: a workspace of the row kernel (no
+    histograms), or the one-launch variant (`FUSED`)."""
+    require(isinstance(workspace, torch.Tensor), f"workspace: expected a tensor, got {type(workspace).__name__}")
+    check_tensor("workspace", workspace, dtype=torch.int32, shape=(None, None), device=workspace.device)
+    return workspace[:, _HIST1:_HIST1 + _BINS] if workspace.shape[1] >= _HEADER and not FUSED else None
+
+
 def topk_indices(scores: torch.Tensor, lengths: torch.Tensor, k: int, *, out: torch.Tensor | None = None,
-                 workspace: torch.Tensor | None = None) -> torch.Tensor:
+                 workspace: torch.Tensor | None = None, first_digit_counted: bool = False) -> torch.Tensor:
     """Top-k columns of each row -> int32 [R, k]: ascending column order, -1 past min(k, candidates).
 
     scores: fp32 [R, J] contiguous (Triton specializes on J == 1 / a multiple of 16: a J that changes from call to
@@ -167,6 +179,9 @@ def topk_indices(scores: torch.Tensor, lengths: torch.Tensor, k: int, *, out: to
     (clamped to [0, J]) with a score other than -inf; k: 1..2048; out: int32 [R, k] (allocated when None);
     workspace: from `topk_workspace(R, J, k, device)` (allocated when None and the split kernel runs), counters
     and histograms zero on entry (every call leaves them so); the row kernel reads none (any width is accepted).
+    first_digit_counted: `first_digit_counts(workspace)` already holds, per row, the count of each digit 1 (key >>
+    24, + 128) among the row's candidates (the scores' producer counted them), so phase A does not run. The split
+    kernel only, in four launches.
     """
     device = scores.device if isinstance(scores, torch.Tensor) else None
     check_tensor("scores", scores, dtype=torch.float32, shape=(None, None), device=device)
@@ -186,6 +201,10 @@ def topk_indices(scores: torch.Tensor, lengths: torch.Tensor, k: int, *, out: to
         require(by_row or workspace.shape[1] >= _HEADER + _BINS * splits,
                 f"workspace: expected int32 [{rows}, >= {_HEADER + _BINS * splits}] for scores "
                 f"{list(scores.shape)} (use topk_workspace), got {list(workspace.shape)}")
+    require(first_digit_counted in (False, True), f"first_digit_counted: expected a bool, got {first_digit_counted!r}")
+    require(not first_digit_counted or (not by_row and not FUSED),
+            f"first_digit_counted: scores {list(scores.shape)} take the "
+            f"{'row kernel' if by_row else 'one-launch split kernel (FUSED)'}, which counts its own digits")
     if rows == 0:
         return out
     if cols == 0:
@@ -216,7 +235,7 @@ def topk_indices(scores: torch.Tensor, lengths: torch.Tensor, k: int, *, out: to
     if FUSED:
         _topk_kernel[(rows, 3 * splits + 1)](*args, PHASE=-1, **meta)
     else:
-        for phase in range(3):
+        for phase in range(1 if first_digit_counted else 0, 3):
             _topk_kernel[(rows, splits)](*args, PHASE=phase, **meta)
         _topk_kernel[(rows, 1)](*args, PHASE=3, **meta)
     return out
@@ -285,6 +304,17 @@ def _count_digits(p_counts, digits, mask, ASM: tl.constexpr):
             dtype=tl.int32, is_pure=False, pack=1)
     else:
         tl.atomic_add(p_counts + digits, tl.full(digits.shape, 1, tl.int32), mask=mask, sem="relaxed")
+
+
+@triton.jit
+def count_first_digits(p_row, lo, hi, p_hist, ASM: tl.constexpr, BLOCK: tl.constexpr):
+    """p_hist[d] += how many candidates among columns lo..hi-1 of a score row have digit 1 (key >> 24, + 128) = d:
+    phase A's count, made by the kernel that writes the scores (`first_digit_counted`), straight into the row's
+    histogram. The caller's stores of those scores must precede this (a CTA barrier), and BLOCK >= 32 x warps
+    (`_count_digits`)."""
+    for start in range(lo, hi, BLOCK):
+        o_c, b_key, m_c = _row_tile(p_row, start, hi, BLOCK)
+        _count_digits(p_hist, (b_key >> 24) + 128, m_c, ASM)
 
 
 @triton.jit
@@ -367,8 +397,6 @@ def _phase_a(p_row, p_ws, i_s, lo, hi, BLOCK: tl.constexpr, WARP_COUNTS: tl.cons
             _count_digits(p_chunk, (b_key >> 24) + 128, m_c, ASM)
         tl.debug_barrier()
         b_h = _shared(p_chunk + o_b)
-        tl.debug_barrier()
-        tl.store(p_chunk + o_b, tl.zeros([256], dtype=tl.int32))  # phase B counts here
     else:
         b_h = tl.zeros([256], dtype=tl.int32)
         if AHEAD:
@@ -400,9 +428,13 @@ def _phase_b(p_row, p_ws, i_s, lo, hi, k, BLOCK: tl.constexpr, WARP_COUNTS: tl.c
     if AHEAD:  # the first tile's loads in flight with hist1's
         o_c, b_key, m_c = _row_tile(p_row, lo, hi, BLOCK)
         first = lo + BLOCK
+    p_chunk = p_ws + _C_HEADER + i_s * 256  # this chunk's digit-2 counts, then its suffix
+    if WARP_COUNTS:  # counted from zero: the row holds phase A's counts, or the previous call's suffix
+        tl.store(p_chunk + o_b, tl.zeros([256], dtype=tl.int32))
     d1, _ = _pick(_shared(p_ws + _C_HIST1 + o_b), k)
     top = d1 - 128  # digit 1 as key >> 24
-    p_chunk = p_ws + _C_HEADER + i_s * 256  # this chunk's digit-2 counts (zeroed by phase A), then its suffix
+    if WARP_COUNTS:
+        tl.debug_barrier()  # the zeros before any warp's counts
     b_above = tl.zeros([BLOCK], dtype=tl.int32)  # keys whose top digit is higher: all in the buffer
     b_h = tl.zeros([256], dtype=tl.int32)
     if AHEAD:  # outside the loop, as in phase A
