@@ -111,6 +111,11 @@ FP8_MIN_PROGRAMS_PER_SM = 0
 PAGE_TILES = True  # the FP8 path addresses a tile from its page and reads ahead where tiles lie within pages
 BF16_BITS = True  # the row kernel's bf16 path decodes MXFP4 by bit moves (`_e2m1_bf16`, Hopper) rather than via fp32
 FP8_MAX_REGISTERS = 128  # the FP8 path's register cap: 4 programs of 4 warps per SM (see the launch)
+# The longest rows whose top-k digit counts the layer asks of this kernel (`counts_digits`). Every program adds its
+# counts to the row's histogram as it ends, so one long row's reductions meet at its few busy bins at once: H200,
+# 2026-11-26 (docs/performance.md), CSA decode core at batch 1 / 64K context (16K entries) 42.2 -> 40.4 us and at batch
+# 64 / 128K 211.5 -> 207.5, but at batch 1 / 1M (262K entries) 59.4 -> 60.4.
+DIGIT_COUNT_MAX_ENTRIES = 65536
 _GRID_WAVES = 3  # programs per SM the chunking aims for: one decode row at 1M, 29 us at 3 against 36 us at 1
 _STACK_MIN_ROWS_PER_REQUEST = 2  # the automatic choice of the stacked kernel (`_stacked`)
 
@@ -692,10 +697,11 @@ def _format(layout: EntryLayout) -> int:
     return _BF16
 
 
-def counts_digits(plan: StepPlan) -> bool:
-    """Whether `indexer_scores_paged` over `plan` (the automatic kernel choice) takes the row kernel, which can count
-    the top-k's first digit as it writes the scores (`digit_counts=`). A host fact, as the wrapper's own choice."""
-    return not _stacked(plan)
+def counts_digits(plan: StepPlan, entries: int) -> bool:
+    """Whether a caller should have `indexer_scores_paged` over `plan` with `entries` score columns count the top-k's
+    first digit as it writes the scores (`digit_counts=`): the row kernel runs (the automatic choice) and rows are at
+    most DIGIT_COUNT_MAX_ENTRIES long. Host facts only, so a captured graph keeps its choice."""
+    return not _stacked(plan) and entries <= DIGIT_COUNT_MAX_ENTRIES
 
 
 def fp8_query_wanted(plan: StepPlan, layout: EntryLayout, entries: int) -> bool:
@@ -760,7 +766,7 @@ def indexer_scores_paged(q: torch.Tensor, weights: torch.Tensor, plan, key_pool:
         digit_counts: int32 [R, 256], rows any stride apart (`topk.first_digit_counts` of the top-k's workspace):
             each program adds the digit-1 counts of the scores it wrote (columns < visible(t) other than -inf), so
             `topk_indices(out, visible, k, first_digit_counted=True)` skips its first pass. Row kernel only
-            (`counts_digits(plan)`); the counts go straight to the row's histogram (a reduction per warp and digit).
+            (`counts_digits`); the counts go straight to the row's histogram (a reduction per warp and digit).
 
     MXFP4 keys run on FP8 MMAs in the row kernel when its grid has at least FP8_MIN_PROGRAMS_PER_SM programs per SM
     and every head of the row's q is MXFP4-valued (`fp8_query_operand`); the scores are those of the bf16 path up to
