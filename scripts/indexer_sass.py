@@ -27,7 +27,7 @@ from dsv4kv.kernels import indexer  # noqa: E402
 
 POINTERS = {"q_ptr": "*fp32", "w_ptr": "*fp32", "positions_ptr": "*i32", "token_request_ptr": "*i32",
             "request_slots_ptr": "*i32", "block_table_ptr": "*i32", "pool_ptr": "*u8", "out_ptr": "*fp32",
-            "q8_ptr": "*u8", "q8_scale_ptr": "*fp32", "counts_ptr": "*i32"}
+            "q8_ptr": "*u8", "q8_scale_ptr": "*fp32", "counts_ptr": "*i32", "scratch_ptr": "*i32"}
 # as a V4-Flash launch specializes them
 DIVISIBLE_BY_16 = {"num_heads", "num_entries", "table_stride", "chunk", "counts_stride"}
 
@@ -39,7 +39,7 @@ def compile_row_kernel(fp8: bool, stages: int, block_j: int = 64, warps: int = 4
         page_tiles = fp8 and indexer.PAGE_TILES and 256 % block_j == 0
     consts = dict(FORMAT=indexer._MXFP4, RATIO=4, D=128, P=256, PAGE_BYTES=256 * 68, DATA_BYTES=64, SCALE_BYTES=4,
                   BLOCK_H=64, BLOCK_J=block_j, FILL_J=block_j, DOT=tl.bfloat16, FILL=False, MMA8=fp8, ASM=True,
-                  BITS=bits, PAGE_TILES=page_tiles, COUNT=count)
+                  BITS=bits, PAGE_TILES=page_tiles, COUNT=count, SCRATCH=False)
     return compile_sm90(kernel, consts, POINTERS, divisible=DIVISIBLE_BY_16, floats={"score_scale"}, num_warps=warps,
                         num_stages=stages, **({"maxnreg": maxnreg} if maxnreg else {}))
 

@@ -45,11 +45,15 @@ cache = CacheManager(geometry, max_requests=2, max_tokens=2 * 20480, page_tokens
 rid = cache.admit()
 cache.plan_step([(rid, 20000)])
 fill_layer(cache.pools.layers[2], window=geometry.window, seed=2)
-plan = cache.plan_step([(rid, 1)], buffers=cache.step_buffers(max_tokens=2, max_requests=2, max_seq_len=20480))
-out = layers[1](torch.randn(1, geometry.hidden_size, generator=gen, device="cuda").to(torch.bfloat16), plan, cache)
-torch.cuda.synchronize()
-print(f"layer 2 (CSA) decode at 20001 tokens, digits counted by the indexer: finite={bool(torch.isfinite(out).all())}",
-      flush=True)
+buffers = cache.step_buffers(max_tokens=2, max_requests=2, max_seq_len=20480)
+for scratch_above in (indexer_kernels.DIGIT_COUNT_SCRATCH_ABOVE, 0):  # straight to the histogram, then via scratch
+    indexer_kernels.DIGIT_COUNT_SCRATCH_ABOVE = scratch_above
+    plan = cache.plan_step([(rid, 1)], buffers=buffers)
+    out = layers[1](torch.randn(1, geometry.hidden_size, generator=gen, device="cuda").to(torch.bfloat16), plan, cache)
+    torch.cuda.synchronize()
+    print(f"layer 2 (CSA) decode at {cache.length(rid)} tokens, digits counted by the indexer "
+          f"({'via scratch rows' if scratch_above == 0 else 'straight'}): finite={bool(torch.isfinite(out).all())}",
+          flush=True)
 # top-k's kernels directly, at sizes the layers above do not reach: the split radix select (one long row in four
 # launches and in one; many rows with phase D's select in registers, looped over its buffer (integer scores: a full
 # row buffers ~1300 keys, past SELECT = 1024), and over the row when the buffer overflows), the row kernel; NaN past

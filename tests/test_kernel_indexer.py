@@ -313,9 +313,10 @@ def test_unfilled_columns_are_never_picked(stack_rows, monkeypatch):
     assert (picks >= 0).sum(1).tolist() == torch.clamp(visible, max=8).tolist()
 
 
+@pytest.mark.parametrize("scratch", [False, True], ids=["straight", "scratch"])
 @pytest.mark.parametrize("indexer_format,fp8_from", [("mxfp4", 0), ("mxfp4", 1 << 30), ("fp8", 0), ("bf16", 0)],
                          ids=["mxfp4-fp8-path", "mxfp4-bf16-path", "fp8", "bf16"])
-def test_row_kernel_counts_topk_first_digit(indexer_format, fp8_from, monkeypatch):
+def test_row_kernel_counts_topk_first_digit(indexer_format, fp8_from, scratch, monkeypatch):
     """`digit_counts`: each program adds the top-k's digit-1 counts of the scores it wrote (columns < visible(t)) to
     its row's histogram in the top-k workspace, two calls adding up; top-k with `first_digit_counted` then picks what
     it picks counting itself. Rows span several programs (32-entry chunks); padding rows count nothing; the columns
@@ -325,6 +326,7 @@ def test_row_kernel_counts_topk_first_digit(indexer_format, fp8_from, monkeypatc
 
     monkeypatch.setattr(kernel_mod, "_config", lambda rows, entries, device: (16, 2, 4))
     monkeypatch.setattr(kernel_mod, "FP8_MIN_PROGRAMS_PER_SM", fp8_from)
+    monkeypatch.setattr(kernel_mod, "DIGIT_COUNT_SCRATCH_ABOVE", 0 if scratch else 1 << 30)
     for name in ("ROW_MAX_COLS", "ROW_MAX_COLS_MANY"):
         monkeypatch.setattr(topk_mod, name, 0)
     cache, layout, pool = make_cache(TINY, indexer_format, page_tokens=PAGE, max_requests=4, max_tokens=700)
@@ -332,7 +334,7 @@ def test_row_kernel_counts_topk_first_digit(indexer_format, fp8_from, monkeypatc
     cache.plan_step([(rids[0], 250), (rids[1], 50), (rids[2], 3)])
     buffers = cache.step_buffers(max_tokens=5, max_requests=4)
     plan = cache.plan_step([(rid, 1) for rid in rids], buffers=buffers)  # a decode step: 2 padding rows
-    assert kernel_mod.counts_digits(plan, 80) and not kernel_mod.counts_digits(plan, 1 << 20)
+    assert kernel_mod.counts_digits(plan)
     g = gen(31)
     for rid in rids:
         write_all_keys(cache, rid, layout, pool, torch.randn(200, layout.dim, generator=g).to(DEVICE), M, PAGE)

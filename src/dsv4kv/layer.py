@@ -411,9 +411,9 @@ class DSV4Attention(nn.Module):
                 # top-k leaves its workspace zeroed, so one serves every CSA layer of the step
                 workspace = plan.derived(("topk workspace", columns, g.index_topk),
                                          lambda: topk_workspace(rows, columns, g.index_topk, device))
-                # decode rows up to DIGIT_COUNT_MAX_ENTRIES long: the scores kernel counts the split top-k's first
-                # digit as it writes them, and top-k skips that pass (phase A)
-                counts = first_digit_counts(workspace) if counts_digits(plan, columns) else None
+                # decode: the scores kernel counts the split top-k's first digit as it writes them, and top-k skips
+                # that pass (phase A)
+                counts = first_digit_counts(workspace) if counts_digits(plan) else None
                 scores = indexer_scores_paged(q_index, weights, plan, layer_cache.index_keys, index_layout,
                                               ratio=spec.ratio, page_tokens=page_tokens, max_entries=columns,
                                               q_fp8=q_fp8, digit_counts=counts)

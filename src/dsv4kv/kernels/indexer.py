@@ -111,11 +111,12 @@ FP8_MIN_PROGRAMS_PER_SM = 0
 PAGE_TILES = True  # the FP8 path addresses a tile from its page and reads ahead where tiles lie within pages
 BF16_BITS = True  # the row kernel's bf16 path decodes MXFP4 by bit moves (`_e2m1_bf16`, Hopper) rather than via fp32
 FP8_MAX_REGISTERS = 128  # the FP8 path's register cap: 4 programs of 4 warps per SM (see the launch)
-# The longest rows whose top-k digit counts the layer asks of this kernel (`counts_digits`). Every program adds its
-# counts to the row's histogram as it ends, so one long row's reductions meet at its few busy bins at once: H200,
-# 2026-11-26 (docs/performance.md), CSA decode core at batch 1 / 64K context (16K entries) 42.2 -> 40.4 us and at batch
-# 64 / 128K 211.5 -> 207.5, but at batch 1 / 1M (262K entries) 59.4 -> 60.4.
-DIGIT_COUNT_MAX_ENTRIES = 65536
+# The top-k digit counts (`digit_counts`) of rows longer than this many entries go through a scratch row per program,
+# read back and added to the row's histogram once per bin; shorter rows' counts go straight to the histogram. Every
+# program counts as it ends, so straight counts of one long row meet at its few busy bins at once. H200, 2026-11-26
+# (docs/performance.md), CSA decode core, top-k counting / straight / scratch: batch 1 at 64K context (16K entries)
+# 42.0 / 40.5 / 40.6 us, at 1M (262K) 59.3 / 60.0 / 57.9; batch 64 at 128K (32K) 210.7 / 208.3 / 209.9.
+DIGIT_COUNT_SCRATCH_ABOVE = 65536
 _GRID_WAVES = 3  # programs per SM the chunking aims for: one decode row at 1M, 29 us at 3 against 36 us at 1
 _STACK_MIN_ROWS_PER_REQUEST = 2  # the automatic choice of the stacked kernel (`_stacked`)
 
@@ -489,12 +490,13 @@ def _indexer_scores_kernel(
     out_ptr,  # fp32 [R, num_entries]
     q8_ptr, q8_scale_ptr,  # MMA8: uint8 [R, H, D], fp32 [R, H] (`fp8_query_operand`); unread otherwise
     counts_ptr, counts_stride,  # COUNT: int32 [R, 256] rows `counts_stride` apart (`digit_counts`); unread otherwise
+    scratch_ptr,  # COUNT and SCRATCH: int32 [programs, 256], a row per program; unread otherwise
     num_heads, num_entries, table_stride, score_scale, chunk,
     FORMAT: tl.constexpr, RATIO: tl.constexpr, D: tl.constexpr, P: tl.constexpr, PAGE_BYTES: tl.constexpr,
     DATA_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_J: tl.constexpr, FILL_J: tl.constexpr, DOT: tl.constexpr,
     FILL: tl.constexpr, MMA8: tl.constexpr, ASM: tl.constexpr, BITS: tl.constexpr, PAGE_TILES: tl.constexpr,
-    COUNT: tl.constexpr,
+    COUNT: tl.constexpr, SCRATCH: tl.constexpr,
 ):
     """The row kernel: one token row, one chunk of `chunk` entries (a multiple of BLOCK_J). MMA8: MXFP4 keys on FP8
     MMAs (`_mxfp4_fp8_scores`) when every head of the row's query passed `fp8_query_operand`'s check, else the bf16
@@ -542,8 +544,9 @@ def _indexer_scores_kernel(
                 tl.store(p_out + o_j, tl.where(o_j < visible, b_s, float("-inf")), mask=o_j < num_entries)
         if COUNT:  # read back from this program's own stores, in a layout with no replicated lanes
             tl.debug_barrier()
-            count_first_digits(p_out, chunk_lo, tl.minimum(chunk_hi, visible), counts_ptr + t * counts_stride, ASM,
-                               _COUNT_BLOCK)
+            p_scratch = scratch_ptr + (t * tl.num_programs(1) + i_c) * 256
+            count_first_digits(p_out, chunk_lo, tl.minimum(chunk_hi, visible), counts_ptr + t * counts_stride,
+                               p_scratch, ASM, _COUNT_BLOCK, SCRATCH)
 
     if FILL:  # the rest of the chunk is past visible(t): one wide streaming store (FILL_J = the chunk)
         fill_lo = tl.maximum(chunk_lo, tl.cdiv(visible, BLOCK_J) * BLOCK_J)
@@ -697,11 +700,10 @@ def _format(layout: EntryLayout) -> int:
     return _BF16
 
 
-def counts_digits(plan: StepPlan, entries: int) -> bool:
-    """Whether a caller should have `indexer_scores_paged` over `plan` with `entries` score columns count the top-k's
-    first digit as it writes the scores (`digit_counts=`): the row kernel runs (the automatic choice) and rows are at
-    most DIGIT_COUNT_MAX_ENTRIES long. Host facts only, so a captured graph keeps its choice."""
-    return not _stacked(plan) and entries <= DIGIT_COUNT_MAX_ENTRIES
+def counts_digits(plan: StepPlan) -> bool:
+    """Whether `indexer_scores_paged` over `plan` (the automatic kernel choice) takes the row kernel, which can count
+    the top-k's first digit as it writes the scores (`digit_counts=`). A host fact, as the wrapper's own choice."""
+    return not _stacked(plan)
 
 
 def fp8_query_wanted(plan: StepPlan, layout: EntryLayout, entries: int) -> bool:
@@ -766,7 +768,8 @@ def indexer_scores_paged(q: torch.Tensor, weights: torch.Tensor, plan, key_pool:
         digit_counts: int32 [R, 256], rows any stride apart (`topk.first_digit_counts` of the top-k's workspace):
             each program adds the digit-1 counts of the scores it wrote (columns < visible(t) other than -inf), so
             `topk_indices(out, visible, k, first_digit_counted=True)` skips its first pass. Row kernel only
-            (`counts_digits`); the counts go straight to the row's histogram (a reduction per warp and digit).
+            (`counts_digits`); each warp adds its counts of a digit in one reduction, straight to the row's histogram,
+            or for rows past DIGIT_COUNT_SCRATCH_ABOVE entries to a scratch row per program first (allocated here).
 
     MXFP4 keys run on FP8 MMAs in the row kernel when its grid has at least FP8_MIN_PROGRAMS_PER_SM programs per SM
     and every head of the row's q is MXFP4-valued (`fp8_query_operand`); the scores are those of the bf16 path up to
@@ -857,13 +860,15 @@ def indexer_scores_paged(q: torch.Tensor, weights: torch.Tensor, plan, key_pool:
                 f"digit_counts: a {_COUNT_BLOCK.value}-score tile over {num_warps} warps would replicate lanes, "
                 "which the warp counts would count twice (_ROW_TILES)")
         counts = (digit_counts, digit_counts.stride(0)) if digit_counts is not None else (out, 0)  # unread: stand-in
+        scratch = digit_counts is not None and entries > DIGIT_COUNT_SCRATCH_ABOVE
+        counts += (torch.empty(grid[0] * grid[1] * 256, dtype=torch.int32, device=device) if scratch else out,)
         # FILL_J (the chunk, a tile shape) matters only with fill: without, one kernel serves every chunk size
         _indexer_scores_kernel[grid](*args, q8, q8_scale, *counts, heads, entries, plan.block_table.stride(0),
                                      dim ** -0.5, chunk,
                                      **common, BLOCK_J=block_j, FILL_J=chunk if fill else block_j, MMA8=mma8,
                                      ASM=not interpreted(), BITS=bits,
                                      PAGE_TILES=mma8 and PAGE_TILES and per_page % block_j == 0,
-                                     COUNT=digit_counts is not None,
+                                     COUNT=digit_counts is not None, SCRATCH=scratch,
                                      num_warps=num_warps,
                                      num_stages=_ROW_TILES["num_stages"],
                                      **cap, **launch_options(device))

@@ -307,14 +307,26 @@ def _count_digits(p_counts, digits, mask, ASM: tl.constexpr):
 
 
 @triton.jit
-def count_first_digits(p_row, lo, hi, p_hist, ASM: tl.constexpr, BLOCK: tl.constexpr):
+def count_first_digits(p_row, lo, hi, p_hist, p_scratch, ASM: tl.constexpr, BLOCK: tl.constexpr,
+                       SCRATCH: tl.constexpr):
     """p_hist[d] += how many candidates among columns lo..hi-1 of a score row have digit 1 (key >> 24, + 128) = d:
-    phase A's count, made by the kernel that writes the scores (`first_digit_counted`), straight into the row's
-    histogram. The caller's stores of those scores must precede this (a CTA barrier), and BLOCK >= 32 x warps
-    (`_count_digits`)."""
+    phase A's count, made by the kernel that writes the scores (`first_digit_counted`). Straight into the row's
+    histogram, or (SCRATCH) into the program's own 256-count row p_scratch first, then added as phase A adds: many
+    programs of one long row would meet at its few busy bins. The caller's stores of those scores must precede this
+    (a CTA barrier), and BLOCK >= 32 x warps (`_count_digits`)."""
+    p_counts = p_hist
+    if SCRATCH:
+        o_b = tl.arange(0, 256)
+        tl.store(p_scratch + o_b, tl.zeros([256], dtype=tl.int32))
+        tl.debug_barrier()
+        p_counts = p_scratch
     for start in range(lo, hi, BLOCK):
         o_c, b_key, m_c = _row_tile(p_row, start, hi, BLOCK)
-        _count_digits(p_hist, (b_key >> 24) + 128, m_c, ASM)
+        _count_digits(p_counts, (b_key >> 24) + 128, m_c, ASM)
+    if SCRATCH:
+        tl.debug_barrier()
+        b_h = _shared(p_scratch + o_b)
+        tl.atomic_add(p_hist + o_b, b_h, mask=b_h != 0, sem="relaxed")
 
 
 @triton.jit
