@@ -73,12 +73,18 @@ def test_decode_steps_append_the_window_beside_attention(monkeypatch, index):
     """With one row per request, the window append runs before attention in program order (beside it on a GPU's side
     stream): the ring entry each row overwrites, position p - window, is outside that row's window. Past the window
     (16 tokens), decode steps still match the reference layer, and a step where a request brings 3 rows (whose
-    appends would overwrite entries its own earlier rows read) keeps the append after attention. Rings bit for bit."""
+    appends would overwrite entries its own earlier rows read) keeps the append after attention. Rings bit for bit.
+    On a GPU the early append is queued on the side stream, attention on the main one."""
     from dsv4kv import kernels
-    calls = []
+    calls, streams = [], []
     for name in ("append_window", "sparse_attention_paged"):
         original = getattr(kernels, name)
-        monkeypatch.setattr(kernels, name, lambda *a, _f=original, _n=name, **kw: (calls.append(_n), _f(*a, **kw))[1])
+
+        def spy(*a, _f=original, _n=name, **kw):
+            calls.append(_n)
+            streams.append(torch.cuda.current_stream() if DEVICE == "cuda" else None)
+            return _f(*a, **kw)
+        monkeypatch.setattr(kernels, name, spy)
     torch_layer, triton_layer = layer_pair(index, seed=3)
     caches = [make_cache("fp8", "mxfp4") for _ in range(2)]
     rids = [[c.admit() for _ in range(2)] for c in caches]
@@ -89,10 +95,12 @@ def test_decode_steps_append_the_window_beside_attention(monkeypatch, index):
         x = torch.randn(sum(n for _, n in step), TINY.hidden_size, generator=gen).to(torch.bfloat16).to(DEVICE)
         want = torch_layer(x, caches[0].plan_step([(rids[0][i], n) for i, n in step]), caches[0])
         calls.clear()
+        streams.clear()
         got = triton_layer(x, caches[1].plan_step([(rids[1][i], n) for i, n in step], buffers=buffers), caches[1])
         decode = all(n == 1 for _, n in step)
         assert calls == (["append_window", "sparse_attention_paged"] if decode
                          else ["sparse_attention_paged", "append_window"]), (step, calls)
+        assert (streams[0] != streams[1]) == (decode and DEVICE == "cuda"), (step, streams)
         error = (got.float() - want.float()).abs().amax(-1) / want.float().abs().amax(-1)
         assert float(error.max()) <= ROW_TOL, (step, error)
         assert torch.equal(caches[1].pools.layers[index].window, caches[0].pools.layers[index].window), step

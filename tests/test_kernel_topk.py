@@ -56,15 +56,15 @@ def make_rows(seed, rows, cols, kind, device="cpu"):
 
 def split_variant(monkeypatch, param):
     """The split kernel's launch mode (one launch, or four) and per-phase code: "phased-histograms" counts digits by
-    tl.histogram (not `WARP_COUNTS`) and loads each chunk's first tile after the histogram reads (not
-    `FIRST_TILE_AHEAD`, as the big tiling does on a GPU); the other two count into the workspace and load it ahead."""
+    tl.histogram (not `WARP_COUNTS`), the others into the workspace; "phased-behind" and "phased-histograms" load each
+    chunk's first tile after the histogram reads (not `FIRST_TILE_AHEAD`: the GPU's big tiling), the others ahead."""
     monkeypatch.setattr(topk_module, "FUSED", param == "fused")
     monkeypatch.setattr(topk_module, "WARP_COUNTS", param != "phased-histograms")
-    ahead = param != "phased-histograms"
+    ahead = param not in ("phased-behind", "phased-histograms")
     monkeypatch.setattr(topk_module, "FIRST_TILE_AHEAD", {"small": ahead, "big": ahead})
 
 
-@pytest.fixture(params=["row", "fused", "phased", "phased-histograms"])
+@pytest.fixture(params=["row", "fused", "phased", "phased-behind", "phased-histograms"])
 def mode(request, monkeypatch):
     """The one-program-per-row kernel, or the split radix select (`split_variant`): the same results."""
     for name in ("ROW_MAX_COLS", "ROW_MAX_COLS_MANY"):
@@ -73,7 +73,7 @@ def mode(request, monkeypatch):
     return request.param
 
 
-@pytest.fixture(params=["fused", "phased", "phased-histograms"])
+@pytest.fixture(params=["fused", "phased", "phased-behind", "phased-histograms"])
 def split_mode(request, monkeypatch):
     """The split radix select for every row length (its workspace, buffer and select paths), `split_variant`."""
     for name in ("ROW_MAX_COLS", "ROW_MAX_COLS_MANY"):
@@ -173,7 +173,7 @@ def first_digit_histograms(scores, lengths):
     return counts.int()
 
 
-@pytest.mark.parametrize("param", ["phased", "phased-histograms"])
+@pytest.mark.parametrize("param", ["phased", "phased-behind", "phased-histograms"])
 def test_topk_first_digit_counted_by_the_producer(param, monkeypatch):
     """With digit 1 already counted into the workspace's histograms (`first_digit_counts`, as the indexer does at
     decode), the three remaining launches pick what four do, call after call on one workspace (phase B zeroes its
@@ -201,6 +201,11 @@ def test_topk_first_digit_counted_by_the_producer(param, monkeypatch):
     assert topk_module.first_digit_counts(topk_workspace(3, 150, 20, DEVICE)) is None
     with pytest.raises(ValueError, match="take the row kernel"):
         topk_indices(scores, lengths, 20, first_digit_counted=True)
+    monkeypatch.setattr(topk_module, "ROW_MAX_COLS", 0)
+    with pytest.raises(ValueError, match="pass the workspace"):  # a fresh one would hold no counts
+        topk_indices(scores, lengths, 20, first_digit_counted=True)
+    with pytest.raises(ValueError, match="expected a bool"):
+        topk_indices(scores, lengths, 20, workspace=ws, first_digit_counted=1)
 
 
 def test_topk_bad_inputs(split_mode):
@@ -339,7 +344,7 @@ def test_topk_gpu_warp_counts(rows, cols, k, fused, monkeypatch):
     junk."""
     monkeypatch.setattr(topk_module, "FUSED", fused)
     ws = topk_workspace(rows, cols, k, "cuda")
-    ws[:, topk_module._HEADER:] = 12345  # phase A zeroes the rows it counts into; nothing reads the rest unwritten
+    ws[:, topk_module._HEADER:] = 12345  # phases A and B zero the rows they count into; the rest is written first
     for i, kind in enumerate(("normal", "ties", "equal", "wide", "normal", "ties")):
         scores, lengths = make_rows(100 + i, rows, cols, kind, "cuda")
         want = reference(scores, lengths, k)
@@ -347,6 +352,21 @@ def test_topk_gpu_warp_counts(rows, cols, k, fused, monkeypatch):
             monkeypatch.setattr(topk_module, "WARP_COUNTS", warp_counts)
             assert torch.equal(run(scores, lengths, k, workspace=ws), want), (kind, warp_counts)
             assert ws[:, :topk_module._HEADER].eq(0).all()
+
+
+@cuda
+@pytest.mark.parametrize("rows,cols", [(1, CONTEXT), (64, 32768), (1, 1 << 20)], ids=["small", "big", "big-1M"])
+def test_topk_gpu_first_digit_counted(rows, cols):
+    """Three launches after a producer's digit-1 counts, at both GPU tilings (the big one, from 2^20 scores, loads no
+    tile ahead): the picks of the reference, call after call on one workspace, its header left zero."""
+    k = 512
+    ws = topk_workspace(rows, cols, k, "cuda")
+    for i, kind in enumerate(("normal", "ties", "wide")):
+        scores, lengths = make_rows(200 + i, rows, cols, kind, "cuda")
+        topk_module.first_digit_counts(ws).add_(first_digit_histograms(scores, lengths))
+        got = topk_indices(scores, lengths, k, workspace=ws, first_digit_counted=True)
+        assert torch.equal(got, reference(scores, lengths, k)), kind
+        assert ws[:, :topk_module._HEADER].eq(0).all()
 
 
 @cuda

@@ -318,9 +318,9 @@ class DSV4Attention(nn.Module):
 
         On CUDA the longest chain to attention (CSA: the indexer's compress, scores and top-k; HCA: the main
         compress; window layers: the kv insert) stays on the current stream and the kernels that do not feed it
-        (q RoPE, the indexer query, kv insert, main compress, the state appends) run beside it on a
-        side stream (`streams.StepStreams`); elsewhere everything runs in the order written, one of the orders the
-        events allow."""
+        (q RoPE, the indexer query, kv insert, main compress, the state appends, and with one row per request the
+        window append) run beside it on a side stream (`streams.StepStreams`); elsewhere everything runs in the order
+        written, one of the orders the events allow."""
         from .kernels import (append_state, append_window, compress_insert, indexer_query_and_weights,
                               indexer_scores_paged, kv_insert, rope_rows, sparse_attention_paged, topk_indices)
         from .kernels.indexer import counts_digits
@@ -408,7 +408,8 @@ class DSV4Attention(nn.Module):
                 with streams.on_side():
                     append(state_rows[1])
                 streams.main_waits(query_done)
-                # top-k leaves its workspace zeroed, so one serves every CSA layer of the step
+                # top-k leaves its workspace zeroed, so one serves every CSA layer of the step. Made before the
+                # scores kernel counts into it: a graph replays the zeroing where it was captured, the first use
                 workspace = plan.derived(("topk workspace", columns, g.index_topk),
                                          lambda: topk_workspace(rows, columns, g.index_topk, device))
                 # decode: the scores kernel counts the split top-k's first digit as it writes them, and top-k skips

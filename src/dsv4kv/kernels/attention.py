@@ -456,7 +456,8 @@ def sparse_attention_paged(q: torch.Tensor, plan: StepPlan, *, sinks: torch.Tens
         sinks: fp32 [H] learned sinks; scale: softmax scale (head_dim^-0.5).
         layout: the main-entry layout (`main_layout("fp8" | "bf16", D, rope_dim)`).
         window: window length; window_pool: uint8 [max_requests, layout.page_bytes(window)], the ring
-            (page = request slot, entry = position % window), read before this step's append.
+            (page = request slot, entry = position % window), as before this step's append: no entry a row
+            reads may be overwritten yet (with one row per request the append overwrites none of them).
         step_kv: uint8 [1, layout.page_bytes(R)]: this step's kv encoded in `layout`, entry t = row t.
         entry_pool: uint8 [pages, layout.page_bytes(page_tokens // ratio)] compressed entries, or None
             (window-only layer). ratio / page_tokens: its compression ratio and tokens per page.

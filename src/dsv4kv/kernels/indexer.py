@@ -67,6 +67,10 @@ BLOCK_T * H MMA columns instead of H, and q is loaded once per segment for up to
 (row, entry) pairs. The products and their fp32 accumulation are those of the row kernel (equal results
 up to summation order: bit-identical in most scores under the interpreter).
 
+Top-k's first digit (`digit_counts`, decode). After its tiles a row-kernel program reads back the scores it stored
+(after a CTA barrier, 1024 a tile so no lane is replicated) and counts their top-k digit 1 by warp into the row's
+histogram in the top-k workspace (`topk.count_first_digits`), so the top-k skips its first pass.
+
 Columns past visible(t). Top-k (`topk_indices(scores, visible, k)`) never reads a row past its visible count,
 so by default nothing is written there: a graph captured for a large J (max_seq_len // ratio) pays nothing for
 the columns nobody sees, where a fill wrote R x J x 4 B per CSA layer (1 MB per row at 1M). Score tiles still
@@ -111,9 +115,10 @@ FP8_MIN_PROGRAMS_PER_SM = 0
 PAGE_TILES = True  # the FP8 path addresses a tile from its page and reads ahead where tiles lie within pages
 BF16_BITS = True  # the row kernel's bf16 path decodes MXFP4 by bit moves (`_e2m1_bf16`, Hopper) rather than via fp32
 FP8_MAX_REGISTERS = 128  # the FP8 path's register cap: 4 programs of 4 warps per SM (see the launch)
-# The top-k digit counts (`digit_counts`) of rows longer than this many entries go through a scratch row per program,
-# read back and added to the row's histogram once per bin; shorter rows' counts go straight to the histogram. Every
-# program counts as it ends, so straight counts of one long row meet at its few busy bins at once. H200, 2026-11-26
+# The top-k digit counts (`digit_counts`) of score rows wider than this many columns (a host fact: the rows' capacity,
+# not their visible length) go through a scratch row per program, read back and added to the row's histogram once per
+# bin; narrower rows' counts go straight to the histogram. Every program counts as it ends, so straight counts of one
+# long row meet at its few busy bins at once. H200, 2026-11-26
 # (docs/performance.md), CSA decode core, top-k counting / straight / scratch: batch 1 at 64K context (16K entries)
 # 42.0 / 40.5 / 40.6 us, at 1M (262K) 59.3 / 60.0 / 57.9; batch 64 at 128K (32K) 210.7 / 208.3 / 209.9.
 DIGIT_COUNT_SCRATCH_ABOVE = 65536
@@ -769,7 +774,8 @@ def indexer_scores_paged(q: torch.Tensor, weights: torch.Tensor, plan, key_pool:
             each program adds the digit-1 counts of the scores it wrote (columns < visible(t) other than -inf), so
             `topk_indices(out, visible, k, first_digit_counted=True)` skips its first pass. Row kernel only
             (`counts_digits`); each warp adds its counts of a digit in one reduction, straight to the row's histogram,
-            or for rows past DIGIT_COUNT_SCRATCH_ABOVE entries to a scratch row per program first (allocated here).
+            or, for scores wider than DIGIT_COUNT_SCRATCH_ABOVE columns, to a scratch row per program first
+            (allocated here).
 
     MXFP4 keys run on FP8 MMAs in the row kernel when its grid has at least FP8_MIN_PROGRAMS_PER_SM programs per SM
     and every head of the row's q is MXFP4-valued (`fp8_query_operand`); the scores are those of the bf16 path up to

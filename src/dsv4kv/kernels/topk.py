@@ -50,16 +50,17 @@ barrier, then a release increment by one thread; a wait polls with acquire reads
 (CUTLASS's `GenericBarrier` does the same); data another program wrote is read past L1 (".cg").
 `FUSED = False` launches the four phases as four kernels instead (the same code, no tickets, no waits).
 
-Passes over the scores: three (phases A-C, chunks in parallel; after the first, from L2), then the M buffered
-candidates. If M exceeds the buffer's capacity (e.g. tens of thousands of equal scores), phase D makes its
-three passes over the whole row instead: exact, only slower.
+Passes over the scores: three (phases A-C, chunks in parallel; after the first, from L2; two where the producer
+counted digit 1), then the M buffered candidates. If M exceeds the buffer's capacity (e.g. tens of thousands of equal
+scores), phase D makes its three passes over the whole row instead: exact, only slower.
 
-Workspace (int32 [R, 640 + 256 * S + 2 * capacity], see `topk_workspace`): counters [4 x 32] (ticket, A, B, C,
-each on its own 128-byte line), hist1 [256], hist2 [256], suffix [S, 256], buffer keys [capacity], buffer
-columns [capacity]. The counters and histograms must be zero on entry and every call leaves them zero, so a
-workspace from `topk_workspace` can be reused call after call (suffix needs no zeros: phase A or B writes it before
-it is read). For a CUDA graph, allocate `out` and the workspace before capture and pass both: the op then allocates
-nothing, reads nothing back to the host, and launches the same kernel for fixed (R, J, k).
+Workspace (int32 [R, 640 + 256 * S + 2 * capacity], see `topk_workspace`): counters [4 x 32] (ticket, A, B, C, each on
+its own 128-byte line), hist1 [256], hist2 [256], suffix [S, 256], buffer keys [capacity], buffer columns [capacity].
+The counters and histograms must be zero on entry (hist1 may instead hold the producer's digit-1 counts,
+`first_digit_counted`) and every call leaves them zero, so a workspace from `topk_workspace` can be reused call after
+call (suffix needs no zeros: phases A and B zero a chunk's row before they count into it). For a CUDA graph, allocate
+`out` and the workspace before capture and pass both: the op then allocates nothing, reads nothing back to the host,
+and launches the same kernel for fixed (R, J, k).
 """
 
 from __future__ import annotations
@@ -180,8 +181,8 @@ def topk_indices(scores: torch.Tensor, lengths: torch.Tensor, k: int, *, out: to
     workspace: from `topk_workspace(R, J, k, device)` (allocated when None and the split kernel runs), counters
     and histograms zero on entry (every call leaves them so); the row kernel reads none (any width is accepted).
     first_digit_counted: `first_digit_counts(workspace)` already holds, per row, the count of each digit 1 (key >>
-    24, + 128) among the row's candidates (the scores' producer counted them), so phase A does not run. The split
-    kernel only, in four launches.
+    24, + 128) among the row's candidates for these `lengths`, exactly (the scores' producer counted them: wrong counts
+    give wrong picks), so phase A does not run. The split kernel only, in four launches, with the workspace given.
     """
     device = scores.device if isinstance(scores, torch.Tensor) else None
     check_tensor("scores", scores, dtype=torch.float32, shape=(None, None), device=device)
@@ -194,6 +195,13 @@ def topk_indices(scores: torch.Tensor, lengths: torch.Tensor, k: int, *, out: to
     check_tensor("out", out, dtype=torch.int32, shape=(rows, k), device=device)
     splits, chunk, block, programs = _split(rows, cols, device)
     by_row = _by_row(rows, cols)
+    require(isinstance(first_digit_counted, bool),
+            f"first_digit_counted: expected a bool, got {first_digit_counted!r}")
+    require(not first_digit_counted or (not by_row and not FUSED),
+            f"first_digit_counted: scores {list(scores.shape)} take the "
+            f"{'row kernel, which has no digit histograms' if by_row else 'one-launch split kernel (FUSED)'}")
+    require(not first_digit_counted or workspace is not None,
+            "first_digit_counted: pass the workspace whose histograms hold the counts (first_digit_counts)")
     if workspace is None and not by_row:
         workspace = topk_workspace(rows, cols, k, device)
     if workspace is not None:
@@ -201,10 +209,6 @@ def topk_indices(scores: torch.Tensor, lengths: torch.Tensor, k: int, *, out: to
         require(by_row or workspace.shape[1] >= _HEADER + _BINS * splits,
                 f"workspace: expected int32 [{rows}, >= {_HEADER + _BINS * splits}] for scores "
                 f"{list(scores.shape)} (use topk_workspace), got {list(workspace.shape)}")
-    require(first_digit_counted in (False, True), f"first_digit_counted: expected a bool, got {first_digit_counted!r}")
-    require(not first_digit_counted or (not by_row and not FUSED),
-            f"first_digit_counted: scores {list(scores.shape)} take the "
-            f"{'row kernel' if by_row else 'one-launch split kernel (FUSED)'}, which counts its own digits")
     if rows == 0:
         return out
     if cols == 0:

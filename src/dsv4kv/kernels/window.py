@@ -1,11 +1,12 @@
 """kv insert: RoPE + encoding (FP8 MODEL1 or bf16) + write of each token's kv, in one pass; and the
 window-ring append, a byte copy of those encoded rows.
 
-A step first encodes its kv into a step page (one page of R entries, row t = token row t): attention
-reads the step's own window keys from there and older ones from the ring. The ring is written after
-attention (`append_window`), because a prefill chunk's later tokens overwrite ring rows that its earlier
-tokens still attend to. The bytes are those of `layout.write(pool, ..., apply_rope(kv, positions, rope))`,
-bit for bit (tests/test_kernel_window.py).
+A step first encodes its kv into a step page (one page of R entries, row t = token row t): attention reads the step's
+own window keys from there and older ones from the ring. The ring is written after attention (`append_window`),
+because a prefill chunk's later tokens overwrite ring rows that its earlier tokens still attend to; with one row per
+request (decode) the layer runs it beside attention instead, as the entry a row's append overwrites (position p -
+window) is in no row's window. The bytes are those of `layout.write(pool, ..., apply_rope(kv, positions, rope))`, bit
+for bit (tests/test_kernel_window.py).
 
 kv_insert runs KV_INSERT_TILE[0] rows per program (fewer for small launches): the rows' kv is one contiguous
 [rows, D] block, loaded as 16-byte vectors and encoded as [rows, D // 64, 64] tiles; e4m3 codes leave as 16-byte
