@@ -5,12 +5,13 @@ device-free proxy used for `kernels/indexer.py` (docs/performance.md).
     pip install --no-deps --target /tmp/t36 triton==3.6.0          # the device image's Triton (its own ptxas)
     PYTHONPATH=/tmp/t36:src python scripts/indexer_sass.py [--mix 12]
 
-The builds: the bf16 path with its MXFP4 decode through fp32 and by bit moves (`BF16_BITS`), the FP8 MMA path, and
-the FP8 path under its register cap (`FP8_MAX_REGISTERS`, as launched), at the default stage count (the FP8 builds
-also hold the bf16 loop, their fallback, with the bit-move decode). The launch is V4-Flash decode (64 heads, head dim
-128, MXFP4 keys of 68 B, 256 entries a page, so the FP8 path addresses its tiles by page: `PAGE_TILES`, counting the
-top-k's first digit after its tiles: `digit_counts`, one more loop) with the alignment hints a real launch gets. Fewer loop instructions did not make this kernel faster by themselves (its time
-is a latency-bound tile chain at 16 warps per SM; ncu in docs/performance.md): only the GPU decides."""
+The builds: the bf16 path with its MXFP4 decode through fp32 and by bit moves (`BF16_BITS`), the FP8 MMA path, and the
+FP8 path under its register cap (`FP8_MAX_REGISTERS`, as launched), at the default stage count (the FP8 builds also
+hold the bf16 loop, their fallback, with the bit-move decode). The launch is V4-Flash decode (64 heads, head dim 128,
+MXFP4 keys of 68 B, 256 entries a page, so the FP8 path addresses its tiles by page: `PAGE_TILES`, counting the
+top-k's first digit after its tiles: `digit_counts`, one more loop) with the alignment hints a real launch gets. Fewer
+loop instructions did not make this kernel faster by themselves (its time is a latency-bound tile chain at 16 warps
+per SM; ncu in docs/performance.md): only the GPU decides."""
 
 from __future__ import annotations
 
