@@ -94,9 +94,9 @@ FUSED = False  # four launches; True: one launch ordered by tickets. H200 (docs/
 SPLIT_TILING = {"small": (2, 1024), "big": (4, 2048)}
 BIG_FROM = 1 << 20
 # Whether phases A-C load a chunk's first tile before their histogram reads (its latency overlaps theirs) rather than
-# after them, per tiling. H200, 2026-11-26 (docs/performance.md): with 2 programs per SM the latency shows, 1 x 262K
-# 19.5 -> 18.0 us; with 4 the other programs hide it, and the tile held across the reads cost phase B 96 -> 119
-# registers (a program per SM): 64 x 32K 34.6 -> 35.9.
+# after them, per tiling. H200, 2026-11-26 (docs/performance.md), ahead / not: with 2 programs per SM the latency
+# shows, 1 x 262K 18.0-18.6 / 18.5-18.7 us; with 4 the other programs hide it, and the tile held across the reads
+# costs registers (phase B 96 -> 119 on the proxy: 4 programs per SM instead of 5), 64 x 32K 35.4-35.7 / 33.6-34.0.
 FIRST_TILE_AHEAD = {"small": True, "big": False}
 # Phases A and B count digits into global memory (`_count_digits`: on a GPU one reduction per group of a warp's
 # lanes holding the same digit, PTX match.any + red; under the interpreter an atomic per key) instead of a 256-bin
