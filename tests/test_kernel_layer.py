@@ -186,6 +186,23 @@ def test_indexer_takes_fp8_is_the_scores_choice():
         assert csa.indexer_takes_fp8(decode, cache) == want and not window.indexer_takes_fp8(decode, cache)
 
 
+def test_indexer_counts_topk_digit_is_the_steps_choice(monkeypatch):
+    """`indexer_counts_topk_digit` (what the bench reports): CSA decode steps whose top-k takes the split kernel; not
+    prefill steps (the stacked scores kernel), rows the top-k row kernel takes, the one-launch top-k, or layers
+    without an indexer. The layer's step then launches top-k three times, else four (or once: the row kernel)."""
+    from dsv4kv.kernels import topk as topk_module
+    window, csa = DSV4Attention(TINY, 0), DSV4Attention(TINY, 1)
+    cache = make_cache("fp8", "mxfp4")
+    rid = cache.admit()
+    assert not csa.indexer_counts_topk_digit(cache.plan_step([(rid, 40)]), cache)
+    decode = cache.plan_step([(rid, 1)])
+    assert not csa.indexer_counts_topk_digit(decode, cache)  # 16 score columns: the top-k row kernel
+    monkeypatch.setattr(topk_module, "ROW_MAX_COLS", 0)
+    assert csa.indexer_counts_topk_digit(decode, cache) and not window.indexer_counts_topk_digit(decode, cache)
+    monkeypatch.setattr(topk_module, "FUSED", True)
+    assert not csa.indexer_counts_topk_digit(decode, cache)
+
+
 # --- CUDA graphs --------------------------------------------------------------------------------------
 def chain(layers, x, plan, cache):
     for layer in layers:

@@ -307,6 +307,14 @@ class DSV4Attention(nn.Module):
         return self.spec.kind is LayerKind.CSA and fp8_query_wanted(
             plan, cache.spec.layers[self.layer_index].index, _score_columns(plan, self.spec.ratio))
 
+    def indexer_counts_topk_digit(self, plan: StepPlan, cache: CacheManager) -> bool:
+        """Whether this layer's indexer scores over `plan` count the top-k's first digit in `attention_core`, so that
+        top-k runs three launches instead of four (host facts: CSA, the scores' row kernel, the split top-k)."""
+        from .kernels.indexer import counts_digits
+        from .kernels.topk import takes_first_digit_counts
+        return (self.spec.kind is LayerKind.CSA and counts_digits(plan)
+                and takes_first_digit_counts(plan.positions.shape[0], _score_columns(plan, self.spec.ratio)))
+
     def attention_core(self, p: "Projected", plan: StepPlan, cache: CacheManager) -> torch.Tensor:
         """The attention core on the kernels, over the plan's padded rows: kv insert, compress-and-insert (main,
         then the indexer's keys), indexer scores and top-k (CSA), sparse attention, appends, inverse RoPE ->
@@ -323,7 +331,6 @@ class DSV4Attention(nn.Module):
         written, one of the orders the events allow."""
         from .kernels import (append_state, append_window, compress_insert, indexer_query_and_weights,
                               indexer_scores_paged, kv_insert, rope_rows, sparse_attention_paged, topk_indices)
-        from .kernels.indexer import counts_digits
         from .kernels.topk import first_digit_counts, topk_workspace
         from .streams import StepStreams
         g, spec = self.geometry, self.spec
@@ -414,7 +421,7 @@ class DSV4Attention(nn.Module):
                                          lambda: topk_workspace(rows, columns, g.index_topk, device))
                 # decode: the scores kernel counts the split top-k's first digit as it writes them, and top-k skips
                 # that pass (phase A)
-                counts = first_digit_counts(workspace) if counts_digits(plan) else None
+                counts = first_digit_counts(workspace) if self.indexer_counts_topk_digit(plan, cache) else None
                 scores = indexer_scores_paged(q_index, weights, plan, layer_cache.index_keys, index_layout,
                                               ratio=spec.ratio, page_tokens=page_tokens, max_entries=columns,
                                               q_fp8=q_fp8, digit_counts=counts)

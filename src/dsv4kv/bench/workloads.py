@@ -325,6 +325,7 @@ def _decode_layer(ctx: Context, cache: CacheManager, layer: DSV4Attention, plan,
     params = {"kind": kind, "context": context, "batch": batch}
     parts = core_bytes(g, cache, layer.layer_index, context, batch)
     fp8 = layer.indexer_takes_fp8(plan, cache)
+    counted = layer.indexer_counts_topk_digit(plan, cache)
     def cold():  # the step's shared tensors (RoPE tables, visible counts, ...) made inside the graph too
         plan.memo.clear()
         return layer.attention_core(projected, plan, cache)
@@ -338,6 +339,7 @@ def _decode_layer(ctx: Context, cache: CacheManager, layer: DSV4Attention, plan,
                           bytes=sum(parts.values()), check=check, passed=passed,
                           extra={"stage": "core", **core.as_dict(), "bytes_by_part": parts,
                                  "streams": 2 if streams.CONCURRENT else 1, "indexer_fp8": fp8,
+                                 "indexer_counts_topk_digit": counted,
                                  "dependent_launch": bool(launch_options(ctx.device)),
                                  "with_step_tensors_us": first.median_us}))
     ctx.report.add(Result("decode", f"{kind} core + the step's shared tensors, ctx {context}, batch {batch}", params,
@@ -354,6 +356,9 @@ def _decode_layer(ctx: Context, cache: CacheManager, layer: DSV4Attention, plan,
     if kind == "csa":
         ctx.log(f"    indexer scores on {'FP8' if fp8 else 'bf16'} MMAs (the host's choice; a row whose query fails the "
                 f"FP8 path's exactness check takes bf16)")
+        ctx.log("    top-k's first digit " + ("counted by the indexer scores kernel, which the indexer stage's time "
+                                             "includes; top-k runs three launches" if counted else
+                                             "counted by top-k itself"))
     kernels = profile_kernels(lambda: layer.attention_core(projected, plan, cache), device=ctx.device)
     by_stage: dict[str, list[float]] = {}
     for name, us in kernels:

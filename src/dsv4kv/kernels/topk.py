@@ -75,7 +75,8 @@ from ..ops.common import require
 from .common import check_tensor, sm_count
 from .launch import launch_options, wait_for_prior_grids
 
-__all__ = ["topk_indices", "topk_workspace", "first_digit_counts", "count_first_digits", "MAX_K"]
+__all__ = ["topk_indices", "topk_workspace", "first_digit_counts", "count_first_digits", "takes_first_digit_counts",
+           "MAX_K"]
 
 MAX_K = 2048
 # The one-program-per-row kernel (`_topk_row_kernel`: the row in registers, the k-th largest key by bisection) for
@@ -144,6 +145,12 @@ def _select_block(k: int, device: torch.device) -> int:
 def _by_row(rows: int, cols: int) -> bool:
     """Whether scores [rows, cols] go to the one-program-per-row kernel (a host decision on the shape alone)."""
     return cols <= (ROW_MAX_COLS_MANY if rows >= ROW_MANY else ROW_MAX_COLS)
+
+
+def takes_first_digit_counts(rows: int, cols: int) -> bool:
+    """Whether `topk_indices` over scores [rows, cols] can use a producer's digit-1 counts (`first_digit_counted`):
+    the split kernel in four launches. A host fact of the shape, as `first_digit_counts` finds it in a workspace."""
+    return not _by_row(rows, cols) and not FUSED
 
 
 def topk_workspace(rows: int, cols: int, k: int, device: torch.device | str, *,
