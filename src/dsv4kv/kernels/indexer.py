@@ -865,16 +865,17 @@ def indexer_scores_paged(q: torch.Tensor, weights: torch.Tensor, plan, key_pool:
         require(digit_counts is None or _COUNT_BLOCK.value >= 32 * num_warps,
                 f"digit_counts: a {_COUNT_BLOCK.value}-score tile over {num_warps} warps would replicate lanes, "
                 "which the warp counts would count twice (_ROW_TILES)")
-        counts = (digit_counts, digit_counts.stride(0)) if digit_counts is not None else (out, 0)  # unread: stand-in
-        scratch = digit_counts is not None and entries > DIGIT_COUNT_SCRATCH_ABOVE
-        counts += (torch.empty(grid[0] * grid[1] * 256, dtype=torch.int32, device=device) if scratch else out,)
+        count = digit_counts is not None
+        scratch = count and entries > DIGIT_COUNT_SCRATCH_ABOVE
+        counts = (digit_counts if count else out, digit_counts.stride(0) if count else 0,  # `out`: unread stand-ins
+                  torch.empty(grid[0] * grid[1] * 256, dtype=torch.int32, device=device) if scratch else out)
         # FILL_J (the chunk, a tile shape) matters only with fill: without, one kernel serves every chunk size
         _indexer_scores_kernel[grid](*args, q8, q8_scale, *counts, heads, entries, plan.block_table.stride(0),
                                      dim ** -0.5, chunk,
                                      **common, BLOCK_J=block_j, FILL_J=chunk if fill else block_j, MMA8=mma8,
                                      ASM=not interpreted(), BITS=bits,
                                      PAGE_TILES=mma8 and PAGE_TILES and per_page % block_j == 0,
-                                     COUNT=digit_counts is not None, SCRATCH=scratch,
+                                     COUNT=count, SCRATCH=scratch,
                                      num_warps=num_warps,
                                      num_stages=_ROW_TILES["num_stages"],
                                      **cap, **launch_options(device))

@@ -319,19 +319,27 @@ def _count_digits(p_counts, digits, mask, ASM: tl.constexpr):
 
 @triton.jit
 def count_first_digits(p_row, lo, hi, p_hist, p_scratch, ASM: tl.constexpr, BLOCK: tl.constexpr,
-                       SCRATCH: tl.constexpr):
+                       SCRATCH: tl.constexpr, AHEAD: tl.constexpr = False):
     """p_hist[d] += how many candidates among columns lo..hi-1 of a score row have digit 1 (key >> 24, + 128) = d:
-    phase A's count, made by the kernel that writes the scores (`first_digit_counted`). Straight into the row's
-    histogram, or (SCRATCH) into the program's own 256-count row p_scratch first, then added as phase A adds: many
-    programs of one long row would meet at its few busy bins. The caller's stores of those scores must precede this
-    (a CTA barrier), and BLOCK >= 32 x warps (`_count_digits`)."""
+    phase A's count (phase A calls it with SCRATCH), and the same made by the kernel that writes the scores
+    (`first_digit_counted`; its stores of those scores must precede this, a CTA barrier). Straight into the row's
+    histogram, or (SCRATCH) into the program's own 256-count row p_scratch first, then added once per bin: many
+    programs of one long row would meet at its few busy bins. AHEAD: the first tile's loads issued first, before
+    the scratch row is zeroed, and that tile counted outside the loop (`FIRST_TILE_AHEAD`). BLOCK >= 32 x warps
+    (`_count_digits`)."""
+    first = lo  # where the loop starts: past the first tile when that is loaded ahead
+    if AHEAD:
+        o_c, b_key, m_c = _row_tile(p_row, lo, hi, BLOCK)
+        first = lo + BLOCK
     p_counts = p_hist
     if SCRATCH:
         o_b = tl.arange(0, 256)
         tl.store(p_scratch + o_b, tl.zeros([256], dtype=tl.int32))
         tl.debug_barrier()
         p_counts = p_scratch
-    for start in range(lo, hi, BLOCK):
+    if AHEAD:  # outside the loop, which carries no tile (registers; an empty chunk's tile is all masked)
+        _count_digits(p_counts, (b_key >> 24) + 128, m_c, ASM)
+    for start in range(first, hi, BLOCK):
         o_c, b_key, m_c = _row_tile(p_row, start, hi, BLOCK)
         _count_digits(p_counts, (b_key >> 24) + 128, m_c, ASM)
     if SCRATCH:
@@ -402,32 +410,22 @@ def _wait(p_count, target):
 @triton.jit
 def _phase_a(p_row, p_ws, i_s, lo, hi, BLOCK: tl.constexpr, WARP_COUNTS: tl.constexpr, ASM: tl.constexpr,
              AHEAD: tl.constexpr):
-    o_b = tl.arange(0, 256)
-    first = lo  # where the loop starts: past the first tile when that is loaded ahead
-    if AHEAD:  # the first tile in flight before anything else (`FIRST_TILE_AHEAD`)
-        o_c, b_key, m_c = _row_tile(p_row, lo, hi, BLOCK)
-        first = lo + BLOCK
     if WARP_COUNTS:
         # counted into this chunk's row of the workspace (the row's histogram itself would take every program's
         # reductions at its few busy bins: 1.7x slower at 1M columns), then added to it
-        p_chunk = p_ws + _C_HEADER + i_s * 256
-        tl.store(p_chunk + o_b, tl.zeros([256], dtype=tl.int32))
-        tl.debug_barrier()
-        if AHEAD:  # outside the loop, which carries no tile (registers; an empty chunk's tile is all masked)
-            _count_digits(p_chunk, (b_key >> 24) + 128, m_c, ASM)
-        for start in range(first, hi, BLOCK):
-            o_c, b_key, m_c = _row_tile(p_row, start, hi, BLOCK)
-            _count_digits(p_chunk, (b_key >> 24) + 128, m_c, ASM)
-        tl.debug_barrier()
-        b_h = _shared(p_chunk + o_b)
+        count_first_digits(p_row, lo, hi, p_ws + _C_HIST1, p_ws + _C_HEADER + i_s * 256, ASM, BLOCK, True, AHEAD)
     else:
+        o_b = tl.arange(0, 256)
+        first = lo
         b_h = tl.zeros([256], dtype=tl.int32)
-        if AHEAD:
+        if AHEAD:  # the first tile in flight before anything else (`FIRST_TILE_AHEAD`), outside the loop
+            o_c, b_key, m_c = _row_tile(p_row, lo, hi, BLOCK)
+            first = lo + BLOCK
             b_h = _histogram((b_key >> 24) + 128, m_c, BLOCK)
         for start in range(first, hi, BLOCK):
             o_c, b_key, m_c = _row_tile(p_row, start, hi, BLOCK)
             b_h += _histogram((b_key >> 24) + 128, m_c, BLOCK)
-    tl.atomic_add(p_ws + _C_HIST1 + o_b, b_h, mask=b_h != 0, sem="relaxed")
+        tl.atomic_add(p_ws + _C_HIST1 + o_b, b_h, mask=b_h != 0, sem="relaxed")
 
 
 @triton.jit
