@@ -121,9 +121,9 @@ def test_topk_select_in_registers_or_looped(select, split_mode, monkeypatch):
 
 
 def test_topk_wide_keys(mode):
-    """The k-th key's bisection (`_kth_key`: the row kernel's, and phase D's over the buffered candidates' low 16
-    bits) on ties, a fine grid, keys from -max to +max with subnormals and signed zeros, and rows with fewer
-    candidates than k (60 columns: under the interpreter they fit phase D's registers too)."""
+    """The k-th key's bisection (`_kth_key`: the row kernel's, over the whole key range, and phase D's over the
+    buffered candidates' low 16 bits) on ties, a fine grid, keys from -max to +max with subnormals and signed zeros,
+    and rows with fewer candidates than k (60 columns: under the interpreter they fit phase D's registers too)."""
     for seed, (rows, cols, k, kind) in enumerate(((2, 400, 9, "normal"), (3, 517, 40, "ties"), (2, 301, 17, "wide"),
                                                   (3, 60, 128, "wide"))):
         scores, lengths = make_rows(seed, rows, cols, kind, DEVICE)

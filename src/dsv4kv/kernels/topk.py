@@ -84,6 +84,9 @@ MAX_K = 2048
 # radix select otherwise. H100 (docs/performance.md): 1 x 4096 14.3 us against 19.5; 128 x 16K 34.9 against 49.9;
 # 8192 x 16K 1504 against 1731; but 1 x 16K 29.6 against 20.2 and 64 x 32K 76 against 54 (one SM per row is slow)
 ROW_MAX_COLS, ROW_MAX_COLS_MANY, ROW_MANY = 4096, 16384, 64
+# The row kernel's keys per thread (its warps), below / from ROW_MANY rows: the faster on the H100, fewer warps a row
+# when rows fill the GPU.
+ROW_KEYS_PER_THREAD = (32, 64)
 _ROW_BLOCK = 4096  # the row kernel's smallest row tile: shorter rows share its compilation
 FUSED = False  # four launches; True: one launch ordered by tickets. H200 (docs/bench/topk-variants-h200.txt): four
 # launches 22.9 / 38.2 / 53.9 us at 256K / 1M / 64 x 32K, one launch 26.9 / 53.3 / 69.2 (the waits cost more than
@@ -224,7 +227,7 @@ def topk_indices(scores: torch.Tensor, lengths: torch.Tensor, k: int, *, out: to
         # two row sizes only (4096, else the power of two above: 16384 by default), so a context that grows from step
         # to step compiles no new kernel (test_engine_compiles)
         row_tile = max(_ROW_BLOCK, triton.next_power_of_2(cols))
-        per_thread = 64 if rows >= ROW_MANY else 32  # the faster on the H100: fewer warps a row when rows fill the GPU
+        per_thread = ROW_KEYS_PER_THREAD[rows >= ROW_MANY]
         _topk_row_kernel[(rows,)](scores, lengths, out, cols, k, BLOCK=row_tile,
                                   OUT_BLOCK=min(triton.next_power_of_2(k), 1024),
                                   num_warps=max(4, min(32, row_tile // (32 * per_thread))),
@@ -478,7 +481,7 @@ def _buffer_tile(p_keys, CAP, o_c, b_key, m_c, prefix, at):
     """Phase C over one tile: its keys with key >> 16 >= prefix into the buffer from slot `at`, in column order.
     Returns how many."""
     m_keep = m_c & ((b_key >> 16) >= prefix)
-    # a flat cumsum: `_running_count` made this phase slower (122 registers against 110; docs/performance.md)
+    # a flat cumsum: `_running_sum` made this phase slower (122 registers against 110; docs/performance.md)
     o_buf = at + tl.cumsum(m_keep.to(tl.int32), 0) - 1
     tl.store(p_keys + o_buf, b_key, mask=m_keep)
     tl.store(p_keys + CAP + o_buf, o_c, mask=m_keep)
@@ -524,8 +527,9 @@ def _candidates(p_row, p_keys, p_cols, start, buffer_end, row_end, BLOCK: tl.con
 def _kth_key(b_key, lo, hi, k):
     """A threshold t with #(b_key > t) <= k <= #(b_key >= t), given #(b_key >= lo) >= k > #(b_key >= hi) (int64
     bounds; with fewer than k keys >= lo, lo itself): bisection, each step a compare and an add per key and one
-    block reduction (a 256-bin tl.histogram costs ~73 instructions per key for 8 bits), stopping early once a
-    count is exactly k."""
+    block reduction (a 256-bin tl.histogram costs ~73 instructions per key for 8 bits; counting above 2 or 4 bounds a
+    step, 3 or 5 parts, was slower: the compares cost more than the steps they save), stopping early once a count is
+    exactly k."""
     while hi - lo > 1:
         mid = lo + (hi - lo) // 2
         above = tl.sum((b_key >= mid.to(tl.int32)).to(tl.int32), axis=0)
@@ -535,12 +539,12 @@ def _kth_key(b_key, lo, hi, k):
 
 
 @triton.jit
-def _running_count(mask, BLOCK: tl.constexpr):
-    """int32 [BLOCK]: how many lanes of mask up to and including each are set (tl.cumsum's result). Scanned as rows
-    of 4 lanes, each within a thread, and a scan of the row totals: 36-51% fewer instructions than a scan of the
-    flat vector, which shuffles each lane's value through its warp (a compaction loop's sm_90a SASS,
+def _running_sum(values, BLOCK: tl.constexpr):
+    """int32 [BLOCK]: the sum of values up to and including each lane (tl.cumsum's result). Scanned as rows of 4
+    lanes, each within a thread, and a scan of the row totals: 36-51% fewer instructions than a scan of the flat
+    vector, which shuffles each lane's value through its warp (a compaction loop's sm_90a SASS,
     docs/device/2026-11-26-topk-sass-cpu.log)."""
-    b_rows = tl.reshape(mask.to(tl.int32), (BLOCK // 4, 4))
+    b_rows = tl.reshape(values, (BLOCK // 4, 4))
     b_totals = tl.sum(b_rows, 1)
     return tl.reshape(tl.cumsum(b_rows, 1) + (tl.cumsum(b_totals, 0) - b_totals)[:, None], (BLOCK,))
 
@@ -548,17 +552,22 @@ def _running_count(mask, BLOCK: tl.constexpr):
 @triton.jit
 def _write_picks(o_c, b_key, m_c, threshold, k, p_out, BLOCK: tl.constexpr):
     """Store the picks among candidates m_c [BLOCK] held in registers in column order: every key > threshold, then
-    the first k - #(key > threshold) keys == threshold (ranked only when there are more of those). Returns how many
-    were stored."""
-    m_pick = m_c & (b_key > threshold)
-    need = k - tl.sum(m_pick.to(tl.int32))
+    the first k - #(key > threshold) keys == threshold. Returns how many were stored.
+    Both counts travel in one int32 (keys above in bits 0..15, ties in 16..30: BLOCK < 2^15), so one reduction gives
+    the totals and one scan gives each lane's place: the keys above before it, plus the ties before it up to the
+    number needed (one scan and one reduction where there were two of each)."""
+    tl.static_assert(BLOCK < 32768)
+    m_above = m_c & (b_key > threshold)
     m_tie = m_c & (b_key == threshold)
-    if tl.sum(m_tie.to(tl.int32)) > need:
-        m_tie = m_tie & (_running_count(m_tie, BLOCK) <= need)
-    m_pick = m_pick | m_tie
-    o_out = _running_count(m_pick, BLOCK) - 1
+    b_flags = m_above.to(tl.int32) + (m_tie.to(tl.int32) << 16)
+    totals = tl.sum(b_flags, axis=0)
+    need = k - (totals & 0xFFFF)  # >= 0: at most k keys are above the threshold
+    b_run = _running_sum(b_flags, BLOCK)
+    b_ties = b_run >> 16  # ties up to and including this lane
+    m_pick = m_above | (m_tie & (b_ties <= need))
+    o_out = (b_run & 0xFFFF) + tl.minimum(b_ties, need) - 1
     tl.store(p_out + o_out, o_c, mask=m_pick & (o_out < k))
-    return tl.minimum(tl.sum(m_pick.to(tl.int32)), k)
+    return tl.minimum((totals & 0xFFFF) + (totals >> 16), k)
 
 
 @triton.jit
@@ -582,7 +591,7 @@ def _select_looped(p_row, p_keys, p_cols, p_out, buffer_end, row_end, prefix16, 
     for start in range(0, end, BLOCK):
         o_c, b_key, m_c = _candidates(p_row, p_keys, p_cols, start, buffer_end, row_end, BLOCK)
         m_tie = m_c & (b_key == prefix)
-        # flat cumsums: `_running_count` here made phase D spill at k = 512 (sm_90a proxy), register path included
+        # flat cumsums: `_running_sum` here made phase D spill at k = 512 (sm_90a proxy), register path included
         m_pick = (m_c & (b_key > prefix)) | (m_tie & (ties + tl.cumsum(m_tie.to(tl.int32), 0) <= need))
         o_out = written + tl.cumsum(m_pick.to(tl.int32), 0) - 1
         tl.store(p_out + o_out, o_c, mask=m_pick & (o_out < k))
@@ -639,9 +648,9 @@ def _topk_row_kernel(scores_ptr, lengths_ptr, out_ptr, J, k, BLOCK: tl.constexpr
     m_c = b_key > -2147483648
     threshold = tl.full((), -2147483648, tl.int32)  # fewer than k candidates: all of them
     if tl.sum(m_c.to(tl.int32), axis=0) > k:
-        lo = tl.min(tl.where(m_c, b_key, 2147483647), axis=0).to(tl.int64)  # #(>= lo) >= k
-        hi = tl.max(b_key, axis=0).to(tl.int64) + 1  # #(>= hi) < k
-        threshold = _kth_key(b_key, lo, hi, k)
+        # from the whole key range (every candidate key is >= int32 min + 1, `_candidate_keys`): the row's smallest
+        # and largest keys save a step or two for a reduction each, no faster (docs/performance.md)
+        threshold = _kth_key(b_key, tl.full((), -2147483647, tl.int64), tl.full((), 2147483648, tl.int64), k)
     p_out = out_ptr + i_r.to(tl.int64) * k
     _fill_tail(p_out, _write_picks(o_c, b_key, m_c, threshold, k, p_out, BLOCK), k, OUT_BLOCK)
 
