@@ -361,10 +361,12 @@ def test_merge_of_two_splits_reads_two_at_once(monkeypatch):
 
 def test_config_splits_only_grids_that_leave_the_gpu_idle(monkeypatch):
     """`_config` on a 132-SM device (V4-Flash decode shapes: 64 heads, window 128 + 512 picks, or + 8192 HCA entries
-    at 1M): small batches split (with 16-head blocks where even the split grid leaves half the SMs idle), a batch
-    that fills half the SMs does not, a batch filling a third takes 64-key blocks; the interpreter never splits."""
+    at 1M): small batches split (with 16-head blocks and splits of one key block where even the split grid leaves
+    half the SMs idle), a batch that fills half the SMs does not, a batch filling a third takes 64-key blocks; the
+    interpreter never splits."""
     monkeypatch.setattr(attention, "sm_count", lambda device: 132)
-    for name, value in dict(BLOCK_H=64, SMALL_BLOCK_H=16, BLOCK_N=32, LARGE_BLOCK_N=64, MIN_SPLIT_BLOCKS=2).items():
+    for name, value in dict(BLOCK_H=64, SMALL_BLOCK_H=16, BLOCK_N=32, LARGE_BLOCK_N=64, MIN_SPLIT_BLOCKS=2,
+                            SMALL_MIN_SPLIT_BLOCKS=1).items():
         monkeypatch.setattr(attention, name, value)  # whatever the defaults are now
     cuda = torch.device("cuda", 0)
 
@@ -372,7 +374,7 @@ def test_config_splits_only_grids_that_leave_the_gpu_idle(monkeypatch):
         config = attention._config(rows, heads, keys, device)
         return config.block_h, config.block_n, config.splits, config.num_warps
 
-    assert tiles(1, 128 + 512) == (16, 32, 10, 4)  # 1 x 10 programs at 64 heads: 4 x 10 at 16 heads
+    assert tiles(1, 128 + 512) == (16, 32, 20, 4)  # 1 x 10 programs at 64 heads: 4 x 20 at 16 heads, a block each
     assert tiles(1, 128 + 8192) == (64, 32, 130, 8)  # 260 key blocks, 2 per split
     assert tiles(8, 128 + 512) == (64, 32, 10, 8) and tiles(8, 128 + 8192) == (64, 32, 16, 8)
     assert tiles(64, 128 + 512) == (64, 64, 2, 8)  # 64 rows fill a third of the SMs: 64-key blocks

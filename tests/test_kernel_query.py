@@ -325,17 +325,29 @@ def test_cuda_rope_rows_v4(preset):
                 assert_same(rope_rows(x, cos, sin, inverse=inverse, out=x), want)
 
 
+def test_indexer_query_tiles_spread_small_launches():
+    """A decode step's few rows take `INDEXER_MIN_BLOCK_H` heads a program, a prefill chunk's many the tile's."""
+    block_h = query.TILES["indexer"][0]
+    assert query._tiles("indexer", 64, 1)[0] == query.INDEXER_MIN_BLOCK_H == 4
+    assert query._tiles("indexer", 64, 8)[0] == 4 and query._tiles("indexer", 5, 1)[0] == 4
+    assert query._tiles("indexer", 64, 8192)[0] == block_h == 16
+    assert query._tiles("indexer", 64, 64)[0] == 8  # 8 x 64 head rows: 512 programs of 8 heads reach 264
+    assert query._tiles("rope", 64)[0] == query.TILES["rope"][0]  # the RoPE kernels do not spread
+
+
 @needs_cuda
 @pytest.mark.parametrize("tile", [None, (16, 2), (4, 1), (64, 8)], ids=lambda t: "default" if t is None else str(t))
 @pytest.mark.parametrize("preset", ["flash", "pro"])
-def test_cuda_indexer_query_v4(preset, tile, monkeypatch):
-    """The indexer query of 1025 rows at V4 shapes (64 heads x 128), every key format, against the reference on
-    the GPU, bit for bit; also at (heads, warps) tiles where an fp8 cast-and-decode form gave wrong heads."""
+@pytest.mark.parametrize("rows", [1025, 3], ids=["prefill", "decode"])
+def test_cuda_indexer_query_v4(preset, tile, rows, monkeypatch):
+    """The indexer query of 1025 rows (the tile's heads a program) and of 3 (a decode step's: fewer heads a program,
+    `INDEXER_MIN_BLOCK_H`) at V4 shapes (64 heads x 128), every key format, against the reference on the GPU, bit for
+    bit; also at (heads, warps) tiles where an fp8 cast-and-decode form gave wrong heads."""
     if tile is not None:
         monkeypatch.setitem(query.TILES, "indexer", tile)
     geometry = ModelGeometry.preset(preset)
     rope = next(s for s in geometry.layers if s.kind is LayerKind.CSA).rope
-    q, positions, cos, sin = indexer_case(1025, geometry.index_n_heads, geometry.index_head_dim, rope, seed=21)
+    q, positions, cos, sin = indexer_case(rows, geometry.index_n_heads, geometry.index_head_dim, rope, seed=21)
     layouts = [indexer_layout(f, geometry.index_head_dim) for f in ("mxfp4", "fp8")]
     check_rotated_query(q, positions, cos, sin, rope, layouts)
     bf16 = indexer_layout("bf16", geometry.index_head_dim)

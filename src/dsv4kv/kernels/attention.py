@@ -68,8 +68,11 @@ BLOCK_N = 32  # keys per online-softmax block in small grids (split rows); split
 LARGE_BLOCK_N = 64  # ... once the rows alone fill a third of the SMs (CSA batch 128: 121 us at 64 keys, 145 at 32)
 NUM_STAGES = 1  # 2 stages were slower at every decode shape (more registers, spills)
 # Fewest key blocks per split: a split's fixed cost (q load, partial write, its share of the merge) should not
-# dominate its work.
+# dominate its work. With 16-head programs (a grid that leaves most SMs idle even split) a single block: CSA decode
+# core at batch 1 36.2 against 37.8 us at 16K, 56.7 against 58.9 at 1M; at batch 8 (64-head programs) 2 were faster
+# (68.3 against 69.1 us; H100, 2026-11-26, docs/performance.md).
 MIN_SPLIT_BLOCKS = 2
+SMALL_MIN_SPLIT_BLOCKS = 1
 MERGE_S = 16  # splits a merge program reads at once (`_merge_chunk`)
 # Round-trip each block's logits through a per-program scratch row in global memory (L2) where a program has two
 # warpgroups (8 warps). Triton lays out a dot whose result feeds another dot with all warps along M (rows per warp,
@@ -102,9 +105,10 @@ def _config(rows: int, heads: int, max_keys: int, device: torch.device) -> _Conf
     A program holds one SM (registers, shared memory), so a grid of rows x head blocks programs fills the GPU once
     it reaches the SM count. Split only where it leaves at least half the SMs idle (a grid of 0.5..1 waves gains
     little from splitting and would pay the merge): then as many splits as one wave holds, each keeping at least
-    MIN_SPLIT_BLOCKS key blocks of the longest row; if even that leaves half the SMs idle, 16-head blocks. Off
-    CUDA (the interpreter) always the single pass with 32-key blocks; tests force splits. V4-Flash decode on 132
-    SMs: CSA batch 1 (640 keys) -> 16 heads x 10 splits; HCA batch 1 at 1M -> 64 heads x 130 splits; batch 8 -> 10
+    MIN_SPLIT_BLOCKS key blocks of the longest row; if even that leaves half the SMs idle, 16-head blocks with
+    splits of SMALL_MIN_SPLIT_BLOCKS. Off CUDA (the interpreter) always the single pass with 32-key blocks; tests
+    force splits. V4-Flash decode on 132 SMs: CSA batch 1 (640 keys) -> 16 heads x 20 splits; HCA batch 1 at 1M
+    -> 64 heads x 130 splits; batch 8 -> 10
     (CSA) / 16 (HCA) splits; batch 64 -> 64-key blocks, 2 splits; batch >= 67 -> 64-key blocks, no split.
     """
     block_h = max(16, min(BLOCK_H, triton.next_power_of_2(heads)))  # a tensor-core M of at least 16
@@ -117,14 +121,15 @@ def _config(rows: int, heads: int, max_keys: int, device: torch.device) -> _Conf
     if programs * splits < sms // 2 and block_h > SMALL_BLOCK_H:
         block_h = SMALL_BLOCK_H
         programs = max(rows, 1) * triton.cdiv(heads, block_h)
-        splits = _splits(programs, max_keys, block_n, sms)
+        splits = _splits(programs, max_keys, block_n, sms, SMALL_MIN_SPLIT_BLOCKS)
     return _Config(block_h, block_n, splits, 4 if block_h <= 32 else 8, NUM_STAGES)
 
 
-def _splits(programs: int, max_keys: int, block_n: int, sms: int) -> int:
+def _splits(programs: int, max_keys: int, block_n: int, sms: int, min_blocks: int | None = None) -> int:
     if 2 * programs > sms:
         return 1
-    return max(1, min(sms // programs, triton.cdiv(max_keys, block_n) // MIN_SPLIT_BLOCKS))
+    min_blocks = MIN_SPLIT_BLOCKS if min_blocks is None else min_blocks
+    return max(1, min(sms // programs, triton.cdiv(max_keys, block_n) // min_blocks))
 
 
 @triton.jit

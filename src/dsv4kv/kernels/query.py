@@ -28,7 +28,7 @@ import triton.language as tl
 from ..layout import EntryLayout
 from ..ops.common import require
 from .common import check_tensor
-from .encode import e2m1_bits, e4m3_round, exp2_int, nan_amax, pow2_exponent, rotate_keys, round_bf16
+from .encode import e2m1_bits, e4m3_round, exp2_int, nan_amax, pow2_exponent, program_rows, rotate_keys, round_bf16
 from .indexer import _BF16, _MXFP4, fp8_query_operand
 from .indexer import _format as _layout_format
 from .launch import launch_options, wait_for_prior_grids
@@ -42,11 +42,21 @@ _ROTATED = 3  # test hook: store the bf16-rounded rotation itself (fp32), no qua
 # H / BLOCK_H of them): "rope": whole heads [8, 512] (8 KB of bf16 in and out); "rope_inplace": the rope dims
 # [16, 64] only; "indexer": [16, 128] through the butterfly (7 shuffles of the tile through shared memory).
 TILES = {"rope": (8, 4), "rope_inplace": (16, 2), "indexer": (16, 4)}
+# The indexer query of a small launch (a decode step's rows) takes fewer heads per program, down to this many, while
+# it would have fewer than `encode.SPREAD_PROGRAMS` programs: its time is the latency of one program's chain (the
+# butterfly's exchanges, the quantizers' reductions), which is shorter with fewer values per thread. H100, 2026-11-26
+# (docs/performance.md): CSA decode core at batch 1 / 1M 59.7 -> 56.8 us with 4 heads a program, at batch 8 / 128K
+# 66.3 -> 63.9; at 8192 prefill rows 4 heads took 464 us against 406 with 16.
+INDEXER_MIN_BLOCK_H = 4
 
 
-def _tiles(kind: str, heads: int) -> tuple[int, int]:
+def _tiles(kind: str, heads: int, rows: int | None = None) -> tuple[int, int]:
+    """(BLOCK_H, num_warps) of `kind` for [rows, heads] (rows: spread a small launch, as `INDEXER_MIN_BLOCK_H`)."""
     block_h, warps = TILES[kind]
-    return min(block_h, triton.next_power_of_2(heads)), warps
+    block_h = min(block_h, triton.next_power_of_2(heads))
+    if rows is not None:
+        block_h = max(min(block_h, INDEXER_MIN_BLOCK_H), program_rows(rows * heads, block_h))
+    return block_h, warps
 
 
 @triton.jit
@@ -216,7 +226,7 @@ def _indexer_query(q, cos, sin, layout, out, weights, scale, weights_out, fmt=No
         check_tensor("fp8_out codes", fp8_out[0], dtype=torch.uint8, shape=(n, heads, dim), device=device)
         check_tensor("fp8_out scales", fp8_out[1], dtype=torch.float32, shape=(n, heads), device=device)
     if out.numel() > 0:
-        block_h, warps = _tiles("indexer", heads)
+        block_h, warps = _tiles("indexer", heads, n)
         # the matrix entries of quant.hadamard_matrix: D^-0.5 rounded once to fp32
         h_scale = float(torch.tensor(dim ** -0.5, dtype=torch.float64).float())
         _indexer_query_kernel[(n, triton.cdiv(heads, block_h))](
