@@ -69,8 +69,8 @@ LARGE_BLOCK_N = 64  # ... once the rows alone fill a third of the SMs (CSA batch
 NUM_STAGES = 1  # 2 stages were slower at every decode shape (more registers, spills)
 # Fewest key blocks per split: a split's fixed cost (q load, partial write, its share of the merge) should not
 # dominate its work. With 16-head programs (a grid that leaves most SMs idle even split) a single block: CSA decode
-# core at batch 1 36.2 against 37.8 us at 16K, 56.7 against 58.9 at 1M; at batch 8 (64-head programs) 2 were faster
-# (68.3 against 69.1 us; H100, 2026-11-26, docs/performance.md).
+# core at batch 1 36.1 against 37.8 us at 16K, 56.8 against 59.0 at 1M, HCA at 4K 25.1 against 31.3; at batch 8
+# (64-head programs) 2 were faster (68.3 against 69.1 us; H100, 2026-11-26, docs/performance.md).
 MIN_SPLIT_BLOCKS = 2
 SMALL_MIN_SPLIT_BLOCKS = 1
 MERGE_S = 16  # splits a merge program reads at once (`_merge_chunk`)
