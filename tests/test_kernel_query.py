@@ -176,8 +176,11 @@ def check_rotated_query(q, positions, cos, sin, rope, layouts):
         assert_same(out, indexer_query(roped, layout))
 
 
-def test_indexer_query_flash_rotated_formats():
-    """V4-Flash indexer query [9, 64, 128] with the CSA rope (YaRN): MXFP4 and FP8 keys' numerics."""
+@pytest.mark.parametrize("least_heads", [4, 16], ids=["spread", "whole-tile"])
+def test_indexer_query_flash_rotated_formats(least_heads, monkeypatch):
+    """V4-Flash indexer query [9, 64, 128] with the CSA rope (YaRN): MXFP4 and FP8 keys' numerics; 9 rows take 4
+    heads a program (`INDEXER_MIN_BLOCK_H`), or the tile's 16 where that floor is raised."""
+    monkeypatch.setattr(query, "INDEXER_MIN_BLOCK_H", least_heads)
     q, positions, cos, sin = indexer_case(9, FLASH.index_n_heads, FLASH.index_head_dim, CSA.rope, seed=5)
     layouts = [indexer_layout(f, FLASH.index_head_dim) for f in ("mxfp4", "fp8")]
     check_rotated_query(q, positions, cos, sin, CSA.rope, layouts)
@@ -331,18 +334,19 @@ def test_indexer_query_tiles_spread_small_launches():
     assert query._tiles("indexer", 64, 1)[0] == query.INDEXER_MIN_BLOCK_H == 4
     assert query._tiles("indexer", 64, 8)[0] == 4 and query._tiles("indexer", 5, 1)[0] == 4
     assert query._tiles("indexer", 64, 8192)[0] == block_h == 16
-    assert query._tiles("indexer", 64, 64)[0] == 8  # 8 x 64 head rows: 512 programs of 8 heads reach 264
+    assert query._tiles("indexer", 64, 32)[0] == 4 and query._tiles("indexer", 64, 65)[0] == 8
+    assert query._tiles("indexer", 64, 64)[0] == 8  # 64 x 64 head rows: 256 programs of 16 heads, 512 of 8 (>= 264)
     assert query._tiles("rope", 64)[0] == query.TILES["rope"][0]  # the RoPE kernels do not spread
 
 
 @needs_cuda
 @pytest.mark.parametrize("tile", [None, (16, 2), (4, 1), (64, 8)], ids=lambda t: "default" if t is None else str(t))
 @pytest.mark.parametrize("preset", ["flash", "pro"])
-@pytest.mark.parametrize("rows", [1025, 3], ids=["prefill", "decode"])
+@pytest.mark.parametrize("rows", [1025, 40, 3], ids=["prefill", "decode-40", "decode"])
 def test_cuda_indexer_query_v4(preset, tile, rows, monkeypatch):
-    """The indexer query of 1025 rows (the tile's heads a program) and of 3 (a decode step's: fewer heads a program,
-    `INDEXER_MIN_BLOCK_H`) at V4 shapes (64 heads x 128), every key format, against the reference on the GPU, bit for
-    bit; also at (heads, warps) tiles where an fp8 cast-and-decode form gave wrong heads."""
+    """The indexer query of 1025 rows (the tile's heads a program), 40 and 3 (a decode step's: 8 and 4 heads a
+    program, `INDEXER_MIN_BLOCK_H`) at V4 shapes (64 heads x 128), every key format, against the reference on the
+    GPU, bit for bit; also at (heads, warps) tiles where an fp8 cast-and-decode form gave wrong heads."""
     if tile is not None:
         monkeypatch.setitem(query.TILES, "indexer", tile)
     geometry = ModelGeometry.preset(preset)

@@ -130,6 +130,25 @@ def test_topk_wide_keys(mode):
         assert torch.equal(run(scores, lengths, k), reference(scores, lengths, k)), (rows, cols, k, kind)
 
 
+def test_topk_wrong_digit_counts_stay_inside_out(monkeypatch):
+    """Digit counts that break `first_digit_counted`'s contract (every key counted in the lowest digit) give wrong
+    picks, but every store stays inside out: the rows around it keep their sentinels and the picks are -1 or columns.
+    (All 60 keys land in phase D's registers, more than k of them above the threshold it finds.)"""
+    for name in ("ROW_MAX_COLS", "ROW_MAX_COLS_MANY"):
+        monkeypatch.setattr(topk_module, name, 0)
+    monkeypatch.setattr(topk_module, "FUSED", False)
+    rows, cols, k = 2, 60, 8
+    scores = torch.randn(rows, cols, generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    lengths = torch.full((rows,), cols, dtype=torch.int32, device=DEVICE)
+    ws = topk_workspace(rows, cols, k, scores.device, capacity=200)
+    topk_module.first_digit_counts(ws)[:, 0] = cols
+    padded = torch.full((rows + 2, k), SENTINEL, dtype=torch.int32, device=DEVICE)
+    topk_indices(scores, lengths, k, out=padded[1:-1], workspace=ws, first_digit_counted=True)
+    assert bool((padded[0] == SENTINEL).all()) and bool((padded[-1] == SENTINEL).all())
+    picks = padded[1:-1]
+    assert bool(((picks >= -1) & (picks < cols)).all())
+
+
 def test_topk_empty_rows_write_no_picks(mode):
     """Rows of length <= 0 (padding rows of a captured batch) pick nothing, and leave the workspace reusable."""
     scores = torch.randn(4, 300, device=DEVICE)

@@ -51,7 +51,9 @@ INDEXER_MIN_BLOCK_H = 4
 
 
 def _tiles(kind: str, heads: int, rows: int | None = None) -> tuple[int, int]:
-    """(BLOCK_H, num_warps) of `kind` for [rows, heads] (rows: spread a small launch, as `INDEXER_MIN_BLOCK_H`)."""
+    """(BLOCK_H, num_warps) of `kind` for [rows, heads]. Given rows (the indexer query's launch), a small launch
+    spreads: BLOCK_H halves while it would have fewer than `encode.SPREAD_PROGRAMS` programs, down to
+    `INDEXER_MIN_BLOCK_H` (V4: 4 heads up to 32 rows, 8 up to 65, 16 from 66)."""
     block_h, warps = TILES[kind]
     block_h = min(block_h, triton.next_power_of_2(heads))
     if rows is not None:

@@ -481,7 +481,8 @@ def _buffer_tile(p_keys, CAP, o_c, b_key, m_c, prefix, at):
     """Phase C over one tile: its keys with key >> 16 >= prefix into the buffer from slot `at`, in column order.
     Returns how many."""
     m_keep = m_c & ((b_key >> 16) >= prefix)
-    # a flat cumsum: `_running_sum` made this phase slower (122 registers against 110; docs/performance.md)
+    # a flat cumsum: the rows-of-4 scan (`_running_sum`, then of a mask) made this phase slower (122 registers
+    # against 110; docs/performance.md)
     o_buf = at + tl.cumsum(m_keep.to(tl.int32), 0) - 1
     tl.store(p_keys + o_buf, b_key, mask=m_keep)
     tl.store(p_keys + CAP + o_buf, o_c, mask=m_keep)
@@ -561,7 +562,9 @@ def _write_picks(o_c, b_key, m_c, threshold, k, p_out, BLOCK: tl.constexpr):
     m_tie = m_c & (b_key == threshold)
     b_flags = m_above.to(tl.int32) + (m_tie.to(tl.int32) << 16)
     totals = tl.sum(b_flags, axis=0)
-    need = k - (totals & 0xFFFF)  # >= 0: at most k keys are above the threshold
+    # >= 0 for a threshold that meets `_kth_key`'s contract; clamped, so that a broken one (wrong producer counts,
+    # `first_digit_counted`) gives wrong picks, never a store before out
+    need = tl.maximum(k - (totals & 0xFFFF), 0)
     b_run = _running_sum(b_flags, BLOCK)
     b_ties = b_run >> 16  # ties up to and including this lane
     m_pick = m_above | (m_tie & (b_ties <= need))
@@ -591,7 +594,8 @@ def _select_looped(p_row, p_keys, p_cols, p_out, buffer_end, row_end, prefix16, 
     for start in range(0, end, BLOCK):
         o_c, b_key, m_c = _candidates(p_row, p_keys, p_cols, start, buffer_end, row_end, BLOCK)
         m_tie = m_c & (b_key == prefix)
-        # flat cumsums: `_running_sum` here made phase D spill at k = 512 (sm_90a proxy), register path included
+        # flat cumsums: the rows-of-4 scan (`_running_sum`, then of a mask) made phase D spill at k = 512 (sm_90a
+        # proxy), register path included
         m_pick = (m_c & (b_key > prefix)) | (m_tie & (ties + tl.cumsum(m_tie.to(tl.int32), 0) <= need))
         o_out = written + tl.cumsum(m_pick.to(tl.int32), 0) - 1
         tl.store(p_out + o_out, o_c, mask=m_pick & (o_out < k))
@@ -648,8 +652,9 @@ def _topk_row_kernel(scores_ptr, lengths_ptr, out_ptr, J, k, BLOCK: tl.constexpr
     m_c = b_key > -2147483648
     threshold = tl.full((), -2147483648, tl.int32)  # fewer than k candidates: all of them
     if tl.sum(m_c.to(tl.int32), axis=0) > k:
-        # from the whole key range (every candidate key is >= int32 min + 1, `_candidate_keys`): the row's smallest
-        # and largest keys save a step or two for a reduction each, no faster (docs/performance.md)
+        # from the whole key range (every candidate key is >= int32 min + 1, `_candidate_keys`): starting from the
+        # row's smallest and largest keys (a reduction each) saves steps on rows of a narrow key range (none at all
+        # on a row of equal scores) and was no faster on the timed rows (docs/performance.md)
         threshold = _kth_key(b_key, tl.full((), -2147483647, tl.int64), tl.full((), 2147483648, tl.int64), k)
     p_out = out_ptr + i_r.to(tl.int64) * k
     _fill_tail(p_out, _write_picks(o_c, b_key, m_c, threshold, k, p_out, BLOCK), k, OUT_BLOCK)
