@@ -17,6 +17,7 @@ import torch
 from dsv4kv.engine import Engine, SamplingParams
 from dsv4kv.engine.reference import random_model, tiny_config, with_dtype
 from dsv4kv.kernels import attention as attention_module
+from dsv4kv.kernels import query as query_module
 from dsv4kv.kernels import topk as topk_module
 from dsv4kv.kernels.specialization import record_launches
 
@@ -114,3 +115,5 @@ def test_gpu_launch_configs_take_few_values(monkeypatch):
     for rows, cols in shapes:  # S fits the count vector of its own tiling
         programs, block = topk_module._tiling(rows, cols, torch.device("cuda", 0))
         assert topk_module._split(rows, cols, torch.device("cuda", 0))[0] <= programs
+    # the indexer query's heads a program (a constexpr) over every row count: three values, so three compilations
+    assert {query_module._tiles("indexer", 64, rows)[0] for rows in range(1, 8193)} == {4, 8, 16}
