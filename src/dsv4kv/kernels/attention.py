@@ -108,8 +108,8 @@ def _config(rows: int, heads: int, max_keys: int, device: torch.device) -> _Conf
     MIN_SPLIT_BLOCKS key blocks of the longest row; if even that leaves half the SMs idle, 16-head blocks with
     splits of SMALL_MIN_SPLIT_BLOCKS. Off CUDA (the interpreter) always the single pass with 32-key blocks; tests
     force splits. V4-Flash decode on 132 SMs: CSA batch 1 (640 keys) -> 16 heads x 20 splits; HCA batch 1 at 1M
-    -> 64 heads x 130 splits; batch 8 -> 10
-    (CSA) / 16 (HCA) splits; batch 64 -> 64-key blocks, 2 splits; batch >= 67 -> 64-key blocks, no split.
+    -> 64 heads x 130 splits; batch 8 -> 10 (CSA) / 16 (HCA) splits; batch 64 -> 64-key blocks, 2 splits; batch
+    >= 67 -> 64-key blocks, no split.
     """
     block_h = max(16, min(BLOCK_H, triton.next_power_of_2(heads)))  # a tensor-core M of at least 16
     if device.type != "cuda":

@@ -529,8 +529,8 @@ def _kth_key(b_key, lo, hi, k):
     """A threshold t with #(b_key > t) <= k <= #(b_key >= t), given #(b_key >= lo) >= k > #(b_key >= hi) (int64
     bounds; with fewer than k keys >= lo, lo itself): bisection, each step a compare and an add per key and one
     block reduction (a 256-bin tl.histogram costs ~73 instructions per key for 8 bits; counting above 2 or 4 bounds a
-    step, 3 or 5 parts, was slower: the compares cost more than the steps they save), stopping early once a count is
-    exactly k."""
+    step, 3 or 5 parts, was slower: the compares cost more than the steps they save; so was a bound interpolated from
+    the counts), stopping early once a count is exactly k."""
     while hi - lo > 1:
         mid = lo + (hi - lo) // 2
         above = tl.sum((b_key >= mid.to(tl.int32)).to(tl.int32), axis=0)
@@ -556,7 +556,7 @@ def _write_picks(o_c, b_key, m_c, threshold, k, p_out, BLOCK: tl.constexpr):
     the first k - #(key > threshold) keys == threshold. Returns how many were stored.
     Both counts travel in one int32 (keys above in bits 0..15, ties in 16..30: BLOCK < 2^15), so one reduction gives
     the totals and one scan gives each lane's place: the keys above before it, plus the ties before it up to the
-    number needed (one scan and one reduction where there were two of each)."""
+    number needed (two scans and three reductions before)."""
     tl.static_assert(BLOCK < 32768)
     m_above = m_c & (b_key > threshold)
     m_tie = m_c & (b_key == threshold)
@@ -652,9 +652,9 @@ def _topk_row_kernel(scores_ptr, lengths_ptr, out_ptr, J, k, BLOCK: tl.constexpr
     m_c = b_key > -2147483648
     threshold = tl.full((), -2147483648, tl.int32)  # fewer than k candidates: all of them
     if tl.sum(m_c.to(tl.int32), axis=0) > k:
-        # from the whole key range (every candidate key is >= int32 min + 1, `_candidate_keys`): starting from the
-        # row's smallest and largest keys (a reduction each) saves steps on rows of a narrow key range (none at all
-        # on a row of equal scores) and was no faster on the timed rows (docs/performance.md)
+        # from the whole key range (every candidate key is >= int32 min + 1, `_candidate_keys`). Starting from the
+        # row's smallest and largest keys (a reduction each) would save steps on rows of a narrow key range (all 32
+        # on a row of equal scores), and was no faster on the timed rows (docs/performance.md)
         threshold = _kth_key(b_key, tl.full((), -2147483647, tl.int64), tl.full((), 2147483648, tl.int64), k)
     p_out = out_ptr + i_r.to(tl.int64) * k
     _fill_tail(p_out, _write_picks(o_c, b_key, m_c, threshold, k, p_out, BLOCK), k, OUT_BLOCK)
