@@ -41,6 +41,9 @@ def make_rows(seed, rows, cols, kind, device="cpu"):
         extremes = torch.tensor([info.max, -info.max, info.tiny, -info.tiny, 1e-45, -1e-45, -0.0, 0.0])
         pick = torch.rand(rows, cols, generator=g) < 0.1
         scores[pick] = extremes[torch.randint(0, len(extremes), (int(pick.sum()),), generator=g)]
+    elif kind == "band":  # one 16-bit key prefix for every score: digits 3 and 4 alone decide, with exact ties
+        scores = 1 + torch.randint(0, 64, (rows, cols), generator=g) * 2.0 ** -17 \
+            + torch.randint(0, 4, (rows, cols), generator=g) * 2.0 ** -21
     elif kind == "normal":  # a fine grid (ties inside the last radix digits too), 5% -inf: no candidates
         scores = (torch.randn(rows, cols, generator=g) * 64).round() / 64
         scores = scores.masked_fill(torch.rand(rows, cols, generator=g) < 0.05, float("-inf"))
@@ -115,7 +118,8 @@ def test_topk_small_buffer_is_exact(capacity, split_mode):
 def test_topk_select_in_registers_or_looped(select, split_mode, monkeypatch):
     """Phase D holds up to SELECT buffered candidates in registers and loops over a bigger buffer: both exact."""
     monkeypatch.setattr(topk_module, "_select_block", lambda k, device: select)
-    for seed, (rows, cols, k, kind) in enumerate(((2, 400, 9, "normal"), (3, 517, 40, "ties"), (1, 300, 1, "ties"))):
+    for seed, (rows, cols, k, kind) in enumerate(((2, 400, 9, "normal"), (3, 517, 40, "ties"), (1, 300, 1, "ties"),
+                                                  (3, 100, 37, "band"))):
         scores, lengths = make_rows(seed, rows, cols, kind, DEVICE)
         assert torch.equal(run(scores, lengths, k), reference(scores, lengths, k)), (rows, cols, k, kind)
 

@@ -376,7 +376,6 @@ class DSV4Attention(nn.Module):
             compress_insert(layer_cache.state_kv, layer_cache.state_score, plan, *p.state,
                             norm_weight=self.compressor.kv_norm.weight, layout=main, pool=layer_cache.entries,
                             main=True, **insert)
-            append(state_rows[0])  # no later kernel of the step reads the main state ring
 
         # the main stream keeps the longest chain to attention: the indexer chain (CSA), the main compress (HCA) or
         # the kv insert (window layers); the rest goes to the side stream
@@ -403,6 +402,7 @@ class DSV4Attention(nn.Module):
                     insert_kv()
                 if csa:
                     compress_main()
+                    append(state_rows[0])  # no later kernel of the step reads the main state ring
             if not spec.compressed:
                 insert_kv()
             elif not csa:
@@ -438,6 +438,12 @@ class DSV4Attention(nn.Module):
                 streams.main_waits(attention_inputs)
             else:
                 streams.join()
+            if spec.compressed and not csa:
+                # HCA's state append, after its compress's read of the ring: beside attention, which never reads
+                # the ring, rather than on the chain before it
+                streams.side_waits(streams.main_mark())
+                with streams.on_side():
+                    append(state_rows[0])
             out = sparse_attention_paged(q, plan, sinks=self.sinks, scale=g.head_dim ** -0.5, layout=main,
                                          window=g.window, window_pool=layer_cache.window, step_kv=step_kv,
                                          entry_pool=layer_cache.entries if spec.compressed else None,
