@@ -18,9 +18,8 @@ the split kernel past those sizes.
 Split kernel. A score becomes an int32 key whose signed order is the float order (sign-magnitude flipped,
 -0.0 folded onto +0.0); the top 16 bits of the k-th largest key T are found one 8-bit digit at a time (a radix
 select: histogram the digit among the keys that share the digits found so far, take the digit where the count
-from the top reaches the number still needed), bits 15..8 from a histogram that phase C counts as it buffers the
-candidates, and the low 8 bits by bisection among the candidates that share the rest (or bits 15..0 by two more
-digits where those candidates are too many for registers). Then the selection is: every key > T,
+from the top reaches the number still needed), the low 16 bits by bisection among the candidates that share them
+(or by two more digits where those candidates are too many for registers). Then the selection is: every key > T,
 plus the first `need` keys == T in column order, where `need` = k - #(key > T). With fewer than k candidates the
 descent bottoms out at T = int32 min and everything is taken. Each row is split into S chunks (S grows
 as R shrinks, so one long decode row still fills the GPU). Four phases:
@@ -35,12 +34,11 @@ B  [S per row]  digit 1 from hist1; histogram of digit 2 among keys of that top 
                 indexer of a decode step, `indexer_scores_paged(digit_counts=)`).
 C  [S per row]  digit 2 from hist2, i.e. the 16-bit prefix P of T; the chunk's candidates with key >> 16 >= P
                 (M in the row, ~k plus one fine bin) go to a per-row buffer (key, column) in column order,
-                offsets from suffix[r, :, d2]; digit 3 (bits 15..8) of those with key >> 16 == P -> hist3[r]
+                offsets from suffix[r, :, d2]
 D  [1 per row]  the low 16 bits of T, then the picks (running counts, ties counted in column order) and the -1
-                tail. With M <= SELECT the buffer is read once into registers, digit 3 taken from hist3 and the
-                low 8 bits found by bisection (`_kth_key`, at most 8 steps of one compare per key); else three
-                passes over the buffer, digits 3 and 4 from two histograms of its own. It zeroes the row's
-                histograms and counters for the next call.
+                tail. With M <= SELECT the buffer is read once into registers and T found there by bisection
+                (`_kth_key`, at most 16 steps of one compare per key); else three passes over the buffer, digits 3
+                and 4 from two histograms. It zeroes the row's histograms and counters for the next call.
 
 One launch (`FUSED = True`; four launches are the default, faster on the H200): every program of row r takes a
 ticket from the row's counter when it starts and the ticket gives its role: tickets 0..S-1 run phase A on chunk t,
@@ -56,9 +54,8 @@ Passes over the scores: three (phases A-C, chunks in parallel; after the first, 
 counted digit 1), then the M buffered candidates. If M exceeds the buffer's capacity (e.g. tens of thousands of equal
 scores), phase D makes its three passes over the whole row instead: exact, only slower.
 
-Workspace (int32 [R, 896 + 256 * S + 2 * capacity], see `topk_workspace`): counters [4 x 32] (ticket, A, B, C, each on
-its own 128-byte line), hist1 [256], hist2 [256], hist3 [256], suffix [S, 256], buffer keys [capacity], buffer
-columns [capacity].
+Workspace (int32 [R, 640 + 256 * S + 2 * capacity], see `topk_workspace`): counters [4 x 32] (ticket, A, B, C, each on
+its own 128-byte line), hist1 [256], hist2 [256], suffix [S, 256], buffer keys [capacity], buffer columns [capacity].
 The counters and histograms must be zero on entry (hist1 may instead hold the producer's digit-1 counts,
 `first_digit_counted`) and every call leaves them zero, so a workspace from `topk_workspace` can be reused call after
 call (suffix needs no zeros: phases A and B zero a chunk's row before they count into it). For a CUDA graph, allocate
@@ -115,8 +112,7 @@ _LINE = 32  # int32s per 128-byte line: each counter on its own line, so spinnin
 _TICKET, _DONE_A, _DONE_B, _DONE_C = 0, _LINE, 2 * _LINE, 3 * _LINE
 _HIST1 = 4 * _LINE
 _HIST2 = _HIST1 + _BINS
-_HIST3 = _HIST2 + _BINS
-_HEADER = _HIST3 + _BINS  # counters, hist1, hist2, hist3; then suffix [S, 256] and the buffer
+_HEADER = _HIST2 + _BINS  # counters, hist1, hist2; then suffix [S, 256] and the buffer
 _CPU_TILING = (6, 64)  # the interpreter's programs and tile columns: small, so tests split rows (S > 1)
 
 
@@ -162,7 +158,7 @@ def takes_first_digit_counts(rows: int, cols: int) -> bool:
 
 def topk_workspace(rows: int, cols: int, k: int, device: torch.device | str, *,
                    capacity: int | None = None) -> torch.Tensor:
-    """A zeroed workspace int32 [rows, 896 + 256 * S + 2 * capacity] for `topk_indices` on scores
+    """A zeroed workspace int32 [rows, 640 + 256 * S + 2 * capacity] for `topk_indices` on scores
     [rows, cols] of `device` (S depends on rows, cols and the device); int32 [rows, 0] where those scores go to the
     row kernel, which needs none. `capacity` (default 3k) candidates per row fit the buffer; any capacity >= 0 is
     exact, rows that overflow it take the slower path."""
@@ -261,8 +257,7 @@ def topk_indices(scores: torch.Tensor, lengths: torch.Tensor, k: int, *, out: to
 
 # the workspace offsets as constexprs (jit code reads no other globals)
 _C_TICKET, _C_DONE_A, _C_DONE_B, _C_DONE_C = (tl.constexpr(v) for v in (_TICKET, _DONE_A, _DONE_B, _DONE_C))
-_C_HIST1, _C_HIST2, _C_HIST3 = tl.constexpr(_HIST1), tl.constexpr(_HIST2), tl.constexpr(_HIST3)
-_C_HEADER = tl.constexpr(_HEADER)
+_C_HIST1, _C_HIST2, _C_HEADER = tl.constexpr(_HIST1), tl.constexpr(_HIST2), tl.constexpr(_HEADER)
 
 
 @triton.jit
@@ -482,11 +477,10 @@ def _phase_b(p_row, p_ws, i_s, lo, hi, k, BLOCK: tl.constexpr, WARP_COUNTS: tl.c
 
 
 @triton.jit
-def _buffer_tile(p_keys, p_hist3, CAP, o_c, b_key, m_c, prefix, at, ASM: tl.constexpr):
-    """Phase C over one tile: its keys with key >> 16 >= prefix into the buffer from slot `at`, in column order, and
-    digit 3 of those with key >> 16 == prefix counted into hist3 (phase D's start). Returns how many."""
+def _buffer_tile(p_keys, CAP, o_c, b_key, m_c, prefix, at):
+    """Phase C over one tile: its keys with key >> 16 >= prefix into the buffer from slot `at`, in column order.
+    Returns how many."""
     m_keep = m_c & ((b_key >> 16) >= prefix)
-    _count_digits(p_hist3, (b_key >> 8) & 255, m_keep & ((b_key >> 16) == prefix), ASM)
     # a flat cumsum: the rows-of-4 scan (`_running_sum`, then of a mask) made this phase slower (122 registers
     # against 110; docs/performance.md)
     o_buf = at + tl.cumsum(m_keep.to(tl.int32), 0) - 1
@@ -496,8 +490,7 @@ def _buffer_tile(p_keys, p_hist3, CAP, o_c, b_key, m_c, prefix, at, ASM: tl.cons
 
 
 @triton.jit
-def _phase_c(p_row, p_ws, i_s, lo, hi, S, CAP, k, BLOCK: tl.constexpr, SPLITS: tl.constexpr, ASM: tl.constexpr,
-             AHEAD: tl.constexpr):
+def _phase_c(p_row, p_ws, i_s, lo, hi, S, CAP, k, BLOCK: tl.constexpr, SPLITS: tl.constexpr, AHEAD: tl.constexpr):
     first = lo
     if AHEAD:  # the first tile's loads in flight with the histograms'
         o_c, b_key, m_c = _row_tile(p_row, lo, hi, BLOCK)
@@ -510,11 +503,11 @@ def _phase_c(p_row, p_ws, i_s, lo, hi, S, CAP, k, BLOCK: tl.constexpr, SPLITS: t
     hi = tl.where(tl.sum(b_count) <= CAP, hi, lo)  # an overflowing row is read whole by phase D
     p_keys = p_ws + _C_HEADER + S * 256
     if AHEAD:  # outside the loop, as in phase A (carried by it, 168 registers at 2048-column tiles on the proxy)
-        at += _buffer_tile(p_keys, p_ws + _C_HIST3, CAP, o_c, b_key, m_c & (o_c < hi), prefix, at, ASM)
+        at += _buffer_tile(p_keys, CAP, o_c, b_key, m_c & (o_c < hi), prefix, at)
     written = tl.full((), 0, tl.int32)
     for start in range(first, hi, BLOCK):
         o_c, b_key, m_c = _row_tile(p_row, start, hi, BLOCK)
-        written += _buffer_tile(p_keys, p_ws + _C_HIST3, CAP, o_c, b_key, m_c, prefix, at + written, ASM)
+        written += _buffer_tile(p_keys, CAP, o_c, b_key, m_c, prefix, at + written)
 
 
 @triton.jit
@@ -630,17 +623,14 @@ def _phase_d(p_row, p_ws, p_out, n, S, CAP, k, BLOCK: tl.constexpr, SPLITS: tl.c
     b_bkey = tl.load(p_keys + o_t, mask=o_t < CAP, other=0, cache_modifier=".cg")
     b_bcol = tl.load(p_cols + o_t, mask=o_t < CAP, other=0, cache_modifier=".cg")
     hist1, hist2 = _histograms(p_ws)
-    hist3 = _shared(p_ws + _C_HIST3 + tl.arange(0, 256))
     prefix16, d2, need2 = _prefix16(hist1, hist2, k)
     total = tl.sum(_buffered(p_ws, d2, S, SPLITS))
     if (total <= SELECT) & (total <= CAP):  # the usual case: every buffered candidate in registers at once
         o_c, b_key, m_c = b_bcol, b_bkey, o_t < total  # slots past `total` hold stale keys: every use is masked
-        # T has the 24-bit prefix (prefix16, digit 3 from phase C's counts among keys of that 16-bit prefix):
-        # #(key >= lo) >= k > #(key >= lo + 256) (fewer than k candidates: lo is int32 min, where the empty lanes
-        # sit, and every candidate is a pick). hist3 is whole here: no chunk skipped its tiles (no overflow)
-        d3, _ = _pick(hist3, need2)
-        lo = (prefix16 * 65536 + d3 * 256).to(tl.int64)
-        threshold = _kth_key(tl.where(m_c, b_key, -2147483648), lo, lo + 256, k)
+        # T has the 16-bit prefix: #(key >= prefix16 << 16) >= k > #(key >= (prefix16 + 1) << 16) (fewer than
+        # k candidates: prefix16 << 16 is int32 min, where the empty lanes sit, and every candidate is a pick)
+        lo = (prefix16 * 65536).to(tl.int64)
+        threshold = _kth_key(tl.where(m_c, b_key, -2147483648), lo, lo + 65536, k)
         written = _write_picks(o_c, b_key, m_c, threshold, k, p_out, SELECT)
     else:  # a big buffer: three passes over it; an overflowed one: three passes over the row
         buffer_end = tl.where(total <= CAP, total, 0)
@@ -703,7 +693,7 @@ def _topk_kernel(scores_ptr, lengths_ptr, ws_ptr, out_ptr, J, W, CHUNK, S, CAP, 
     elif role == 2:
         if PHASE < 0:
             _wait(p_ws + _C_DONE_B, S)
-        _phase_c(p_row, p_ws, i_s, lo, hi, S, CAP, k, BLOCK, SPLITS, ASM, AHEAD)
+        _phase_c(p_row, p_ws, i_s, lo, hi, S, CAP, k, BLOCK, SPLITS, AHEAD)
         if PHASE < 0:
             _signal(p_ws + _C_DONE_C)
     else:
