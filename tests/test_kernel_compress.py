@@ -303,6 +303,31 @@ def test_hca_pool_split_changes_no_byte(channels, monkeypatch):
     assert sum(calls) > 10
 
 
+def test_compress_wait_late_changes_no_byte(monkeypatch):
+    """`wait_late` (the wait for the grid before it moved to the kernel's end, every exit included) writes the bytes
+    the plain launch writes, over the CSA random schedule (on the GPU the layer's streams test runs it for real)."""
+    monkeypatch.setattr(encode, "SPREAD_PROGRAMS", 1)
+    plain = compress_insert
+    calls = []
+
+    def both(state_kv, state_logits, plan, kv_rows, logit_rows, *, pool, **kw):
+        other = pool.clone()
+        plain(state_kv, state_logits, plan, kv_rows, logit_rows, pool=other, **kw)
+        plain(state_kv, state_logits, plan, kv_rows, logit_rows, pool=pool, wait_late=True, **kw)
+        assert torch.equal(pool, other)
+        writes = plan.entries[kw["ratio"]]
+        calls.append((writes.count, writes.slots.shape[0]))
+
+    monkeypatch.setitem(globals(), "compress_insert", both)
+    cache = CacheManager(TINY, max_requests=4, max_tokens=600, page_tokens=128, device=DEVICE, poison=True)
+    rids = admit(cache, 3)
+    buffers = cache.step_buffers(max_tokens=5, max_requests=3)
+    steps = schedule(8, (61, 25, 12), chunks=(1, 2, 13, 29), padded_every=3, cap=5)
+    run_compress_schedule(cache, 1, rids, steps, buffers, seed=1, every_layout=False)
+    assert sum(count for count, _ in calls) > 10
+    assert any(count == 0 < launched for count, launched in calls)  # a launch whose programs all return early
+
+
 # --- indexer-key encoders, bit for bit ------------------------------------------------------------------------
 # compress_insert's entries come out of a softmax, a norm and a rotation, so random schedules almost never put a
 # value on a rounding tie. The encoders it calls are checked here on constructed (already rotated) keys instead,
@@ -477,6 +502,13 @@ def test_compress_insert_rejects_bad_input():
         call(out_dtype=torch.float16)
     with pytest.raises(ValueError, match=r"d = 64 \* a power of two"):
         call(layout=main_layout("bf16", 192, 64))
+    with pytest.raises(ValueError, match=r"wait_late: expected a bool, got 1"):
+        call(wait_late=1)
+    hca = cache.pools.layers[2]
+    with pytest.raises(ValueError, match=r"wait_late needs one launch"):  # HCA's pooling is a launch of its own
+        call(state_kv=hca.state_kv, state_logits=hca.state_score, kv_rows=torch.randn(9, 128, device=DEVICE),
+             logit_rows=torch.randn(9, 128, device=DEVICE), ratio=TINY.layers[2].ratio, overlap=False,
+             layout=cache.spec.layers[2].main, pool=hca.entries, wait_late=True)
     for tensor, old in zip((state_kv, state_logits, pool), before):
         assert same_bits(tensor, old)
 

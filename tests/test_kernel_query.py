@@ -225,6 +225,9 @@ def test_indexer_query_and_weights(fmt, wdtype, scale):
     assert got is out and got_w is w_out
     assert_same(got_w, w.float() * scale)
     assert_same(got, indexer_query_rows(q, cos, sin, layout))
+    early, early_w = indexer_query_and_weights(q, w, cos, sin, layout, scale=scale, launch_next=True)
+    # the next launch's timing changes no byte
+    assert torch.equal(early.view(torch.int32), got.view(torch.int32)) and torch.equal(early_w, got_w)
     w32, want = w.float().clone(), w.float() * scale
     _, in_place = indexer_query_and_weights(q, w32, cos, sin, layout, scale=scale, weights_out=w32)
     assert in_place is w32 and torch.equal(w32, want)
@@ -298,6 +301,8 @@ def test_bad_input():
         (lambda: indexer_query_and_weights(q, w, cos, sin, indexer_layout("fp8", 128), scale=1.0,
                                            fp8_out=(codes, scales)), "fp8_out: the FP8 MMA operand is made for MXFP4"),
         (lambda: indexer_query_and_weights(q, w, cos, sin, mx, scale=1.0, fp8_out=codes), "fp8_out: expected"),
+        (lambda: indexer_query_and_weights(q, w, cos, sin, mx, scale=1.0, launch_next="yes"),
+         "launch_next: expected a bool"),
         (lambda: indexer_query_and_weights(q, w, cos, sin, mx, scale=1.0, fp8_out=(codes.float(), scales)),
          "fp8_out codes: expected torch.uint8"),
         (lambda: indexer_query_and_weights(q, w, cos, sin, mx, scale=1.0, fp8_out=(codes, scales[:2])),

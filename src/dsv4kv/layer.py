@@ -45,6 +45,11 @@ BACKENDS = ("auto", "torch", "triton")
 # step (`DSV4Attention.attention_core`); False: after attention on the main stream, as every other step does. Read at
 # each call.
 WINDOW_APPEND_BESIDE = True
+# The CSA layer's indexer query lets the indexer compress launch beside it on the main stream, the compress waiting
+# for it before it exits (`launch_next` / `wait_late`); False: the compress after it, plain PDL. H100, 2026-11-26
+# (docs/performance.md), CSA decode core, the query on the side stream / on main with this: batch 1 at 4K 34.7 /
+# 32.7 us, at 16K 35.9 / 32.1, at 1M 54.2 / 54.3; batch 64 at 128K 213.0 / 212.7
+QUERY_LAUNCHES_COMPRESS = True
 
 # Geometry fields one layer's weights and computation depend on; the layer's own LayerSpec is compared too.
 _LAYER_FIELDS = ("hidden_size", "num_heads", "head_dim", "rope_dim", "q_lora_rank", "o_groups", "o_lora_rank",
@@ -324,11 +329,12 @@ class DSV4Attention(nn.Module):
         older ones from the ring, which is updated (a byte copy) after attention, or beside it when each request
         has one row in the step (no row's window holds an entry the append overwrites).
 
-        On CUDA the longest chain to attention (CSA: the indexer's compress, scores and top-k; HCA: the main
-        compress; window layers: the kv insert) stays on the current stream and the kernels that do not feed it
-        (q RoPE, the indexer query, kv insert, main compress, the state appends, and with one row per request the
-        window append) run beside it on a side stream (`streams.StepStreams`); elsewhere everything runs in the order
-        written, one of the orders the events allow."""
+        On CUDA the longest chain to attention (CSA: the indexer's query and compress, one beside the other, then
+        scores and top-k; HCA: the main compress; window layers: the kv insert) stays on the current stream. The
+        other kernels attention reads (q RoPE, kv insert, CSA's main compress) run beside the chain on a side stream
+        (`streams.StepStreams`), and the kernels nothing in the step reads (the state appends, and with one row per
+        request the window append) run there beside attention. Elsewhere everything runs in the order written, one of
+        the orders the events allow."""
         from .kernels import (append_state, append_window, compress_insert, indexer_query_and_weights,
                               indexer_scores_paged, kv_insert, rope_rows, sparse_attention_paged, topk_indices)
         from .kernels.topk import first_digit_counts, topk_workspace
@@ -378,7 +384,8 @@ class DSV4Attention(nn.Module):
                             main=True, **insert)
 
         # the main stream keeps the longest chain to attention: the indexer chain (CSA), the main compress (HCA) or
-        # the kv insert (window layers); the rest goes to the side stream
+        # the kv insert (window layers); the rest of attention's inputs come from the side stream, and the appends run
+        # there beside attention
         streams = StepStreams(device)
         # With one row per request (every decode step: counts are >= 1), the ring entry a row's append overwrites,
         # position p - window, is outside that row's window (p - window + 1 .. p), and no other row reads that
@@ -389,32 +396,25 @@ class DSV4Attention(nn.Module):
         streams.fork()
         try:  # the side stream is joined whatever happens: no tensor it uses is freed under it
             with streams.on_side():
-                query_done = None
-                if csa:
-                    # RoPE, Hadamard rotation, MXFP4 / FP8 round trip and head weights in one kernel (bit for bit the
-                    # torch path's query); first on the side stream, as the scores wait for it
-                    indexer_query_and_weights(p.index_q, p.index_weights, *cos_sin, index_layout,
-                                              scale=g.index_n_heads ** -0.5, out=q_index, weights_out=weights,
-                                              fp8_out=q_fp8)
-                    query_done = streams.side_mark()
                 rope_rows(p.q, *cos_sin, out=q)
                 if spec.compressed:
                     insert_kv()
                 if csa:
                     compress_main()
-                    append(state_rows[0])  # no later kernel of the step reads the main state ring
             if not spec.compressed:
                 insert_kv()
             elif not csa:
                 compress_main()
             if csa:
+                # RoPE, Hadamard rotation, MXFP4 / FP8 round trip and head weights in one kernel (bit for bit the
+                # torch path's query). It lets the indexer compress launch at once, beside it (they share no tensor);
+                # the compress waits for it before it exits, so the scores kernel after them sees both complete
+                indexer_query_and_weights(p.index_q, p.index_weights, *cos_sin, index_layout,
+                                          scale=g.index_n_heads ** -0.5, out=q_index, weights_out=weights,
+                                          fp8_out=q_fp8, launch_next=QUERY_LAUNCHES_COMPRESS)
                 compress_insert(layer_cache.index_state_kv, layer_cache.index_state_score, plan, *p.index_state,
                                 norm_weight=idx.kv_norm.weight, layout=index_layout, pool=layer_cache.index_keys,
-                                main=False, **insert)
-                streams.side_waits(streams.main_mark())
-                with streams.on_side():
-                    append(state_rows[1])
-                streams.main_waits(query_done)
+                                main=False, wait_late=QUERY_LAUNCHES_COMPRESS, **insert)
                 # top-k leaves its workspace zeroed, so one serves every CSA layer of the step. Made before the
                 # scores kernel counts into it: a graph replays the zeroing where it was captured, the first use
                 workspace = plan.derived(("topk workspace", columns, g.index_topk),
@@ -438,12 +438,13 @@ class DSV4Attention(nn.Module):
                 streams.main_waits(attention_inputs)
             else:
                 streams.join()
-            if spec.compressed and not csa:
-                # HCA's state append, after its compress's read of the ring: beside attention, which never reads
-                # the ring, rather than on the chain before it
+            if state_rows:
+                # the state appends beside attention, which reads no ring: after every read of the rings (the main
+                # compress in side-stream order, the main stream's compresses by this wait)
                 streams.side_waits(streams.main_mark())
                 with streams.on_side():
-                    append(state_rows[0])
+                    for state in state_rows:
+                        append(state)
             out = sparse_attention_paged(q, plan, sinks=self.sinks, scale=g.head_dim ** -0.5, layout=main,
                                          window=g.window, window_pool=layer_cache.window, step_kv=step_kv,
                                          entry_pool=layer_cache.entries if spec.compressed else None,

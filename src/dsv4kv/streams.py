@@ -1,9 +1,10 @@
 """A second CUDA stream for the kernels of a layer step that do not feed each other.
 
-At decode a CSA layer's core is a chain of small launches, each mostly latency. Only the indexer chain (indexer query,
-scores, top-k) and attention feed each other; the q RoPE, the kv insert, the main compress and the state appends do
-not feed that chain, so they run on a side stream beside it and meet it before attention, and at decode the window
-append runs there beside attention (the order is in `DSV4Attention.attention_core`). A CUDA graph captured over the
+At decode a CSA layer's core is a chain of small launches, each mostly latency. Only the indexer chain (indexer query
+and compress, scores, top-k) and attention feed each other; the q RoPE, the kv insert and the main compress feed
+attention alone, so they run on a side stream beside the chain and meet it before attention, and the state appends
+and (at decode) the window append, which nothing in the step reads, run there beside attention (the order is in
+`DSV4Attention.attention_core`). A CUDA graph captured over the
 step keeps the two branches as parallel nodes.
 
 Every call is a no-op on the CPU (Triton's interpreter) and with `CONCURRENT = False`: the kernels then run in

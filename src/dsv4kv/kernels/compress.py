@@ -169,14 +169,18 @@ def _compress_kernel(kv_rows_ptr, logit_rows_ptr, state_kv_ptr, state_logit_ptr,
                      RATIO: tl.constexpr, OVERLAP: tl.constexpr, D: tl.constexpr, LOG_D: tl.constexpr,
                      RING: tl.constexpr, MAIN: tl.constexpr, FORMAT: tl.constexpr, ROUND: tl.constexpr,
                      DATA_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr, BLOCK_E: tl.constexpr,
-                     CHUNK: tl.constexpr, POOLED: tl.constexpr):
+                     CHUNK: tl.constexpr, POOLED: tl.constexpr, WAIT_LATE: tl.constexpr):
     """Entries i_e * BLOCK_E .. of the plan: pool their rows (CHUNK at a time; POOLED: read them from pooled_ptr,
-    `_pool_kernel`'s), norm, rope, encode, store."""
-    wait_for_prior_grids()
+    `_pool_kernel`'s), norm, rope, encode, store. WAIT_LATE: the wait for the grid before it comes last, before
+    every exit (`compress_insert(wait_late=True)`)."""
+    if not WAIT_LATE:
+        wait_for_prior_grids()
     o_e = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
     m_e, j, given, slot, query_start, start = _entries(slots_ptr, request_ptr, index_ptr, request_slots_ptr,
                                                        query_start_ptr, seq_lens_ptr, o_e, count)
     if tl.max(j, axis=0) < 0:  # only padding entries (a captured step's spare programs): nothing to pool
+        if WAIT_LATE:
+            wait_for_prior_grids()
         return
     NB: tl.constexpr = D // 64
     o_d = tl.arange(0, D)
@@ -211,6 +215,8 @@ def _compress_kernel(kv_rows_ptr, logit_rows_ptr, state_kv_ptr, state_logit_ptr,
         if FORMAT != 0:
             key = rotate_keys(key, h_scale, LOG_D)
         store_index_entries(p_data, p_scale, key, given >= 0, FORMAT)
+    if WAIT_LATE:
+        wait_for_prior_grids()
 
 
 def _format_code(layout: EntryLayout, main: bool) -> int:
@@ -224,7 +230,8 @@ def _format_code(layout: EntryLayout, main: bool) -> int:
 def compress_insert(state_kv: torch.Tensor, state_logits: torch.Tensor, plan, kv_rows: torch.Tensor,
                     logit_rows: torch.Tensor, *, ratio: int, overlap: bool, norm_weight: torch.Tensor, eps: float,
                     rope: RopeSpec, out_dtype: torch.dtype, layout: EntryLayout, pool: torch.Tensor,
-                    page_tokens: int, main: bool, cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+                    page_tokens: int, main: bool, cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None,
+                    wait_late: bool = False) -> None:
     """Every entry of `ratio` completing in the plan, pooled, normed, roped, rounded to `out_dtype` and encoded
     into `pool` at the plan's slots (`ops.compress.compress_and_insert`, without its return value).
 
@@ -232,6 +239,9 @@ def compress_insert(state_kv: torch.Tensor, state_logits: torch.Tensor, plan, kv
     logit_rows: fp32 [R, w] (R = the plan's padded rows); norm_weight fp32 [d]; main: a main entry (FP8
     MODEL1 / bf16) or an indexer key (MXFP4 / FP8 / bf16). cos_sin: `ops.rope.rope_cos_sin(rope,
     plan.entries[ratio].index * ratio)` when the caller already has it (computed here otherwise).
+    wait_late: the kernel waits for the grid before it (PDL) only before it exits, so it may run beside a kernel
+    launched with `launch_next` that touches nothing it does (the layer's indexer query), and still completes
+    after it: a kernel after this one then sees both complete. One launch only (not HCA's split pooling).
     Tiles: COMPRESS_TILES, and POOL_SPLIT for HCA's pooling."""
     device = pool.device
     check_plan(plan, device)
@@ -250,6 +260,9 @@ def compress_insert(state_kv: torch.Tensor, state_logits: torch.Tensor, plan, kv
     check_tensor("logit_rows", logit_rows, dtype=torch.float32, shape=(rows, width), device=device)
     check_tensor("norm_weight", norm_weight, dtype=torch.float32, shape=(d,), device=device)
     check_pool("pool", pool, layout, page_tokens // ratio, device)
+    require(isinstance(wait_late, bool), f"wait_late: expected a bool, got {wait_late!r}")
+    require(not wait_late or POOL_SPLIT is None or overlap,
+            "compress_insert: wait_late needs one launch (overlap, or POOL_SPLIT = None)")
     writes = plan.entries[ratio]
     count = writes.slots.shape[0]
     if count == 0:
@@ -277,7 +290,7 @@ def compress_insert(state_kv: torch.Tensor, state_logits: torch.Tensor, plan, kv
         RATIO=ratio, OVERLAP=overlap, D=d, LOG_D=d.bit_length() - 1, RING=state_kv.shape[1], MAIN=main,
         FORMAT=_format_code(layout, main), ROUND=out_dtype == torch.bfloat16, DATA_BYTES=layout.data_bytes,
         SCALE_BYTES=max(layout.scale_bytes, 1), BLOCK_E=block_e, CHUNK=chunk, POOLED=pooled is not None,
-        num_warps=warps, **launch_options(device))
+        WAIT_LATE=wait_late, num_warps=warps, **launch_options(device))
 
 
 @triton.jit

@@ -11,10 +11,16 @@ hides is part of the launch. The argument needs every kernel launched with PDL t
 this package launches only its own kernels so. The kernel before ours may be any kernel (a torch op): our wait
 covers it all the same. Copies and cross-stream event waits are full dependencies.
 
-No kernel lets the next one launch early (`griddepcontrol.launch_dependents` right after the wait): the next grid's
-programs would then hold SM slots while they wait. Measured on the H100, `dsv4kv bench decode --quick`, CSA core:
-without PDL 43.3 / 73.7 / 265.5 us (16K and 1M at batch 1, 128K at batch 64), with PDL 38.5 / 70.6 / 262.7, with PDL
-and the early trigger 40.8 / 72.0 / 286.4 (docs/performance.md).
+As a rule no kernel lets the next one launch early (`griddepcontrol.launch_dependents` right after the wait): the
+next grid's programs would then hold SM slots while they wait. Measured on the H100, `dsv4kv bench decode --quick`,
+CSA core: without PDL 43.3 / 73.7 / 265.5 us (16K and 1M at batch 1, 128K at batch 64), with PDL 38.5 / 70.6 /
+262.7, with PDL and the early trigger on every kernel 40.8 / 72.0 / 286.4 (docs/performance.md).
+
+One pair runs side by side on purpose: the CSA layer's indexer query (`let_next_grid_launch` right after its wait)
+and the indexer compress after it, which touches no tensor the query does and calls its wait last, before it exits
+(`compress_insert(wait_late=True)`). The compress launches only once every query program has passed its wait, so
+everything before the query is complete when the compress reads; and it completes only after the query has, so the
+transitive argument above holds for the kernel after it.
 
 PDL and the wait's instruction need Hopper (sm_90) or later: on older GPUs the wait is compiled out and kernels are
 launched plainly. `DEPENDENT_LAUNCH = False` launches plainly everywhere (read at each launch). The interpreter runs
@@ -25,13 +31,13 @@ from __future__ import annotations
 
 import torch
 import triton
-from triton.language.extra.cuda import gdc_wait
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.language.target_info import cuda_capability_geq
 
 from ..backend import interpreted
 from .common import hopper_or_later
 
-__all__ = ["DEPENDENT_LAUNCH", "launch_options", "wait_for_prior_grids"]
+__all__ = ["DEPENDENT_LAUNCH", "launch_options", "wait_for_prior_grids", "let_next_grid_launch"]
 
 DEPENDENT_LAUNCH = True
 
@@ -46,7 +52,17 @@ if interpreted():
     def wait_for_prior_grids():
         """Nothing to wait for: the interpreter runs kernels one after another as Python (a plain function, where a
         jit helper would cost ~0.5 ms per program there)."""
+
+    def let_next_grid_launch():
+        """Nothing to launch early under the interpreter."""
 else:
+    @triton.jit
+    def let_next_grid_launch():
+        """Let the next grid in the stream launch now, before this one's programs exit (`griddepcontrol
+        .launch_dependents`). Only after `wait_for_prior_grids`: everything before this grid is then complete."""
+        if cuda_capability_geq(9, 0):
+            gdc_launch_dependents()
+
     @triton.jit
     def wait_for_prior_grids():
         """Wait until the grid before this one in the stream has completed and its writes are visible (at once
