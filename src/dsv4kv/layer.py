@@ -429,22 +429,27 @@ class DSV4Attention(nn.Module):
                                        lambda: torch.clamp((positions + 1) // spec.ratio, min=0).to(torch.int32))
                 picks = topk_indices(scores, visible, g.index_topk, workspace=workspace,
                                      first_digit_counted=counts is not None)
+            # the appends beside attention, which reads none of the rings they write
             if window_first:
                 if not spec.compressed:  # the step page: a window layer's kv insert runs on main
                     streams.side_waits(streams.main_mark())
                 attention_inputs = streams.side_mark()
                 with streams.on_side():
                     append_window(layer_cache.window, main, g.window, plan, step_kv)
+                    # A state ring holds the 2m (CSA) or m (HCA) positions an entry pools; with one row per request
+                    # the append writes position p over p - ring, which no compress of this step reads (they read
+                    # p - ring + 1 .. p - 1 from the ring, p from the step's rows): no wait for the compresses, so
+                    # no edge from the main stream's chain
+                    for state in state_rows:
+                        append(state)
                 streams.main_waits(attention_inputs)
             else:
                 streams.join()
-            if state_rows:
-                # the state appends beside attention, which reads no ring: after every read of the rings (the main
-                # compress in side-stream order, the main stream's compresses by this wait)
-                streams.side_waits(streams.main_mark())
-                with streams.on_side():
-                    for state in state_rows:
-                        append(state)
+                if state_rows:  # after every compress's read of the rings (the side stream's by the join)
+                    streams.side_waits(streams.main_mark())
+                    with streams.on_side():
+                        for state in state_rows:
+                            append(state)
             out = sparse_attention_paged(q, plan, sinks=self.sinks, scale=g.head_dim ** -0.5, layout=main,
                                          window=g.window, window_pool=layer_cache.window, step_kv=step_kv,
                                          entry_pool=layer_cache.entries if spec.compressed else None,
