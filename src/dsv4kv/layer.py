@@ -47,8 +47,8 @@ BACKENDS = ("auto", "torch", "triton")
 WINDOW_APPEND_BESIDE = True
 # The CSA layer's indexer query lets the indexer compress launch beside it on the main stream, the compress waiting
 # for it before it exits (`launch_next` / `wait_late`); False: the compress after it, plain PDL. H100, 2026-11-26
-# (docs/performance.md), CSA decode core, the query on the side stream / on main with this: batch 1 at 4K 34.7 /
-# 32.7 us, at 16K 35.9 / 32.1, at 1M 54.2 / 54.3; batch 64 at 128K 213.0 / 212.7
+# (docs/performance.md), CSA decode core, the query on the side stream / on main with this: batch 1 at 4K 34.6 /
+# 32.5 us, at 16K 36.0 / 32.0, at 1M 54.3 / 54.5; batch 64 at 128K 213.2 / 212.6
 QUERY_LAUNCHES_COMPRESS = True
 
 # Geometry fields one layer's weights and computation depend on; the layer's own LayerSpec is compared too.
@@ -331,10 +331,10 @@ class DSV4Attention(nn.Module):
 
         On CUDA the longest chain to attention (CSA: the indexer's query and compress, one beside the other, then
         scores and top-k; HCA: the main compress; window layers: the kv insert) stays on the current stream. The
-        other kernels attention reads (q RoPE, kv insert, CSA's main compress) run beside the chain on a side stream
-        (`streams.StepStreams`), and the kernels nothing in the step reads (the state appends, and with one row per
-        request the window append) run there beside attention. Elsewhere everything runs in the order written, one of
-        the orders the events allow."""
+        other kernels attention reads (q RoPE, kv insert, CSA's main compress) and CSA's state appends run beside the
+        chain on a side stream (`streams.StepStreams`); HCA's state append and, with one row per request, the window
+        append run there beside attention. Elsewhere everything runs in the order written, one of the orders the
+        events allow."""
         from .kernels import (append_state, append_window, compress_insert, indexer_query_and_weights,
                               indexer_scores_paged, kv_insert, rope_rows, sparse_attention_paged, topk_indices)
         from .kernels.topk import first_digit_counts, topk_workspace
@@ -384,8 +384,7 @@ class DSV4Attention(nn.Module):
                             main=True, **insert)
 
         # the main stream keeps the longest chain to attention: the indexer chain (CSA), the main compress (HCA) or
-        # the kv insert (window layers); the rest of attention's inputs come from the side stream, and the appends run
-        # there beside attention
+        # the kv insert (window layers); the rest goes to the side stream
         streams = StepStreams(device)
         # With one row per request (every decode step: counts are >= 1), the ring entry a row's append overwrites,
         # position p - window, is outside that row's window (p - window + 1 .. p), and no other row reads that
@@ -401,6 +400,7 @@ class DSV4Attention(nn.Module):
                     insert_kv()
                 if csa:
                     compress_main()
+                    append(state_rows[0])  # no later kernel of the step reads the main state ring
             if not spec.compressed:
                 insert_kv()
             elif not csa:
@@ -415,6 +415,9 @@ class DSV4Attention(nn.Module):
                 compress_insert(layer_cache.index_state_kv, layer_cache.index_state_score, plan, *p.index_state,
                                 norm_weight=idx.kv_norm.weight, layout=index_layout, pool=layer_cache.index_keys,
                                 main=False, wait_late=QUERY_LAUNCHES_COMPRESS, **insert)
+                streams.side_waits(streams.main_mark())
+                with streams.on_side():
+                    append(state_rows[1])
                 # top-k leaves its workspace zeroed, so one serves every CSA layer of the step. Made before the
                 # scores kernel counts into it: a graph replays the zeroing where it was captured, the first use
                 workspace = plan.derived(("topk workspace", columns, g.index_topk),
@@ -429,27 +432,21 @@ class DSV4Attention(nn.Module):
                                        lambda: torch.clamp((positions + 1) // spec.ratio, min=0).to(torch.int32))
                 picks = topk_indices(scores, visible, g.index_topk, workspace=workspace,
                                      first_digit_counted=counts is not None)
-            # the appends beside attention, which reads none of the rings they write
             if window_first:
                 if not spec.compressed:  # the step page: a window layer's kv insert runs on main
                     streams.side_waits(streams.main_mark())
                 attention_inputs = streams.side_mark()
                 with streams.on_side():
                     append_window(layer_cache.window, main, g.window, plan, step_kv)
-                    # A state ring holds the 2m (CSA) or m (HCA) positions an entry pools; with one row per request
-                    # the append writes position p over p - ring, which no compress of this step reads (they read
-                    # p - ring + 1 .. p - 1 from the ring, p from the step's rows): no wait for the compresses, so
-                    # no edge from the main stream's chain
-                    for state in state_rows:
-                        append(state)
                 streams.main_waits(attention_inputs)
             else:
                 streams.join()
-                if state_rows:  # after every compress's read of the rings (the side stream's by the join)
-                    streams.side_waits(streams.main_mark())
-                    with streams.on_side():
-                        for state in state_rows:
-                            append(state)
+            if spec.compressed and not csa:
+                # HCA's state append, after its compress's read of the ring: beside attention, which never reads
+                # the ring, rather than on the chain before it
+                streams.side_waits(streams.main_mark())
+                with streams.on_side():
+                    append(state_rows[0])
             out = sparse_attention_paged(q, plan, sinks=self.sinks, scale=g.head_dim ** -0.5, layout=main,
                                          window=g.window, window_pool=layer_cache.window, step_kv=step_kv,
                                          entry_pool=layer_cache.entries if spec.compressed else None,

@@ -2,8 +2,8 @@
 
 At decode a CSA layer's core is a chain of small launches, each mostly latency. Only the indexer chain (indexer query
 and compress, scores, top-k) and attention feed each other; the q RoPE, the kv insert and the main compress feed
-attention alone, so they run on a side stream beside the chain and meet it before attention, and the state appends
-and (at decode) the window append, which nothing in the step reads, run there beside attention (the order is in
+attention alone, so they run on a side stream beside the chain and meet it before attention. The state appends run
+there too, and at decode the window append runs there beside attention (the order is in
 `DSV4Attention.attention_core`). A CUDA graph captured over the
 step keeps the two branches as parallel nodes.
 
