@@ -34,6 +34,7 @@ from dsv4kv.layout import (
 )
 from dsv4kv.ops.append import append_state as reference_append
 from dsv4kv.ops.compress import compress_and_insert
+from dsv4kv.ops.rope import rope_cos_sin
 
 TINY = ModelGeometry.preset("tiny")  # layers: 0 window, 1 CSA m=4, 2 HCA m=16; head_dim 128, index_head_dim 64
 MAIN_FORMATS = ("fp8", "bf16")
@@ -313,9 +314,10 @@ def test_compress_wait_late_changes_no_byte(monkeypatch):
     def both(state_kv, state_logits, plan, kv_rows, logit_rows, *, pool, **kw):
         other = pool.clone()
         plain(state_kv, state_logits, plan, kv_rows, logit_rows, pool=other, **kw)
-        plain(state_kv, state_logits, plan, kv_rows, logit_rows, pool=pool, wait_late=True, **kw)
-        assert torch.equal(pool, other)
         writes = plan.entries[kw["ratio"]]
+        cos_sin = rope_cos_sin(kw["rope"], writes.index * kw["ratio"])
+        plain(state_kv, state_logits, plan, kv_rows, logit_rows, pool=pool, wait_late=True, cos_sin=cos_sin, **kw)
+        assert torch.equal(pool, other)
         calls.append((writes.count, writes.slots.shape[0]))
 
     monkeypatch.setitem(globals(), "compress_insert", both)
@@ -326,6 +328,36 @@ def test_compress_wait_late_changes_no_byte(monkeypatch):
     run_compress_schedule(cache, 1, rids, steps, buffers, seed=1, every_layout=False)
     assert sum(count for count, _ in calls) > 10
     assert any(count == 0 < launched for count, launched in calls)  # a launch whose programs all return early
+
+
+def test_wait_late_waits_once_per_program(monkeypatch):
+    """A `wait_late` program still waits before it exits, programs of padding entries only (which return early)
+    included: under the interpreter, where the wait is a plain function, every program of a launch calls it once on
+    both paths. The caller's cos_sin is required (made here, they would be written right before the early reader)."""
+    waits = []
+    monkeypatch.setattr(compress, "wait_for_prior_grids", lambda: waits.append(1))
+    cache = CacheManager(TINY, max_requests=2, max_tokens=300, page_tokens=128, device=DEVICE, poison=True)
+    rid = cache.admit()
+    buffers = cache.step_buffers(max_tokens=5, max_requests=2)
+    layer, layout, spec = cache.pools.layers[1], cache.spec.layers[1].index, TINY.layers[1]
+    for step, completing in (([(rid, 1)], 0), ([(rid, 5)], 1)):  # position 0: no entry completes; 1..5: entry 0
+        plan = cache.plan_step(step, buffers=buffers)
+        writes = plan.entries[spec.ratio]
+        assert writes.count == completing and writes.slots.shape[0] > 0
+        rows = plan.positions.shape[0]
+        kw = dict(ratio=spec.ratio, overlap=True, norm_weight=torch.ones(layout.dim, device=DEVICE), eps=1e-6,
+                  rope=spec.rope, out_dtype=torch.bfloat16, layout=layout, pool=layer.index_keys, page_tokens=128,
+                  main=False)
+        state = (layer.index_state_kv, layer.index_state_score, plan, torch.randn(rows, 2 * layout.dim, device=DEVICE),
+                 torch.randn(rows, 2 * layout.dim, device=DEVICE))
+        counts = {}
+        for late in (False, True):
+            waits.clear()
+            compress_insert(*state, cos_sin=rope_cos_sin(spec.rope, writes.index * spec.ratio), wait_late=late, **kw)
+            counts[late] = len(waits)
+        assert counts[True] == counts[False] > 0, counts
+        with pytest.raises(ValueError, match="wait_late needs the caller's cos_sin"):
+            compress_insert(*state, wait_late=True, **kw)
 
 
 # --- indexer-key encoders, bit for bit ------------------------------------------------------------------------
@@ -508,7 +540,8 @@ def test_compress_insert_rejects_bad_input():
     with pytest.raises(ValueError, match=r"wait_late needs one launch"):  # HCA's pooling is a launch of its own
         call(state_kv=hca.state_kv, state_logits=hca.state_score, kv_rows=torch.randn(9, 128, device=DEVICE),
              logit_rows=torch.randn(9, 128, device=DEVICE), ratio=TINY.layers[2].ratio, overlap=False,
-             layout=cache.spec.layers[2].main, pool=hca.entries, wait_late=True)
+             layout=cache.spec.layers[2].main, pool=hca.entries, wait_late=True,
+             cos_sin=rope_cos_sin(TINY.layers[2].rope, torch.zeros(0, dtype=torch.int32, device=DEVICE)))
     for tensor, old in zip((state_kv, state_logits, pool), before):
         assert same_bits(tensor, old)
 

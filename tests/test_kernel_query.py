@@ -111,6 +111,8 @@ def test_rope_rows_flash_query_and_output(dtype, rope_name, inverse):
     out = torch.full(x.shape, NAN, dtype=torch.bfloat16, device=DEVICE)
     assert rope_rows(x, cos, sin, inverse=inverse, out=out) is out
     assert_same(out, apply_rope(x, positions, rope, inverse=inverse).to(torch.bfloat16))
+    early = rope_rows(x, cos, sin, inverse=inverse, launch_next=True)  # the next launch's timing changes no byte
+    assert torch.equal(early.view(torch.int16), out.view(torch.int16))
 
 
 @pytest.mark.parametrize("rope_name", list(ROPES))
@@ -235,6 +237,23 @@ def test_indexer_query_and_weights(fmt, wdtype, scale):
         check_fp8_operand(q, w, cos, sin, layout)
 
 
+def test_launch_next_comes_after_the_wait(monkeypatch):
+    """`launch_next` lets the next grid in only after the program's own wait (everything before it then complete):
+    under the interpreter, where both are plain functions, every program of the indexer query and of the q RoPE
+    calls the wait, then the launch."""
+    events = []
+    monkeypatch.setattr(query, "wait_for_prior_grids", lambda: events.append("wait"))
+    monkeypatch.setattr(query, "let_next_grid_launch", lambda: events.append("launch"))
+    q, _, cos, sin = indexer_case(3, 7, 128, CSA.rope, seed=11)
+    w = torch.randn(3, 7, generator=gen(12)).to(DEVICE)
+    for launch in (lambda: indexer_query_and_weights(q, w, cos, sin, indexer_layout("mxfp4", 128), scale=1.0,
+                                                     launch_next=True),
+                   lambda: rope_rows(q, cos, sin, launch_next=True)):
+        events.clear()
+        launch()
+        assert len(events) >= 6 and events == ["wait", "launch"] * (len(events) // 2), events
+
+
 def check_fp8_operand(q, w, cos, sin, layout):
     """fp8_out: the scores kernel's FP8 operand written by the query kernel, bit for bit `indexer_query_fp8` of the
     query it wrote; every finite head passes the FP8 path's check (the cases' inf / NaN heads do not)."""
@@ -257,6 +276,7 @@ def test_bad_input():
     wide = torch.zeros(3, 4, 256, dtype=torch.bfloat16, device=DEVICE)  # an fp32 [3, 4, 128] x in bf16 clothes
     cases = [
         (lambda: rope_rows(x.half(), cos, sin), "x: expected torch.bfloat16/torch.float32"),
+        (lambda: rope_rows(x, cos, sin, launch_next=1), "launch_next: expected a bool"),
         (lambda: rope_rows(x[0], cos, sin), r"x: expected .* \[\*, \*, \*\], got .* \[4, 128\]"),
         (lambda: rope_rows(x.transpose(1, 2).contiguous().transpose(1, 2), cos, sin), "x: must be contiguous"),
         (lambda: rope_rows(x, cos.double(), sin), "cos: expected torch.float32"),

@@ -179,6 +179,39 @@ def test_kv_insert_int64_positions():
     check_insert(128, "fp8", DEVICE, seed=7, position_dtype=torch.int64)
 
 
+@pytest.mark.parametrize("fmt", ["fp8", "bf16"])
+def test_kv_insert_wait_late_changes_no_byte(fmt, tile_rows):
+    """`wait_late` (the wait for the grid before it moved to the kernel's end: the window layer's kv insert beside its
+    q RoPE) writes the bytes the plain launch writes."""
+    rope, layout = ROPES[512], main_layout(fmt, 512, 64)
+    kv, positions = corner_rows(512, rope, DEVICE, 3)
+    slots = random_slots(kv.shape[0], 13 * 5, gen(4), DEVICE)
+    plain = torch.full((5, layout.page_bytes(13)), POISON, dtype=torch.uint8, device=DEVICE)
+    late = plain.clone()
+    kv_insert(kv, positions, rope, layout, plain, 13, slots)
+    kv_insert(kv, positions, rope, layout, late, 13, slots, cos_sin=rope_cos_sin(rope, positions), wait_late=True)
+    assert torch.equal(late, plain) and not torch.equal(plain, torch.full_like(plain, POISON))
+
+
+def test_kv_insert_wait_late_waits_once_per_program(monkeypatch):
+    """Every program of a `wait_late` launch still waits (counted under the interpreter, where the wait is a plain
+    function), as every program of a plain launch does; the caller's cos_sin is required."""
+    waits = []
+    monkeypatch.setattr(window, "wait_for_prior_grids", lambda: waits.append(1))
+    rope, layout = ROPES[128], main_layout("fp8", 128, 64)
+    kv, positions = corner_rows(128, rope, DEVICE, 5)
+    slots = random_slots(kv.shape[0], 13 * 5, gen(6), DEVICE)
+    pool = torch.full((5, layout.page_bytes(13)), POISON, dtype=torch.uint8, device=DEVICE)
+    counts = {}
+    for late in (False, True):
+        waits.clear()
+        kv_insert(kv, positions, rope, layout, pool, 13, slots, cos_sin=rope_cos_sin(rope, positions), wait_late=late)
+        counts[late] = len(waits)
+    assert counts[True] == counts[False] > 1, counts
+    with pytest.raises(ValueError, match="wait_late needs the caller's cos_sin"):
+        kv_insert(kv, positions, rope, layout, pool, 13, slots, wait_late=True)
+
+
 @pytest.mark.parametrize("tile", [(1, 1), (4, 2), (8, 4)], ids=lambda t: f"R{t[0]}-W{t[1]}")
 @pytest.mark.parametrize("fmt", ["fp8", "bf16"])
 def test_kv_insert_rows_per_program(fmt, tile, tile_rows, monkeypatch):
@@ -263,6 +296,8 @@ def test_kv_insert_rejects_bad_input():
 
     with pytest.raises(ValueError, match=r"kv: expected torch.bfloat16 \[\*, 128\], got torch.float32"):
         call(kv=kv.float())
+    with pytest.raises(ValueError, match=r"wait_late: expected a bool, got 'yes'"):
+        call(wait_late="yes")
     with pytest.raises(ValueError, match=r"kv: expected torch.bfloat16 \[\*, 128\], got torch.bfloat16 \[3, 192\]"):
         call(kv=torch.zeros(3, 192, dtype=torch.bfloat16, device=DEVICE))
     with pytest.raises(ValueError, match=r"kv: must be contiguous"):

@@ -48,8 +48,14 @@ WINDOW_APPEND_BESIDE = True
 # The CSA layer's indexer query lets the indexer compress launch beside it on the main stream, the compress waiting
 # for it before it exits (`launch_next` / `wait_late`); False: the compress after it, plain PDL. H100, 2026-11-26
 # (docs/performance.md), CSA decode core, the query on the side stream / on main with this: batch 1 at 4K 34.6 /
-# 32.5 us, at 16K 36.0 / 32.0, at 1M 54.3 / 54.5; batch 64 at 128K 213.2 / 212.6
+# 32.5 us, at 16K 36.0 / 32.0, at 1M 54.3 / 54.5; batch 64 at 128K 213.2 / 212.6. Read at each call.
 QUERY_LAUNCHES_COMPRESS = True
+# A window layer's q RoPE lets its kv insert launch beside it on the main stream, the kv insert waiting for it before
+# it exits, so attention waits for no event; False: the q RoPE on the side stream. H100, 2026-11-26
+# (docs/performance.md), window decode core, side stream / this: batch 1 at 4K 16.7 / 15.5 us, at 16K 17.2 / 15.6;
+# batch 8 at 128K 19.0 / 19.0; batch 64 40.3 / 39.0. HCA's q RoPE, kv insert and pooling so were 0.6-1.1 us slower
+# from 16K at batch 1 to batch 8 and equal at batch 64, so HCA keeps the side stream. Read at each call.
+ROPE_LAUNCHES_KV_INSERT = True
 
 # Geometry fields one layer's weights and computation depend on; the layer's own LayerSpec is compared too.
 _LAYER_FIELDS = ("hidden_size", "num_heads", "head_dim", "rope_dim", "q_lora_rank", "o_groups", "o_lora_rank",
@@ -329,12 +335,12 @@ class DSV4Attention(nn.Module):
         older ones from the ring, which is updated (a byte copy) after attention, or beside it when each request
         has one row in the step (no row's window holds an entry the append overwrites).
 
-        On CUDA the longest chain to attention (CSA: the indexer's query and compress, one beside the other, then
-        scores and top-k; HCA: the main compress; window layers: the kv insert) stays on the current stream. The
-        other kernels attention reads (q RoPE, kv insert, CSA's main compress) and CSA's state appends run beside the
-        chain on a side stream (`streams.StepStreams`); HCA's state append and, with one row per request, the window
-        append run there beside attention. Elsewhere everything runs in the order written, one of the orders the
-        events allow."""
+        On CUDA the longest chain to attention stays on the current stream: CSA's indexer query and compress, one
+        beside the other, then scores and top-k; HCA's main compress; a window layer's q RoPE and kv insert, one beside
+        the other. The other kernels attention reads (CSA's and HCA's q RoPE and kv insert, CSA's main compress) and
+        CSA's state appends run beside the chain on a side stream (`streams.StepStreams`); HCA's state append and,
+        with one row per request, the window append run there beside attention. Elsewhere everything runs in the
+        order written, one of the orders the events allow."""
         from .kernels import (append_state, append_window, compress_insert, indexer_query_and_weights,
                               indexer_scores_paged, kv_insert, rope_rows, sparse_attention_paged, topk_indices)
         from .kernels.topk import first_digit_counts, topk_workspace
@@ -371,8 +377,8 @@ class DSV4Attention(nn.Module):
                      torch.empty(p.index_weights.shape, dtype=torch.float32, device=device)
                      ) if self.indexer_takes_fp8(plan, cache) else None
 
-        def insert_kv():
-            kv_insert(p.kv, positions, spec.rope, main, step_kv, rows, row_slots, cos_sin=cos_sin)
+        def insert_kv(**launch):
+            kv_insert(p.kv, positions, spec.rope, main, step_kv, rows, row_slots, cos_sin=cos_sin, **launch)
 
         def append(state):  # a compressor's step rows into its state ring, after the step's last read of the ring
             ring_kv, ring_logits, kv_rows, logit_rows = state
@@ -392,19 +398,25 @@ class DSV4Attention(nn.Module):
         # main stream. A host fact of the plan; a graph captured over a decode plan replays decode plans only
         # (`DecodeGraph.step` checks one token per request).
         window_first = WINDOW_APPEND_BESIDE and plan.num_tokens == plan.num_requests
+        # a window layer's whole chain: the q RoPE and the kv insert side by side (they share no tensor)
+        window_chain = ROPE_LAUNCHES_KV_INSERT and not spec.compressed
         streams.fork()
         try:  # the side stream is joined whatever happens: no tensor it uses is freed under it
-            with streams.on_side():
-                rope_rows(p.q, *cos_sin, out=q)
-                if spec.compressed:
+            if window_chain:
+                rope_rows(p.q, *cos_sin, out=q, launch_next=True)
+                insert_kv(wait_late=True)
+            else:
+                with streams.on_side():
+                    rope_rows(p.q, *cos_sin, out=q)
+                    if spec.compressed:
+                        insert_kv()
+                    if csa:
+                        compress_main()
+                        append(state_rows[0])  # no later kernel of the step reads the main state ring
+                if not spec.compressed:
                     insert_kv()
-                if csa:
+                elif not csa:
                     compress_main()
-                    append(state_rows[0])  # no later kernel of the step reads the main state ring
-            if not spec.compressed:
-                insert_kv()
-            elif not csa:
-                compress_main()
             if csa:
                 # RoPE, Hadamard rotation, MXFP4 / FP8 round trip and head weights in one kernel (bit for bit the
                 # torch path's query). It lets the indexer compress launch at once, beside it (they share no tensor);
@@ -438,7 +450,8 @@ class DSV4Attention(nn.Module):
                 attention_inputs = streams.side_mark()
                 with streams.on_side():
                     append_window(layer_cache.window, main, g.window, plan, step_kv)
-                streams.main_waits(attention_inputs)
+                if not window_chain:  # else nothing on the side stream feeds attention
+                    streams.main_waits(attention_inputs)
             else:
                 streams.join()
             if spec.compressed and not csa:

@@ -2,10 +2,10 @@
 
 At decode a CSA layer's core is a chain of small launches, each mostly latency. Only the indexer chain (indexer query
 and compress, scores, top-k) and attention feed each other; the q RoPE, the kv insert and the main compress feed
-attention alone, so they run on a side stream beside the chain and meet it before attention. The state appends run
-there too, and at decode the window append runs there beside attention (the order is in
-`DSV4Attention.attention_core`). A CUDA graph captured over the
-step keeps the two branches as parallel nodes.
+attention alone, so they run on a side stream beside the chain and meet it before attention (HCA likewise beside its
+main compress; a window layer's chain is its q RoPE and kv insert, and no side kernel feeds its attention). The state
+appends run there too, and at decode the window append runs there beside attention (the order is in
+`DSV4Attention.attention_core`). A CUDA graph captured over the step keeps the two branches as parallel nodes.
 
 Every call is a no-op on the CPU (Triton's interpreter) and with `CONCURRENT = False`: the kernels then run in
 program order, which is one of the orders the events allow, so both modes compute the same bytes

@@ -241,7 +241,9 @@ def compress_insert(state_kv: torch.Tensor, state_logits: torch.Tensor, plan, kv
     plan.entries[ratio].index * ratio)` when the caller already has it (computed here otherwise).
     wait_late: the kernel waits for the grid before it (PDL) only before it exits, so it may run beside a kernel
     launched with `launch_next` that touches nothing it does (the layer's indexer query), and still completes
-    after it: a kernel after this one then sees both complete. One launch only (not HCA's split pooling).
+    after it: a kernel after this one then sees both complete. It reads its inputs before that wait, so they must be
+    complete before the kernel before it started: the caller passes cos_sin. One launch only (not HCA's split
+    pooling).
     Tiles: COMPRESS_TILES, and POOL_SPLIT for HCA's pooling."""
     device = pool.device
     check_plan(plan, device)
@@ -261,6 +263,8 @@ def compress_insert(state_kv: torch.Tensor, state_logits: torch.Tensor, plan, kv
     check_tensor("norm_weight", norm_weight, dtype=torch.float32, shape=(d,), device=device)
     check_pool("pool", pool, layout, page_tokens // ratio, device)
     require(isinstance(wait_late, bool), f"wait_late: expected a bool, got {wait_late!r}")
+    # made here, they would be written just before the kernel that reads them ahead of its wait
+    require(not wait_late or cos_sin is not None, "compress_insert: wait_late needs the caller's cos_sin")
     require(not wait_late or POOL_SPLIT is None or overlap,
             "compress_insert: wait_late needs one launch (overlap, or POOL_SPLIT = None)")
     writes = plan.entries[ratio]

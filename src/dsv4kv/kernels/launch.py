@@ -3,12 +3,13 @@
 A decode step is a chain of short kernels, and without PDL the GPU launches a kernel only after the kernel before it
 has completed. Launched with PDL (`launch_options`), a kernel may be launched as soon as every program of the kernel
 before it in its stream has exited, and its programs wait in `wait_for_prior_grids` until that kernel has completed
-and its writes are visible. Every kernel here calls it before it reads or writes global memory.
+and its writes are visible. Every kernel here calls it before it reads or writes global memory, but for the second
+kernel of the two pairs below.
 
 The wait is transitive: a kernel's programs exit only after their own wait has returned, so when a wait returns,
 everything earlier in the stream is complete. Every read and write happens in stream order, as without PDL; what PDL
 hides is part of the launch. The argument needs every kernel launched with PDL to wait before it touches memory:
-this package launches only its own kernels so. The kernel before ours may be any kernel (a torch op): our wait
+this package launches only its own kernels so (the pairs below keep the argument by other means). The kernel before ours may be any kernel (a torch op): our wait
 covers it all the same. Copies and cross-stream event waits are full dependencies.
 
 As a rule no kernel lets the next one launch early (`griddepcontrol.launch_dependents` right after the wait): the
@@ -16,11 +17,13 @@ next grid's programs would then hold SM slots while they wait. Measured on the H
 CSA core: without PDL 43.3 / 73.7 / 265.5 us (16K and 1M at batch 1, 128K at batch 64), with PDL 38.5 / 70.6 /
 262.7, with PDL and the early trigger on every kernel 40.8 / 72.0 / 286.4 (docs/performance.md).
 
-One pair runs side by side on purpose: the CSA layer's indexer query (`let_next_grid_launch` right after its wait)
-and the indexer compress after it, which touches no tensor the query does and calls its wait last, before it exits
-(`compress_insert(wait_late=True)`). The compress launches only once every query program has passed its wait, so
-everything before the query is complete when the compress reads; and it completes only after the query has, so the
-transitive argument above holds for the kernel after it.
+Two pairs run side by side on purpose: the CSA layer's indexer query and its indexer compress
+(`compress_insert(wait_late=True)`), and a window layer's q RoPE and its kv insert (`kv_insert(wait_late=True)`). The
+first of a pair lets the next grid launch right after its own wait (`let_next_grid_launch`); the second touches no
+tensor the first does and calls its wait last, before every exit. It launches only once every program of the first
+has passed its wait, so everything before the pair is complete when it reads; and it completes only after the
+first has, so the transitive argument above holds for the kernel after the pair. Whatever the second reads must be
+complete before the first started (its wrapper refuses to make its RoPE tables itself).
 
 PDL and the wait's instruction need Hopper (sm_90) or later: on older GPUs the wait is compiled out and kernels are
 launched plainly. `DEPENDENT_LAUNCH = False` launches plainly everywhere (read at each launch). The interpreter runs
@@ -66,7 +69,7 @@ else:
     @triton.jit
     def wait_for_prior_grids():
         """Wait until the grid before this one in the stream has completed and its writes are visible (at once
-        without PDL). The first statement of every kernel here; compiled in for sm_90 and later GPUs only (the
-        compiling device's capability)."""
+        without PDL). The first statement of every kernel here (the last, before every exit, of a `wait_late`
+        kernel); compiled in for sm_90 and later GPUs only (the compiling device's capability)."""
         if cuda_capability_geq(9, 0):
             gdc_wait()

@@ -51,9 +51,11 @@ KV_INSERT_TILE = (16, 4)
 @triton.jit(do_not_specialize=["n", "page_bytes", "entries"])
 def _kv_insert_kernel(kv_ptr, cos_ptr, sin_ptr, slots_ptr, pool_ptr, n, page_bytes, entries,
                       NB: tl.constexpr, FP8: tl.constexpr, DATA_BYTES: tl.constexpr,
-                      SCALE_BYTES: tl.constexpr, BLOCK_R: tl.constexpr):
-    """Rows pid * BLOCK_R ..: kv bf16 [n, 64 * NB] -> RoPE on the last 64 dims -> entry bytes at slot slots[row]."""
-    wait_for_prior_grids()
+                      SCALE_BYTES: tl.constexpr, BLOCK_R: tl.constexpr, WAIT_LATE: tl.constexpr):
+    """Rows pid * BLOCK_R ..: kv bf16 [n, 64 * NB] -> RoPE on the last 64 dims -> entry bytes at slot slots[row].
+    WAIT_LATE: the wait for the grid before it comes last (`kv_insert(wait_late=True)`)."""
+    if not WAIT_LATE:
+        wait_for_prior_grids()
     o_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     m_r = o_r < n
     given = tl.load(slots_ptr + o_r, mask=m_r, other=-1)
@@ -74,20 +76,30 @@ def _kv_insert_kernel(kv_ptr, cos_ptr, sin_ptr, slots_ptr, pool_ptr, n, page_byt
     p_data = p_page + offset * DATA_BYTES
     p_scale = p_page + entries * DATA_BYTES + offset * SCALE_BYTES
     store_main_entries(p_data, p_scale, b_x, b_rope, given >= 0, NB, FP8, SCALE_BYTES, BF16_VALUED=True)
+    if WAIT_LATE:
+        wait_for_prior_grids()
 
 
 def kv_insert(kv: torch.Tensor, positions: torch.Tensor, rope: RopeSpec, layout: EntryLayout, pool: torch.Tensor,
-              entries: int, slots: torch.Tensor, *, cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+              entries: int, slots: torch.Tensor, *, cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None,
+              wait_late: bool = False) -> None:
     """Rotate kv bf16 [N, D] (normed, not yet roped) at positions int [N], encode it in `layout` and write row i
     to pool slot slots[i] (int32 [N]; -1 = skip). pool: uint8 [pages, layout.page_bytes(entries)].
     cos_sin: `ops.rope.rope_cos_sin(rope, positions)` when the caller already has it (computed here otherwise).
-    One program encodes KV_INSERT_TILE[0] rows."""
+    One program encodes KV_INSERT_TILE[0] rows. wait_late: the kernel waits for the grid before it (PDL) only before
+    it exits, so it may run beside a kernel launched with `launch_next` that touches nothing it does (the window
+    layer's q RoPE, `rope_rows`), and still completes after it: a kernel after this one then sees both complete. It
+    reads its inputs before that wait, so they must be complete before the kernel before it started: the caller
+    passes cos_sin."""
     n = kv.shape[0] if isinstance(kv, torch.Tensor) else -1
     check_main_layout(layout, rope)
     check_tensor("kv", kv, dtype=torch.bfloat16, shape=(None, layout.dim), device=pool.device)
     check_tensor("positions", positions, dtype=(torch.int32, torch.int64), shape=(n,), device=pool.device)
     check_tensor("slots", slots, dtype=torch.int32, shape=(n,), device=pool.device)
     check_pool("pool", pool, layout, entries, pool.device)
+    require(isinstance(wait_late, bool), f"wait_late: expected a bool, got {wait_late!r}")
+    # made here, they would be written just before the kernel that reads them ahead of its wait
+    require(not wait_late or cos_sin is not None, "kv_insert: wait_late needs the caller's cos_sin")
     if n == 0:
         return
     cos, sin = cos_sin if cos_sin is not None else rope_cos_sin(rope, positions)
@@ -98,7 +110,7 @@ def kv_insert(kv: torch.Tensor, positions: torch.Tensor, rope: RopeSpec, layout:
     _kv_insert_kernel[(triton.cdiv(n, block_r),)](
         kv, cos, sin, slots, pool, n, pool.shape[1], entries, NB=layout.dim // 64, FP8=layout.name == "fp8",
         DATA_BYTES=layout.data_bytes, SCALE_BYTES=max(layout.scale_bytes, 1), BLOCK_R=block_r,
-        enable_fp_fusion=False, num_warps=warps, **launch_options(pool.device))
+        WAIT_LATE=wait_late, enable_fp_fusion=False, num_warps=warps, **launch_options(pool.device))
 
 
 @triton.jit(do_not_specialize=["src_page_bytes", "src_entries"])  # the step page: the step's row count
