@@ -16,6 +16,7 @@ import torch
 from schedules import admit, random_steps, written_bytes
 
 from dsv4kv import CacheManager, ModelGeometry
+from dsv4kv.backend import interpreted
 from dsv4kv.geometry import RopeSpec
 from dsv4kv.kernels import encode, window
 from dsv4kv.kernels.encode import program_rows
@@ -193,6 +194,8 @@ def test_kv_insert_wait_late_changes_no_byte(fmt, tile_rows):
     assert torch.equal(late, plain) and not torch.equal(plain, torch.full_like(plain, POISON))
 
 
+@pytest.mark.skipif(not interpreted(), reason="counts calls of the PDL wait, a plain Python function only under "
+                    "Triton's interpreter (the CPU run)")
 def test_kv_insert_wait_late_waits_once_per_program(monkeypatch):
     """Every program of a `wait_late` launch still waits (counted under the interpreter, where the wait is a plain
     function), as every program of a plain launch does; the caller's cos_sin is required."""
