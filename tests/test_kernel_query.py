@@ -238,8 +238,8 @@ def test_indexer_query_and_weights(fmt, wdtype, scale):
         check_fp8_operand(q, w, cos, sin, layout)
 
 
-@pytest.mark.skipif(not interpreted(), reason="records calls of the PDL wait and launch, plain Python functions only under "
-                    "Triton's interpreter (the CPU run)")
+@pytest.mark.skipif(not interpreted(), reason="records calls of the PDL wait and launch, plain Python functions "
+                    "only under Triton's interpreter (the CPU run)")
 def test_launch_next_comes_after_the_wait(monkeypatch):
     """`launch_next` lets the next grid in only after the program's own wait (everything before it then complete):
     under the interpreter, where both are plain functions, every program of the indexer query and of the q RoPE
