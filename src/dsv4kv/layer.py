@@ -390,7 +390,7 @@ class DSV4Attention(nn.Module):
                             main=True, **insert)
 
         # the main stream keeps the longest chain to attention: the indexer chain (CSA), the main compress (HCA) or
-        # the kv insert (window layers); the rest goes to the side stream
+        # the q RoPE and kv insert (window layers); the rest goes to the side stream
         streams = StepStreams(device)
         # With one row per request (every decode step: counts are >= 1), the ring entry a row's append overwrites,
         # position p - window, is outside that row's window (p - window + 1 .. p), and no other row reads that

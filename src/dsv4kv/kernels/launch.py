@@ -9,8 +9,9 @@ kernel of the two pairs below.
 The wait is transitive: a kernel's programs exit only after their own wait has returned, so when a wait returns,
 everything earlier in the stream is complete. Every read and write happens in stream order, as without PDL; what PDL
 hides is part of the launch. The argument needs every kernel launched with PDL to wait before it touches memory:
-this package launches only its own kernels so (the pairs below keep the argument by other means). The kernel before ours may be any kernel (a torch op): our wait
-covers it all the same. Copies and cross-stream event waits are full dependencies.
+this package launches only its own kernels so (the pairs below keep the argument by other means). The kernel before
+ours may be any kernel (a torch op): our wait covers it all the same. Copies and cross-stream event waits are full
+dependencies.
 
 As a rule no kernel lets the next one launch early (`griddepcontrol.launch_dependents` right after the wait): the
 next grid's programs would then hold SM slots while they wait. Measured on the H100, `dsv4kv bench decode --quick`,

@@ -248,8 +248,7 @@ def _indexer_query(q, cos, sin, layout, out, weights, scale, weights_out, fmt=No
             float(scale) if weights is not None else 1.0, h_scale, H=heads, D=dim, HALF=half,
             COLS=triton.next_power_of_2(dim), LOG_D=max(dim.bit_length() - 1, 0), BLOCK_H=block_h, FORMAT=fmt,
             WEIGHTS=weights is not None, FP8_OUT=fp8_out is not None, LAUNCH_NEXT=launch_next, num_warps=warps,
-            enable_fp_fusion=False,
-            **launch_options(device))
+            enable_fp_fusion=False, **launch_options(device))
     return out if weights is None else (out, weights_out)
 
 
