@@ -447,11 +447,11 @@ class DSV4Attention(nn.Module):
             if window_first:
                 if not spec.compressed:  # the step page: a window layer's kv insert runs on main
                     streams.side_waits(streams.main_mark())
-                attention_inputs = streams.side_mark()
+                # nothing on the side stream feeds a window chain's attention
+                attention_inputs = None if window_chain else streams.side_mark()
                 with streams.on_side():
                     append_window(layer_cache.window, main, g.window, plan, step_kv)
-                if not window_chain:  # else nothing on the side stream feeds attention
-                    streams.main_waits(attention_inputs)
+                streams.main_waits(attention_inputs)
             else:
                 streams.join()
             if spec.compressed and not csa:

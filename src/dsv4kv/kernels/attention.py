@@ -117,7 +117,7 @@ def _config(rows: int, heads: int, max_keys: int, device: torch.device) -> _Conf
     sms = sm_count(device)
     programs = max(rows, 1) * triton.cdiv(heads, block_h)
     block_n = LARGE_BLOCK_N if 3 * programs >= sms else BLOCK_N
-    splits = _splits(programs, max_keys, block_n, sms)
+    splits = _splits(programs, max_keys, block_n, sms, MIN_SPLIT_BLOCKS)
     if programs * splits < sms // 2 and block_h > SMALL_BLOCK_H:
         block_h = SMALL_BLOCK_H
         programs = max(rows, 1) * triton.cdiv(heads, block_h)
@@ -125,10 +125,9 @@ def _config(rows: int, heads: int, max_keys: int, device: torch.device) -> _Conf
     return _Config(block_h, block_n, splits, 4 if block_h <= 32 else 8, NUM_STAGES)
 
 
-def _splits(programs: int, max_keys: int, block_n: int, sms: int, min_blocks: int | None = None) -> int:
+def _splits(programs: int, max_keys: int, block_n: int, sms: int, min_blocks: int) -> int:
     if 2 * programs > sms:
         return 1
-    min_blocks = MIN_SPLIT_BLOCKS if min_blocks is None else min_blocks
     return max(1, min(sms // programs, triton.cdiv(max_keys, block_n) // min_blocks))
 
 

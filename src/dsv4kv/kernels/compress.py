@@ -35,7 +35,7 @@ from ..layout import EntryLayout, IndexerFP8Layout, IndexerMXFP4Layout, MainFP8L
 from ..ops.common import require
 from ..ops.rope import rope_cos_sin
 from .common import check_plan, check_pool, check_tensor
-from .launch import launch_options, wait_for_prior_grids
+from .launch import check_wait_late, launch_options, wait_for_prior_grids
 from .encode import (
     last_block,
     program_rows,
@@ -262,9 +262,7 @@ def compress_insert(state_kv: torch.Tensor, state_logits: torch.Tensor, plan, kv
     check_tensor("logit_rows", logit_rows, dtype=torch.float32, shape=(rows, width), device=device)
     check_tensor("norm_weight", norm_weight, dtype=torch.float32, shape=(d,), device=device)
     check_pool("pool", pool, layout, page_tokens // ratio, device)
-    require(isinstance(wait_late, bool), f"wait_late: expected a bool, got {wait_late!r}")
-    # made here, they would be written just before the kernel that reads them ahead of its wait
-    require(not wait_late or cos_sin is not None, "compress_insert: wait_late needs the caller's cos_sin")
+    check_wait_late("compress_insert", wait_late, cos_sin is not None)
     require(not wait_late or POOL_SPLIT is None or overlap,
             "compress_insert: wait_late needs one launch (overlap, or POOL_SPLIT = None)")
     writes = plan.entries[ratio]

@@ -39,9 +39,10 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.language.target_info import cuda_capability_geq
 
 from ..backend import interpreted
+from ..ops.common import require
 from .common import hopper_or_later
 
-__all__ = ["DEPENDENT_LAUNCH", "launch_options", "wait_for_prior_grids", "let_next_grid_launch"]
+__all__ = ["DEPENDENT_LAUNCH", "launch_options", "wait_for_prior_grids", "let_next_grid_launch", "check_wait_late"]
 
 DEPENDENT_LAUNCH = True
 
@@ -50,6 +51,13 @@ def launch_options(device: torch.device) -> dict:
     """Launch keywords for a kernel of this package on `device`: PDL on a Hopper or later GPU while DEPENDENT_LAUNCH
     is set."""
     return {"launch_pdl": True} if DEPENDENT_LAUNCH and device.type == "cuda" and hopper_or_later(device) else {}
+
+
+def check_wait_late(op: str, wait_late, tables_given: bool) -> None:
+    """A wrapper's `wait_late` argument: a bool, and only with the caller's RoPE tables. The kernel reads its inputs
+    before its wait, so none may be made by a kernel launched right before it (the wrapper's own `rope_cos_sin`)."""
+    require(isinstance(wait_late, bool), f"wait_late: expected a bool, got {wait_late!r}")
+    require(not wait_late or tables_given, f"{op}: wait_late needs the caller's cos_sin")
 
 
 if interpreted():

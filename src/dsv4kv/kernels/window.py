@@ -26,7 +26,7 @@ from ..ops.common import require
 from ..ops.rope import rope_cos_sin
 from .common import check_plan, check_pool, check_tensor
 from .encode import program_rows, rope_block, store_main_entries
-from .launch import launch_options, wait_for_prior_grids
+from .launch import check_wait_late, launch_options, wait_for_prior_grids
 
 __all__ = ["kv_insert", "append_window", "check_main_layout"]
 
@@ -97,9 +97,7 @@ def kv_insert(kv: torch.Tensor, positions: torch.Tensor, rope: RopeSpec, layout:
     check_tensor("positions", positions, dtype=(torch.int32, torch.int64), shape=(n,), device=pool.device)
     check_tensor("slots", slots, dtype=torch.int32, shape=(n,), device=pool.device)
     check_pool("pool", pool, layout, entries, pool.device)
-    require(isinstance(wait_late, bool), f"wait_late: expected a bool, got {wait_late!r}")
-    # made here, they would be written just before the kernel that reads them ahead of its wait
-    require(not wait_late or cos_sin is not None, "kv_insert: wait_late needs the caller's cos_sin")
+    check_wait_late("kv_insert", wait_late, cos_sin is not None)
     if n == 0:
         return
     cos, sin = cos_sin if cos_sin is not None else rope_cos_sin(rope, positions)
