@@ -34,7 +34,7 @@ from ..geometry import RopeSpec
 from ..layout import EntryLayout, IndexerFP8Layout, IndexerMXFP4Layout, MainFP8Layout
 from ..ops.common import require
 from ..ops.rope import rope_cos_sin
-from .common import check_plan, check_pool, check_tensor
+from .common import check_plan, check_pool, check_tensor, interpreted
 from .launch import check_wait_late, launch_options, wait_for_prior_grids
 from .encode import (
     last_block,
@@ -69,6 +69,10 @@ COMPRESS_TILES = {"csa_main": (1, 8, 4), "csa_index": (4, 8, 4), "hca": (1, 32, 
 # of rows alone. H200, decode (docs/performance.md): one entry 28.1 -> 11.7 us, 64 entries 35.4 -> 23.8. None: one
 # launch, as CSA.
 POOL_SPLIT: tuple[int, int, int] | None = (32, 64, 4)
+# The pooling launch's register cap: at 64 (no spills; 72 uncapped, sm_90a) 8 programs of 4 warps fit an SM instead
+# of 7, so batch 64's 1024 programs run in one wave (1.11 waves uncapped, ncu). H100, 2026-11-26 (docs/performance.md):
+# HCA decode core at batch 64 / 128K 102.6 -> 100.2 us (pooling 21.1 -> 19.5), batches 1-48 unchanged. None: uncapped.
+POOL_MAX_REGISTERS: int | None = 64
 
 
 def _chunk(chunk: int, span: int) -> int:
@@ -285,7 +289,8 @@ def compress_insert(state_kv: torch.Tensor, state_logits: torch.Tensor, plan, kv
         _pool_kernel[(count, d // channels)](
             kv_rows, logit_rows, state_kv, state_logits, *entry_args, pooled, count, RATIO=ratio, OVERLAP=overlap,
             D=d, RING=state_kv.shape[1], CHANNELS=channels, BLOCK_E=1, CHUNK=_chunk(pool_chunk, span),
-            num_warps=pool_warps, **launch_options(device))
+            num_warps=pool_warps, **launch_options(device),
+            **({"maxnreg": POOL_MAX_REGISTERS} if POOL_MAX_REGISTERS and not interpreted() else {}))
     _compress_kernel[(triton.cdiv(count, block_e),)](
         kv_rows, logit_rows, state_kv, state_logits, norm_weight, cos, sin, *entry_args,
         pool, pooled if pooled is not None else kv_rows, count, pool.shape[1], page_tokens // ratio, h_scale, eps,
