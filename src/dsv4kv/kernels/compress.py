@@ -69,8 +69,8 @@ COMPRESS_TILES = {"csa_main": (1, 8, 4), "csa_index": (4, 8, 4), "hca": (1, 32, 
 # of rows alone. H200, decode (docs/performance.md): one entry 28.1 -> 11.7 us, 64 entries 35.4 -> 23.8. None: one
 # launch, as CSA.
 POOL_SPLIT: tuple[int, int, int] | None = (32, 64, 4)
-# The pooling launch's register cap: at 64 (no spills; 72 uncapped, sm_90a) 8 programs of 4 warps fit an SM instead
-# of 7, so batch 64's 1024 programs run in one wave (1.11 waves uncapped, ncu). H100, 2026-11-26 (docs/performance.md):
+# The pooling launch's register cap: for POOL_SPLIT's tile at 64 (no spills; 72 uncapped, sm_90a) 8 programs of 4 warps
+# fit an SM instead of 7, so batch 64's 1024 programs run in one wave (1.11 waves uncapped, ncu). H100, 2026-11-26 (docs/performance.md):
 # HCA decode core at batch 64 / 128K 102.6 -> 100.2 us (pooling 21.1 -> 19.5), batches 1-48 unchanged. None: uncapped.
 POOL_MAX_REGISTERS: int | None = 64
 
