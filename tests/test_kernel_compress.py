@@ -281,9 +281,11 @@ def test_compress_and_state_over_random_schedule(layer, lengths, seed, tiles, mo
 def test_hca_pool_split_changes_no_byte(channels, monkeypatch):
     """HCA pooled in a first launch split over channels (POOL_SPLIT), then normed and encoded in a second, writes the
     bytes one launch writes with the same rows per chunk (channels are independent; the interpreter reduces a chunk's
-    rows in one order whatever the warps), over the random schedule."""
+    rows in one order whatever the warps), over the random schedule. Launches of up to POOL_FEW_ENTRIES entries take
+    the "few" tile (one warp), the others the "many" tile (here 2 entries splits the schedule's launches)."""
     monkeypatch.setattr(encode, "SPREAD_PROGRAMS", 1)
     monkeypatch.setattr(compress, "COMPRESS_TILES", {**compress.COMPRESS_TILES, "hca": (2, 4, 4)})
+    monkeypatch.setattr(compress, "POOL_FEW_ENTRIES", 2)
     one_launch = compress_insert
     calls = []
 
@@ -291,10 +293,11 @@ def test_hca_pool_split_changes_no_byte(channels, monkeypatch):
         other = pool.clone()
         monkeypatch.setattr(compress, "POOL_SPLIT", None)
         one_launch(state_kv, state_logits, plan, kv_rows, logit_rows, pool=other, **kw)
-        monkeypatch.setattr(compress, "POOL_SPLIT", (channels, 4, 4))
+        monkeypatch.setattr(compress, "POOL_SPLIT", {"few": (channels, 4, 1, None), "many": (channels, 4, 4, None)})
         one_launch(state_kv, state_logits, plan, kv_rows, logit_rows, pool=pool, **kw)
         assert torch.equal(pool, other)
-        calls.append(plan.entries[kw["ratio"]].count)
+        writes = plan.entries[kw["ratio"]]
+        calls.append((writes.count, writes.slots.shape[0]))  # entries completing, the launch's count
 
     monkeypatch.setitem(globals(), "compress_insert", both)
     cache = CacheManager(TINY, max_requests=4, max_tokens=600, page_tokens=128, device=DEVICE, poison=True)
@@ -302,7 +305,8 @@ def test_hca_pool_split_changes_no_byte(channels, monkeypatch):
     buffers = cache.step_buffers(max_tokens=5, max_requests=3)
     steps = schedule(22, (141, 37, 22), chunks=(1, 1, 2, 5, 13, 29, 60), padded_every=3, cap=5)
     run_compress_schedule(cache, 2, rids, steps, buffers, seed=2, every_layout=False)
-    assert sum(calls) > 10
+    counts = [launched for _, launched in calls]
+    assert sum(done for done, _ in calls) > 10 and min(counts) <= 2 < max(counts)  # both tiles ran
 
 
 def test_compress_wait_late_changes_no_byte(monkeypatch):

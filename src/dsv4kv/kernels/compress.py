@@ -64,15 +64,18 @@ __all__ = ["compress_insert", "append_state"]
 # Small launches (a decode step's few entries) get fewer entries per program (see `program_rows`); chunks shrink to
 # divide the entry's rows.
 COMPRESS_TILES = {"csa_main": (1, 8, 4), "csa_index": (4, 8, 4), "hca": (1, 32, 16)}
-# HCA pools in a first launch split over channels, (channels, rows per chunk, warps) per program, into fp32
-# [entries, d]; the norm, RoPE and encoding follow in a second launch. One program per HCA entry pulled its 512 KB
-# of rows alone. H200, decode (docs/performance.md): one entry 28.1 -> 11.7 us, 64 entries 35.4 -> 23.8. None: one
-# launch, as CSA.
-POOL_SPLIT: tuple[int, int, int] | None = (32, 64, 4)
-# The pooling launch's register cap: for POOL_SPLIT's tile at 64 (no spills; 72 uncapped, sm_90a) 8 programs of 4 warps
-# fit an SM instead of 7, so batch 64's 1024 programs run in one wave (1.11 waves uncapped, ncu). H100, 2026-11-26 (docs/performance.md):
-# HCA decode core at batch 64 / 128K 102.6 -> 100.2 us (pooling 21.1 -> 19.5), batches 1-48 unchanged. None: uncapped.
-POOL_MAX_REGISTERS: int | None = 64
+# HCA pools in a first launch split over channels into fp32 [entries, d]; the norm, RoPE and encoding follow in a
+# second launch. One program per HCA entry pulled its 512 KB of rows alone. H200, decode (docs/performance.md): one
+# entry 28.1 -> 11.7 us, 64 entries 35.4 -> 23.8. None: one launch, as CSA.
+# Per program (channels, rows per chunk, warps, register cap or None), by the launch's entry count (a host fact):
+# - "few", up to POOL_FEW_ENTRIES entries: 1-warp programs of 8 channels that hold all 128 rows at once, their row
+#   reductions within the warp. H100, 2026-11-26: HCA core at batch 1 / 1M 40.2 -> 39.0 us (pooling 5.2 -> 4.5).
+# - "many": 4-warp programs of 32 channels, 64 rows a chunk (row reductions across warps: 9 CTA barriers a chunk)
+#   capped at 64 registers (no spills; 72 uncapped, sm_90a), so 8 fit an SM instead of 7 and batch 64's 1024 run in
+#   one wave (1.11 waves uncapped, ncu). H100: HCA core at batch 64 / 128K 102.6 -> 100.2 us (pooling 21.1 -> 19.5);
+#   the 1-warp tiles took 102.0-105.2 there.
+POOL_SPLIT: dict[str, tuple[int, int, int, int | None]] | None = {"few": (8, 128, 1, None), "many": (32, 64, 4, 64)}
+POOL_FEW_ENTRIES = 8
 
 
 def _chunk(chunk: int, span: int) -> int:
@@ -248,7 +251,7 @@ def compress_insert(state_kv: torch.Tensor, state_logits: torch.Tensor, plan, kv
     after it: a kernel after this one then sees both complete. It reads its inputs before that wait, so they must be
     complete before the kernel before it started: the caller passes cos_sin. One launch only (not HCA's split
     pooling).
-    Tiles: COMPRESS_TILES, and POOL_SPLIT for HCA's pooling."""
+    Tiles: COMPRESS_TILES, and POOL_SPLIT (by the entry count) for HCA's pooling."""
     device = pool.device
     check_plan(plan, device)
     rows = plan.positions.shape[0]
@@ -283,14 +286,13 @@ def compress_insert(state_kv: torch.Tensor, state_logits: torch.Tensor, plan, kv
     entry_args = (writes.slots, writes.request, writes.index, plan.request_slots, plan.query_start, plan.seq_lens)
     pooled = None
     if POOL_SPLIT is not None and not overlap:
-        channels, pool_chunk, pool_warps = POOL_SPLIT
+        channels, pool_chunk, pool_warps, cap = POOL_SPLIT["few" if count <= POOL_FEW_ENTRIES else "many"]
         channels = min(channels, d)
         pooled = torch.empty(count, d, dtype=torch.float32, device=device)
         _pool_kernel[(count, d // channels)](
             kv_rows, logit_rows, state_kv, state_logits, *entry_args, pooled, count, RATIO=ratio, OVERLAP=overlap,
             D=d, RING=state_kv.shape[1], CHANNELS=channels, BLOCK_E=1, CHUNK=_chunk(pool_chunk, span),
-            num_warps=pool_warps, **launch_options(device),
-            **({"maxnreg": POOL_MAX_REGISTERS} if POOL_MAX_REGISTERS and not interpreted() else {}))
+            num_warps=pool_warps, **launch_options(device), **({"maxnreg": cap} if cap and not interpreted() else {}))
     _compress_kernel[(triton.cdiv(count, block_e),)](
         kv_rows, logit_rows, state_kv, state_logits, norm_weight, cos, sin, *entry_args,
         pool, pooled if pooled is not None else kv_rows, count, pool.shape[1], page_tokens // ratio, h_scale, eps,
