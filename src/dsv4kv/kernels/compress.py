@@ -69,7 +69,8 @@ COMPRESS_TILES = {"csa_main": (1, 8, 4), "csa_index": (4, 8, 4), "hca": (1, 32, 
 # entry 28.1 -> 11.7 us, 64 entries 35.4 -> 23.8. None: one launch, as CSA.
 # Per program (channels, rows per chunk, warps, register cap or None), by the launch's entry count (a host fact):
 # - "few", up to POOL_FEW_ENTRIES entries: 1-warp programs of 8 channels that hold all 128 rows at once, their row
-#   reductions within the warp. H100, 2026-11-26: HCA core at batch 1 / 1M 40.2 -> 39.0 us (pooling 5.2 -> 4.5).
+#   reductions within the warp. H100, 2026-11-26: HCA core at batch 1 23.2 / 23.9 / 40.3 -> 22.3 / 22.8 / 39.1 us at
+#   4K / 16K / 1M (pooling 5.1 -> 4.0-4.3), batch 8 39.9 either way.
 # - "many": 4-warp programs of 32 channels, 64 rows a chunk (row reductions across warps: 9 CTA barriers a chunk)
 #   capped at 64 registers (no spills; 72 uncapped, sm_90a), so 8 fit an SM instead of 7 and batch 64's 1024 run in
 #   one wave (1.11 waves uncapped, ncu). H100: HCA core at batch 64 / 128K 102.6 -> 100.2 us (pooling 21.1 -> 19.5);
