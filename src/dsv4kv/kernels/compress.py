@@ -247,11 +247,8 @@ def compress_insert(state_kv: torch.Tensor, state_logits: torch.Tensor, plan, kv
     logit_rows: fp32 [R, w] (R = the plan's padded rows); norm_weight fp32 [d]; main: a main entry (FP8
     MODEL1 / bf16) or an indexer key (MXFP4 / FP8 / bf16). cos_sin: `ops.rope.rope_cos_sin(rope,
     plan.entries[ratio].index * ratio)` when the caller already has it (computed here otherwise).
-    wait_late: the kernel waits for the grid before it (PDL) only before it exits, so it may run beside a kernel
-    launched with `launch_next` that touches nothing it does (the layer's indexer query), and still completes
-    after it: a kernel after this one then sees both complete. It reads its inputs before that wait, so they must be
-    complete before the kernel before it started: the caller passes cos_sin. One launch only (not HCA's split
-    pooling).
+    wait_late: the second kernel of a pair (`launch`'s module docstring: beside the layer's indexer query), its wait
+    last; needs the caller's cos_sin and one launch (not HCA's split pooling).
     Tiles: COMPRESS_TILES, and POOL_SPLIT (by the entry count) for HCA's pooling."""
     device = pool.device
     check_plan(plan, device)

@@ -182,8 +182,7 @@ def rope_rows(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, inverse:
     x: bf16 or fp32 [N, H, D], contiguous (fp32: the attention output; its nope dims are rounded to bf16 too);
     cos, sin: fp32 [N, rope_dim // 2] = `ops.rope.rope_cos_sin(rope, positions)`, computed once per step.
     out: bf16 [N, H, D], contiguous; may be x itself (bf16 x), then only the rope dims are read and written.
-    launch_next: the next kernel in the stream may launch while this one runs (PDL, `launch.let_next_grid_launch`), for
-    a next kernel that touches nothing this one does and waits for it before it exits (`wait_late`).
+    launch_next: the first kernel of a pair (`launch`'s module docstring): the next one may launch while this runs.
     """
     require(isinstance(x, torch.Tensor), f"x: expected a tensor, got {type(x).__name__}")
     check_tensor("x", x, dtype=(torch.bfloat16, torch.float32), shape=(None, None, None), device=x.device)
@@ -272,9 +271,8 @@ def indexer_query_and_weights(q: torch.Tensor, weights: torch.Tensor, cos: torch
     weights: bf16 or fp32 [N, H] (weights_proj's output); scale: e.g. index_n_heads^-0.5 (applied as an fp32,
     as torch does for a Python scalar); weights_out: fp32 [N, H], contiguous (may be weights itself when fp32);
     fp8_out (MXFP4 keys): (uint8 [N, H, D], fp32 [N, H]) for the scores kernel's FP8 operand of the query, written in
-    the same launch, bit for bit `indexer.indexer_query_fp8(query)`; launch_next: the next kernel in the stream may
-    launch while this one runs (PDL, `launch.let_next_grid_launch`), for a next kernel that touches nothing this one
-    does and waits for it before it exits (`compress_insert(wait_late=True)`).
+    the same launch, bit for bit `indexer.indexer_query_fp8(query)`; launch_next: the first kernel of a pair
+    (`launch`'s module docstring), beside `compress_insert(wait_late=True)`.
     Returns (query fp32 [N, H, D], weights fp32 [N, H])."""
     require(weights is not None, "weights: expected a tensor, got None")
     require(isinstance(launch_next, bool), f"launch_next: expected a bool, got {launch_next!r}")

@@ -86,11 +86,8 @@ def kv_insert(kv: torch.Tensor, positions: torch.Tensor, rope: RopeSpec, layout:
     """Rotate kv bf16 [N, D] (normed, not yet roped) at positions int [N], encode it in `layout` and write row i
     to pool slot slots[i] (int32 [N]; -1 = skip). pool: uint8 [pages, layout.page_bytes(entries)].
     cos_sin: `ops.rope.rope_cos_sin(rope, positions)` when the caller already has it (computed here otherwise).
-    One program encodes KV_INSERT_TILE[0] rows. wait_late: the kernel waits for the grid before it (PDL) only before
-    it exits, so it may run beside a kernel launched with `launch_next` that touches nothing it does (the window
-    layer's q RoPE, `rope_rows`), and still completes after it: a kernel after this one then sees both complete. It
-    reads its inputs before that wait, so they must be complete before the kernel before it started: the caller
-    passes cos_sin."""
+    One program encodes KV_INSERT_TILE[0] rows. wait_late: the second kernel of a pair (`launch`'s module docstring:
+    beside the window layer's q RoPE), its wait last; needs the caller's cos_sin."""
     n = kv.shape[0] if isinstance(kv, torch.Tensor) else -1
     check_main_layout(layout, rope)
     check_tensor("kv", kv, dtype=torch.bfloat16, shape=(None, layout.dim), device=pool.device)
