@@ -343,27 +343,41 @@ def test_inverse_rope_output_is_rope_rows_of_the_output(splits):
         sparse_attention_paged(q, plan, inverse_rope=(cos_sin[0][:2], cos_sin[1]), **args)
 
 
-def test_merge_of_two_splits_reads_two_at_once(monkeypatch):
-    """A launch of 2 splits merges them 2 at a time (`_merge_chunk`): the same bytes as MERGE_S at a time, with and
-    without the inverse RoPE (a sum of two terms and zeros is one rounding in any order); padding rows stay zeros."""
+def test_merge_tile_sets_only_the_order_of_the_sums(monkeypatch):
+    """The merge's tile (`_merge_tile`: splits read at once, head dims per program): the dims a program takes never
+    change a byte (every program of a head computes the same max and sum), with and without the inverse RoPE, whose
+    pairs then fall in two programs; the splits read at once change only the order of fp32 sums, and for a launch of 2
+    splits not even that (a sum of two terms and zeros is one rounding in any order). Padding rows stay zeros."""
+    assert attention._merge_tile(2, 512) == (2, 512) and attention._merge_tile(16, 512) == (16, 512)
+    assert attention._merge_tile(20, 512) == (32, 256) and attention._merge_tile(65, 512) == (128, 64)
+    assert attention._merge_tile(130, 512) == (256, 32) and attention._merge_tile(3, 64) == (4, 64)
     q, plan, args, cos_sin = hca_decode_case(150, 2, 4, seed=15)
-    args["splits"] = 2
-    assert attention._merge_chunk(2) == 2 and attention._merge_chunk(3) == attention.MERGE_S
-    outs = {}
-    for chunk in (2, attention.MERGE_S):
-        monkeypatch.setattr(attention, "_merge_chunk", lambda splits, chunk=chunk: chunk)
-        outs[chunk] = (sparse_attention_paged(q, plan, **args), sparse_attention_paged(q, plan, inverse_rope=cos_sin,
-                                                                                      **args))
-    for two, sixteen in zip(outs[2], outs[attention.MERGE_S]):
-        assert torch.equal(two, sixteen) and torch.equal(two[2:], torch.zeros_like(two[2:]))
-    assert torch.isfinite(outs[2][0]).all()
+    dim = q.shape[2]
+
+    def merged(splits, chunk, dims):
+        monkeypatch.setattr(attention, "_merge_tile", lambda s, d: (chunk, dims))
+        return (sparse_attention_paged(q, plan, splits=splits, **args),
+                sparse_attention_paged(q, plan, splits=splits, inverse_rope=cos_sin, **args))
+
+    for splits, chunks in ((2, (2, 16)), (5, (8, 2))):
+        outs = {(chunk, dims): merged(splits, chunk, dims) for chunk in chunks for dims in (dim, 32)}
+        want = outs[(chunks[0], dim)]
+        assert torch.isfinite(want[0][:2]).all() and torch.isfinite(want[1][:2].float()).all()
+        for (chunk, dims), got in outs.items():
+            for g_, w_ in zip(got, want):
+                assert torch.equal(g_[2:], torch.zeros_like(g_[2:]))
+                if chunk == chunks[0] or splits == 2:
+                    assert torch.equal(g_, w_), (splits, chunk, dims)
+                else:  # another order of the same fp32 sums
+                    torch.testing.assert_close(g_.float(), w_.float(), rtol=2e-6 if g_.dtype == torch.float32
+                                               else 8e-3, atol=1e-6)
 
 
 def test_config_splits_only_grids_that_leave_the_gpu_idle(monkeypatch):
     """`_config` on a 132-SM device (V4-Flash decode shapes: 64 heads, window 128 + 512 picks, or + 8192 HCA entries
     at 1M): small batches split (with 16-head blocks and splits of one key block where even the split grid leaves
-    half the SMs idle), a batch that fills half the SMs does not, a batch filling a third takes 64-key blocks; the
-    interpreter never splits."""
+    half the SMs idle; with 64-key blocks where one row would split over more than half of them), a batch that fills
+    half the SMs does not, a batch filling a third takes 64-key blocks; the interpreter never splits."""
     monkeypatch.setattr(attention, "sm_count", lambda device: 132)
     for name, value in dict(BLOCK_H=64, SMALL_BLOCK_H=16, BLOCK_N=32, LARGE_BLOCK_N=64, MIN_SPLIT_BLOCKS=2,
                             SMALL_MIN_SPLIT_BLOCKS=1).items():
@@ -375,7 +389,8 @@ def test_config_splits_only_grids_that_leave_the_gpu_idle(monkeypatch):
         return config.block_h, config.block_n, config.splits, config.num_warps
 
     assert tiles(1, 128 + 512) == (16, 32, 20, 4)  # 1 x 10 programs at 64 heads: 4 x 20 at 16 heads, a block each
-    assert tiles(1, 128 + 8192) == (64, 32, 130, 8)  # 260 key blocks, 2 per split
+    # 260 32-key blocks would split one row over 130 SMs: 64-key blocks, 2 per split; 132 blocks stay 32 keys
+    assert tiles(1, 128 + 8192) == (64, 64, 65, 8) and tiles(1, 128 + 4096) == (64, 32, 66, 8)
     assert tiles(8, 128 + 512) == (64, 32, 10, 8) and tiles(8, 128 + 8192) == (64, 32, 16, 8)
     assert tiles(64, 128 + 512) == (64, 64, 2, 8)  # 64 rows fill a third of the SMs: 64-key blocks
     assert tiles(67, 128 + 512) == (64, 64, 1, 8) and tiles(128, 128 + 8192) == (64, 64, 1, 8)

@@ -73,7 +73,8 @@ NUM_STAGES = 1  # 2 stages were slower at every decode shape (more registers, sp
 # (64-head programs) 2 were faster (68.3 against 69.1 us; H100, 2026-11-26, docs/performance.md).
 MIN_SPLIT_BLOCKS = 2
 SMALL_MIN_SPLIT_BLOCKS = 1
-MERGE_S = 16  # splits a merge program reads at once (`_merge_chunk`)
+# Partial values a merge program holds at once (`_merge_tile`): 64 fp32 registers a thread at MERGE_WARPS = 4.
+MERGE_ELEMS = 8192
 # Round-trip each block's logits through a per-program scratch row in global memory (L2) where a program has two
 # warpgroups (8 warps). Triton lays out a dot whose result feeds another dot with all warps along M (rows per warp,
 # for the softmax): with 64 heads over 8 warps both warpgroups then compute the whole QK^T. Through memory, QK^T is
@@ -106,10 +107,11 @@ def _config(rows: int, heads: int, max_keys: int, device: torch.device) -> _Conf
     it reaches the SM count. Split only where it leaves at least half the SMs idle (a grid of 0.5..1 waves gains
     little from splitting and would pay the merge): then as many splits as one wave holds, each keeping at least
     MIN_SPLIT_BLOCKS key blocks of the longest row; if even that leaves half the SMs idle, 16-head blocks with
-    splits of SMALL_MIN_SPLIT_BLOCKS. Off CUDA (the interpreter) always the single pass with 32-key blocks; tests
-    force splits. V4-Flash decode on 132 SMs: CSA batch 1 (640 keys) -> 16 heads x 20 splits; HCA batch 1 at 1M
-    -> 64 heads x 130 splits; batch 8 -> 10 (CSA) / 16 (HCA) splits; batch 64 -> 64-key blocks, 2 splits; batch
-    >= 67 -> 64-key blocks, no split.
+    splits of SMALL_MIN_SPLIT_BLOCKS; if instead one row would split over more than half the SMs, 64-key blocks (half
+    the splits). Off CUDA (the interpreter) always the single pass with 32-key blocks; tests force splits. V4-Flash
+    decode on 132 SMs: CSA batch 1 (640 keys) -> 16 heads x 20 splits; HCA batch 1 at 1M -> 64 heads x 65 splits
+    of 64-key blocks, at 512K x 66 of 32-key blocks; batch 8 -> 10 (CSA) / 16 (HCA) splits; batch 64 -> 64-key
+    blocks, 2 splits; batch >= 67 -> 64-key blocks, no split.
     """
     block_h = max(16, min(BLOCK_H, triton.next_power_of_2(heads)))  # a tensor-core M of at least 16
     if device.type != "cuda":
@@ -122,6 +124,13 @@ def _config(rows: int, heads: int, max_keys: int, device: torch.device) -> _Conf
         block_h = SMALL_BLOCK_H
         programs = max(rows, 1) * triton.cdiv(heads, block_h)
         splits = _splits(programs, max_keys, block_n, sms, SMALL_MIN_SPLIT_BLOCKS)
+    elif splits > sms // 2 and block_h > SMALL_BLOCK_H and block_n < LARGE_BLOCK_N:
+        # one row over more than half the SMs: each split writes 64 heads x (D + 2) fp32 partials (131 KB at D =
+        # 512) for a few keys; 64-key blocks halve the splits and the partials. H100, 2026-11-26
+        # (docs/performance.md): HCA decode core at batch 1 / 1M 39.2 -> 36.8 us (130 -> 65 splits); at 512K
+        # (66 splits of 32-key blocks kept) 33 splits of 64-key blocks took 35.9 against 33.8
+        block_n = LARGE_BLOCK_N
+        splits = _splits(programs, max_keys, block_n, sms, MIN_SPLIT_BLOCKS)
     return _Config(block_h, block_n, splits, 4 if block_h <= 32 else 8, NUM_STAGES)
 
 
@@ -388,15 +397,18 @@ def _sparse_attention_kernel(
 @triton.jit(do_not_specialize=["splits"])
 def _merge_kernel(p_ws, p_sinks, p_out, p_positions, p_cos, p_sin, n_picks, H, splits, RATIO: tl.constexpr,
                   WINDOW: tl.constexpr, D: tl.constexpr, ENTRIES: tl.constexpr, BLOCK_N: tl.constexpr,
-                  MERGE_S: tl.constexpr, ROPE_HALF: tl.constexpr):
-    """One program per (token row, head): merges the row's splits that hold keys (the first ceil(blocks /
-    per_split)) with the sink, in fp32, into out [R, H, D]: fp32, or (ROPE_HALF > 0) with the layer's inverse RoPE
-    over the last 2 * ROPE_HALF dims and rounded to bf16, bit for bit `query.rope_rows(fp32 out, inverse=True)`.
-    Splits are read MERGE_S at a time: the loads of a chunk do not wait on the previous chunk's arithmetic."""
+                  MERGE_S: tl.constexpr, ROPE_HALF: tl.constexpr, DIMS: tl.constexpr):
+    """One program per (token row, head, DIMS of its D dims): merges the row's splits that hold keys (the first
+    ceil(blocks / per_split)) with the sink, in fp32, into out [R, H, D]: fp32, or (ROPE_HALF > 0) with the layer's
+    inverse RoPE over the last 2 * ROPE_HALF dims and rounded to bf16, bit for bit `query.rope_rows(fp32 out,
+    inverse=True)`. Splits are read MERGE_S at a time: the loads of a chunk do not wait on the previous chunk's
+    arithmetic. Every program of a head computes the same running max and sum (a dim's value does not depend on
+    how the dims are split)."""
     wait_for_prior_grids()
     i_t = tl.program_id(0)
     i_h = tl.program_id(1)
-    o_d = tl.arange(0, D)
+    d_lo = tl.program_id(2) * DIMS
+    o_d = d_lo + tl.arange(0, DIMS)
     _, _, _, n_blocks, per_split = _row_blocks(tl.load(p_positions + i_t), n_picks, splits, RATIO, WINDOW, ENTRIES,
                                                BLOCK_N)
     used = tl.cdiv(n_blocks, tl.maximum(per_split, 1))
@@ -404,7 +416,7 @@ def _merge_kernel(p_ws, p_sinks, p_out, p_positions, p_cos, p_sin, n_picks, H, s
     # start from the sink: max = sink, sum = 1, acc = 0 (a row without keys ends there: zeros)
     m_i = tl.load(p_sinks + i_h) * 1.4426950408889634
     l_i = m_i * 0.0 + 1.0
-    acc = tl.zeros([D], tl.float32)
+    acc = tl.zeros([DIMS], tl.float32)
     p_row = p_ws + (i_t.to(tl.int64) * splits * H + i_h) * (D + 2)
     for s0 in range(0, used, MERGE_S):
         o_s = s0 + tl.arange(0, MERGE_S)
@@ -421,18 +433,24 @@ def _merge_kernel(p_ws, p_sinks, p_out, p_positions, p_cos, p_sin, n_picks, H, s
         m_i = m_new
     p_head = p_out + (i_t.to(tl.int64) * H + i_h) * D + o_d
     if ROPE_HALF > 0:
-        b_x = _rope_pairs((acc / l_i)[None, :], p_cos, p_sin, i_t.to(tl.int64), 1, D, 0, D // 2 - ROPE_HALF,
-                          ROPE_HALF, True)
+        b_x = _rope_pairs((acc / l_i)[None, :], p_cos, p_sin, i_t.to(tl.int64), 1, DIMS, d_lo // 2,
+                          D // 2 - ROPE_HALF, ROPE_HALF, True)
         tl.store(p_head[None, :], round_bf16(b_x).to(tl.bfloat16))
     else:
         tl.store(p_head, acc / l_i)
 
 
-def _merge_chunk(splits: int) -> int:
-    """Splits a merge program reads at once: MERGE_S, or 2 for a launch of 2 splits (batch 64's count), whose other 14
-    would be masked loads and arithmetic (17.0 against 8.1 us at batch 64 / 128K, H100). The same bytes either way: a
-    sum of two terms and zeros is one rounding in any order; with more splits the order of the sums would change."""
-    return 2 if splits == 2 else MERGE_S
+def _merge_tile(splits: int, dim: int) -> tuple[int, int]:
+    """(splits read at once, head dims) of a merge program: a launch's splits all at once (up to MERGE_ELEMS // 32),
+    over as many of the head's dims as MERGE_ELEMS allows, so one load of a program's partials is in flight instead
+    of a chain of chunks, and rows of many splits spread over more programs. V4-Flash: 2 splits (batch 64) -> 2 x 512
+    dims; 16 -> 16 x 512; 20 (CSA batch 1) -> 32 x 256; 65 (HCA batch 1 at 1M) -> 128 x 64. H100, 2026-11-26
+    (docs/performance.md), against 16 splits at a time over all 512 dims: HCA decode core at batch 1 / 1M 39.1 ->
+    39.2 (130 splits; with `_config`'s 65: 36.8), at 512K 33.4 -> 32.4, CSA at 1M 54.2 -> 53.6, batch 8 and 64 equal.
+    A sum of two terms and zeros is one rounding in any order, so 2 splits give the bytes of any chunk; with more, the
+    chunk sets the order of the fp32 sums."""
+    chunk = min(triton.next_power_of_2(splits), MERGE_ELEMS // 32)
+    return chunk, min(dim, MERGE_ELEMS // chunk)
 
 
 def _layout_dims(layout: EntryLayout) -> tuple[int, int]:
@@ -578,11 +596,12 @@ def sparse_attention_paged(q: torch.Tensor, plan: StepPlan, *, sinks: torch.Tens
     )
     if split:
         cos, sin = inverse_rope if inverse_rope is not None else (sinks, sinks)  # unread without the RoPE
-        _merge_kernel[(rows, heads)](
+        chunk, dims = _merge_tile(config.splits, dim)
+        _merge_kernel[(rows, heads, dim // dims)](
             workspace, sinks, out, plan.positions, cos, sin, n_picks, heads, config.splits,
             RATIO=max(ratio, 1), WINDOW=window, D=dim, ENTRIES=mode, BLOCK_N=config.block_n,
-            MERGE_S=_merge_chunk(config.splits),
-            ROPE_HALF=rope_half if inverse_rope is not None else 0, num_warps=MERGE_WARPS,
+            MERGE_S=chunk,
+            ROPE_HALF=rope_half if inverse_rope is not None else 0, DIMS=dims, num_warps=MERGE_WARPS,
             # rope_rows' rounding (separately rounded products), and the same fp32 merge with or without the RoPE
             enable_fp_fusion=False, **launch_options(device),
         )
