@@ -75,6 +75,9 @@ MIN_SPLIT_BLOCKS = 2
 SMALL_MIN_SPLIT_BLOCKS = 1
 # Partial values a merge program holds at once (`_merge_tile`): 64 fp32 registers a thread at MERGE_WARPS = 4.
 MERGE_ELEMS = 8192
+# Splits a merge program reads at once: the smallest of these that holds a launch's splits (else the largest, chunk
+# after chunk). Each is a compile-time constant: six values, so six merge compilations at most over every batch size.
+MERGE_CHUNKS = (2, 16, 32, 64, 128, 256)
 # Round-trip each block's logits through a per-program scratch row in global memory (L2) where a program has two
 # warpgroups (8 warps). Triton lays out a dot whose result feeds another dot with all warps along M (rows per warp,
 # for the softmax): with 64 heads over 8 warps both warpgroups then compute the whole QK^T. Through memory, QK^T is
@@ -107,11 +110,10 @@ def _config(rows: int, heads: int, max_keys: int, device: torch.device) -> _Conf
     it reaches the SM count. Split only where it leaves at least half the SMs idle (a grid of 0.5..1 waves gains
     little from splitting and would pay the merge): then as many splits as one wave holds, each keeping at least
     MIN_SPLIT_BLOCKS key blocks of the longest row; if even that leaves half the SMs idle, 16-head blocks with
-    splits of SMALL_MIN_SPLIT_BLOCKS; if instead one row would split over more than half the SMs, 64-key blocks (half
-    the splits). Off CUDA (the interpreter) always the single pass with 32-key blocks; tests force splits. V4-Flash
-    decode on 132 SMs: CSA batch 1 (640 keys) -> 16 heads x 20 splits; HCA batch 1 at 1M -> 64 heads x 65 splits
-    of 64-key blocks, at 512K x 66 of 32-key blocks; batch 8 -> 10 (CSA) / 16 (HCA) splits; batch 64 -> 64-key
-    blocks, 2 splits; batch >= 67 -> 64-key blocks, no split.
+    splits of SMALL_MIN_SPLIT_BLOCKS. Off CUDA (the interpreter) always the single pass with 32-key blocks; tests
+    force splits. V4-Flash decode on 132 SMs: CSA batch 1 (640 keys) -> 16 heads x 20 splits; HCA batch 1 at 1M
+    -> 64 heads x 130 splits; batch 8 -> 10 (CSA) / 16 (HCA) splits; batch 64 -> 64-key blocks, 2 splits; batch
+    >= 67 -> 64-key blocks, no split.
     """
     block_h = max(16, min(BLOCK_H, triton.next_power_of_2(heads)))  # a tensor-core M of at least 16
     if device.type != "cuda":
@@ -124,13 +126,6 @@ def _config(rows: int, heads: int, max_keys: int, device: torch.device) -> _Conf
         block_h = SMALL_BLOCK_H
         programs = max(rows, 1) * triton.cdiv(heads, block_h)
         splits = _splits(programs, max_keys, block_n, sms, SMALL_MIN_SPLIT_BLOCKS)
-    elif splits > sms // 2 and block_h > SMALL_BLOCK_H and block_n < LARGE_BLOCK_N:
-        # one row over more than half the SMs: each split writes 64 heads x (D + 2) fp32 partials (131 KB at D =
-        # 512) for a few keys; 64-key blocks halve the splits and the partials. H100, 2026-11-26
-        # (docs/performance.md): HCA decode core at batch 1 / 1M 39.2 -> 36.8 us (130 -> 65 splits); at 512K
-        # (66 splits of 32-key blocks kept) 33 splits of 64-key blocks took 35.9 against 33.8
-        block_n = LARGE_BLOCK_N
-        splits = _splits(programs, max_keys, block_n, sms, MIN_SPLIT_BLOCKS)
     return _Config(block_h, block_n, splits, 4 if block_h <= 32 else 8, NUM_STAGES)
 
 
@@ -401,9 +396,9 @@ def _merge_kernel(p_ws, p_sinks, p_out, p_positions, p_cos, p_sin, n_picks, H, s
     """One program per (token row, head, DIMS of its D dims): merges the row's splits that hold keys (the first
     ceil(blocks / per_split)) with the sink, in fp32, into out [R, H, D]: fp32, or (ROPE_HALF > 0) with the layer's
     inverse RoPE over the last 2 * ROPE_HALF dims and rounded to bf16, bit for bit `query.rope_rows(fp32 out,
-    inverse=True)`. Splits are read MERGE_S at a time: the loads of a chunk do not wait on the previous chunk's
-    arithmetic. Every program of a head computes the same running max and sum (a dim's value does not depend on
-    how the dims are split)."""
+    inverse=True)`. Splits are read MERGE_S at a time (`_merge_tile`: all of a launch's, up to 256): the loads of a
+    chunk do not wait on the previous chunk's arithmetic. Every program of a head computes the same running max and
+    sum (a dim's value does not depend on how the dims are split)."""
     wait_for_prior_grids()
     i_t = tl.program_id(0)
     i_h = tl.program_id(1)
@@ -441,15 +436,16 @@ def _merge_kernel(p_ws, p_sinks, p_out, p_positions, p_cos, p_sin, n_picks, H, s
 
 
 def _merge_tile(splits: int, dim: int) -> tuple[int, int]:
-    """(splits read at once, head dims) of a merge program: a launch's splits all at once (up to MERGE_ELEMS // 32),
-    over as many of the head's dims as MERGE_ELEMS allows, so one load of a program's partials is in flight instead
-    of a chain of chunks, and rows of many splits spread over more programs. V4-Flash: 2 splits (batch 64) -> 2 x 512
-    dims; 16 -> 16 x 512; 20 (CSA batch 1) -> 32 x 256; 65 (HCA batch 1 at 1M) -> 128 x 64. H100, 2026-11-26
-    (docs/performance.md), against 16 splits at a time over all 512 dims: HCA decode core at batch 1 / 1M 39.1 ->
-    39.2 (130 splits; with `_config`'s 65: 36.8), at 512K 33.4 -> 32.4, CSA at 1M 54.2 -> 53.6, batch 8 and 64 equal.
+    """(splits read at once, head dims) of a merge program: a launch's splits at once (MERGE_CHUNKS) over as many of
+    the head's dims as MERGE_ELEMS allows (32 at 256 splits), so a program has one load of its partials in flight
+    rather than a chain of chunks, and rows of many splits spread over more programs. V4-Flash: 2 splits (batch 64)
+    -> 2 x 512 dims; up to 16 -> 16 x 512; 20 (CSA batch 1) -> 32 x 256; 66 (HCA batch 1 at 512K) -> 128 x 64; 130
+    (1M) -> 256 x 32. H100, 2026-11-26 (docs/performance.md), against 16 splits at a time over all 512 dims: HCA
+    decode core at batch 1 / 512K 33.4 -> 32.4 us, CSA at 1M 54.2 -> 53.6, at 16K 32.4 -> 32.0; 1M and batch 8 / 64
+    unchanged. Reading a launch of 20 splits 128 at a time over 64 dims cost 1.0-1.5 us (CSA batch 1).
     A sum of two terms and zeros is one rounding in any order, so 2 splits give the bytes of any chunk; with more, the
     chunk sets the order of the fp32 sums."""
-    chunk = min(triton.next_power_of_2(splits), MERGE_ELEMS // 32)
+    chunk = next((c for c in MERGE_CHUNKS if c >= splits), MERGE_CHUNKS[-1])
     return chunk, min(dim, MERGE_ELEMS // chunk)
 
 

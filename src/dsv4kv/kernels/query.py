@@ -62,7 +62,7 @@ def _tiles(kind: str, heads: int, rows: int | None = None) -> tuple[int, int]:
 
 
 @triton.jit
-def _rope_pairs(x, cos_ptr, sin_ptr, row, BLOCK_H: tl.constexpr, COLS: tl.constexpr, FIRST_PAIR: tl.constexpr,
+def _rope_pairs(x, cos_ptr, sin_ptr, row, BLOCK_H: tl.constexpr, COLS: tl.constexpr, FIRST_PAIR,
                 ROPE_PAIR: tl.constexpr, HALF: tl.constexpr, INVERSE: tl.constexpr):
     """x fp32 [BLOCK_H, COLS] holding dims 2 * FIRST_PAIR .. of each head: rotate pairs ROPE_PAIR .. ROPE_PAIR +
     HALF - 1 (global pair index) as apply_rope does, rounded to bf16; other pairs are returned unchanged."""
