@@ -344,11 +344,11 @@ def test_inverse_rope_output_is_rope_rows_of_the_output(splits):
 
 
 def test_merge_tile_sets_only_the_order_of_the_sums(monkeypatch):
-    """The merge's tile (`_merge_tile`: splits read at once, head dims per program): the dims a program takes never
-    change a byte (every program of a head computes the same max and sum), with and without the inverse RoPE, whose
-    pairs then fall in two programs; the splits read at once change only the order of fp32 sums (here 3 splits in
-    use, read 2 or 8 at a time), and for a launch of 2 splits not even that (a sum of two terms and zeros is one
-    rounding in any order). Padding rows stay zeros."""
+    """The merge's tile (`_merge_tile`: splits read at once, head dims per program) changes only the order of fp32
+    sums over the splits (here 3 in use, read 2 or 8 at a time, over all 128 dims or 32 a program: on a GPU the
+    reduction's layout follows the tile), with and without the inverse RoPE, whose pairs then fall in two programs;
+    for a launch of 2 splits it changes no byte (a sum of two terms and zeros is one rounding in any order). Padding
+    rows stay zeros."""
     tile = attention._merge_tile
     assert tile(2, 512) == (2, 512) and tile(3, 512) == tile(16, 512) == (16, 512) and tile(20, 512) == (32, 256)
     assert tile(65, 512) == (128, 64) and tile(130, 512) == tile(300, 512) == (256, 32) and tile(3, 64) == (16, 64)
@@ -369,13 +369,13 @@ def test_merge_tile_sets_only_the_order_of_the_sums(monkeypatch):
         for (chunk, dims), got in outs.items():
             for g_, w_ in zip(got, want):
                 assert torch.equal(g_[2:], torch.zeros_like(g_[2:]))
-                if chunk == chunks[0] or splits == 2:
-                    assert torch.equal(g_, w_), (splits, chunk, dims)
+                if splits == 2:
+                    assert torch.equal(g_, w_), (chunk, dims)
                 else:  # another order of the same fp32 sums
                     torch.testing.assert_close(g_.float(), w_.float(), rtol=2e-6 if g_.dtype == torch.float32
                                                else 8e-3, atol=1e-6)
-        if splits == 5:  # the orders differ somewhere: the comparison above is not vacuous
-            assert not torch.equal(outs[(2, dim)][0], want[0])
+        if splits == 5:  # some order differs: the tolerance above is not vacuous
+            assert any(not torch.equal(got[0], want[0]) for got in outs.values())
 
 
 def test_config_splits_only_grids_that_leave_the_gpu_idle(monkeypatch):

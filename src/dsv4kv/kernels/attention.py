@@ -397,8 +397,8 @@ def _merge_kernel(p_ws, p_sinks, p_out, p_positions, p_cos, p_sin, n_picks, H, s
     ceil(blocks / per_split)) with the sink, in fp32, into out [R, H, D]: fp32, or (ROPE_HALF > 0) with the layer's
     inverse RoPE over the last 2 * ROPE_HALF dims and rounded to bf16, bit for bit `query.rope_rows(fp32 out,
     inverse=True)`. Splits are read MERGE_S at a time (`_merge_tile`: all of a launch's, up to 256): the loads of a
-    chunk do not wait on the previous chunk's arithmetic. Every program of a head computes the same running max and
-    sum (a dim's value does not depend on how the dims are split)."""
+    chunk do not wait on the previous chunk's arithmetic. The programs of a head compute the same running max and
+    sum (one tile, one order)."""
     wait_for_prior_grids()
     i_t = tl.program_id(0)
     i_h = tl.program_id(1)
@@ -443,8 +443,8 @@ def _merge_tile(splits: int, dim: int) -> tuple[int, int]:
     (1M) -> 256 x 32. H100, 2026-11-26 (docs/performance.md), against 16 splits at a time over all 512 dims: HCA
     decode core at batch 1 / 512K 33.4 -> 32.4 us, CSA at 1M 54.2 -> 53.6, at 16K 32.4 -> 32.0; 1M and batch 8 / 64
     unchanged. Reading a launch of 20 splits 128 at a time over 64 dims cost 1.0-1.5 us (CSA batch 1).
-    A sum of two terms and zeros is one rounding in any order, so 2 splits give the bytes of any chunk; with more, the
-    chunk sets the order of the fp32 sums."""
+    A sum of two terms and zeros is one rounding in any order, so 2 splits give the bytes of any tile; with more, the
+    tile sets the order of the fp32 sums over splits (on a GPU the dims too: the reduction's layout follows them)."""
     chunk = next((c for c in MERGE_CHUNKS if c >= splits), MERGE_CHUNKS[-1])
     return chunk, min(dim, MERGE_ELEMS // chunk)
 
