@@ -110,7 +110,7 @@ def test_gpu_launch_configs_take_few_values(monkeypatch):
     merges = {attention_module._merge_tile(c.splits, 512) for rows in range(1, 4097)
               for max_keys in (128 + 512, 128 + 64, 128 + 8192, 128 + 4096, 128 + 1024)
               for c in [attention_module._config(rows, 64, max_keys, cuda)] if c.splits > 1}
-    assert len(merges) <= len(attention_module.MERGE_CHUNKS), merges  # the merge's (MERGE_S, DIMS) constexprs
+    assert len(merges) <= len(attention_module.MERGE_CHUNKS), merges  # the merge's MERGE_S, DIMS and warps
     monkeypatch.setattr(topk_module, "sm_count", lambda device: 132)
     shapes = [(rows, cols) for rows in (1, 2, 3, 64, 8192) for cols in (1, 5000, 1 << 15, 1 << 18, 1 << 20)]
     # (programs, tile columns): two tilings, so two compilations (BLOCK, and SPLITS = 512 or 1024)

@@ -344,21 +344,23 @@ def test_inverse_rope_output_is_rope_rows_of_the_output(splits):
 
 
 def test_merge_tile_sets_only_the_order_of_the_sums(monkeypatch):
-    """The merge's tile (`_merge_tile`: splits read at once, head dims per program) changes only the order of fp32
-    sums over the splits (here 3 in use, read 2 or 8 at a time, over all 128 dims or 32 a program: on a GPU the
-    reduction's layout follows the tile), with and without the inverse RoPE, whose pairs then fall in two programs;
-    for a launch of 2 splits it changes no byte (a sum of two terms and zeros is one rounding in any order). Padding
-    rows stay zeros."""
+    """The merge's tile (`_merge_tile`: splits read at once, head dims and warps per program) changes only the order
+    of fp32 sums over the splits (here 3 in use, read 2 or 8 at a time, over all 128 dims or 32 a program, on 2 or 4
+    warps: on a GPU the reduction's layout follows the tile), with and without the inverse RoPE, whose pairs then
+    fall in two programs; for a launch of 2 splits it changes no byte (a sum of two terms and zeros is one rounding
+    in any order). Padding rows stay zeros."""
     tile = attention._merge_tile
-    assert tile(2, 512) == (2, 512) and tile(3, 512) == tile(16, 512) == (16, 512) and tile(20, 512) == (32, 256)
-    assert tile(65, 512) == (128, 64) and tile(130, 512) == tile(300, 512) == (256, 32) and tile(3, 64) == (16, 64)
+    assert tile(2, 512) == (2, 512, 2) and tile(3, 512) == tile(16, 512) == (16, 512, 4)
+    assert tile(20, 512) == (32, 256, 4) and tile(65, 512) == (128, 64, 4)
+    assert tile(130, 512) == tile(300, 512) == (256, 32, 4) and tile(3, 64) == (16, 64, 2)
     choose = attention._config
     monkeypatch.setattr(attention, "_config", lambda *a: choose(*a)._replace(block_n=16))
     q, plan, args, cos_sin = hca_decode_case(290, 2, 4, seed=15)  # 3 key blocks of 16 a row
     dim = q.shape[2]
 
     def merged(splits, chunk, dims):
-        monkeypatch.setattr(attention, "_merge_tile", lambda s, d: (chunk, dims))
+        warps = 2 if chunk * dims <= 1024 else 4  # the rule's warps for this tile: both counts run
+        monkeypatch.setattr(attention, "_merge_tile", lambda s, d: (chunk, dims, warps))
         return (sparse_attention_paged(q, plan, splits=splits, **args),
                 sparse_attention_paged(q, plan, splits=splits, inverse_rope=cos_sin, **args))
 

@@ -73,7 +73,7 @@ NUM_STAGES = 1  # 2 stages were slower at every decode shape (more registers, sp
 # (64-head programs) 2 were faster (68.3 against 69.1 us; H100, 2026-11-26, docs/performance.md).
 MIN_SPLIT_BLOCKS = 2
 SMALL_MIN_SPLIT_BLOCKS = 1
-# Partial values a merge program holds at once (`_merge_tile`): 64 fp32 registers a thread at MERGE_WARPS = 4.
+# Partial values a merge program holds at once (`_merge_tile`): 64 fp32 registers a thread at 4 warps.
 MERGE_ELEMS = 8192
 # Splits a merge program reads at once: the smallest of these that holds a launch's splits (else the largest, chunk
 # after chunk). Each is a compile-time constant: six values, so six merge compilations at most over every batch size.
@@ -87,7 +87,6 @@ MERGE_CHUNKS = (2, 16, 32, 64, 128, 256)
 # H100, 2026-11-25 (docs/bench/attention-variants-4-h100.txt): 3-7% faster from batch 8 up and at HCA batch 1; the
 # 4-warp programs (16 heads) have one warpgroup and nothing to gain.
 QK_SCRATCH = True
-MERGE_WARPS = 4
 
 _WINDOW_ONLY, _ALL_VISIBLE, _PICKS = 0, 1, 2  # which compressed entries a row attends to
 _LOG2E = 1.4426950408889634
@@ -436,18 +435,21 @@ def _merge_kernel(p_ws, p_sinks, p_out, p_positions, p_cos, p_sin, n_picks, H, s
         tl.store(p_head, acc / l_i)
 
 
-def _merge_tile(splits: int, dim: int) -> tuple[int, int]:
-    """(splits read at once, head dims) of a merge program: a launch's splits at once (MERGE_CHUNKS) over as many of
-    the head's dims as MERGE_ELEMS allows (32 at 256 splits), so a program has one load of its partials in flight
-    rather than a chain of chunks, and rows of many splits spread over more programs. V4-Flash: 2 splits (batch 64)
-    -> 2 x 512 dims; up to 16 -> 16 x 512; 20 (CSA batch 1) -> 32 x 256; 66 (HCA batch 1 at 512K) -> 128 x 64; 130
-    (1M) -> 256 x 32. H100, 2026-11-26 (docs/performance.md), against 16 splits at a time over all 512 dims: HCA
+def _merge_tile(splits: int, dim: int) -> tuple[int, int, int]:
+    """(splits read at once, head dims, warps) of a merge program: a launch's splits at once (MERGE_CHUNKS) over as
+    many of the head's dims as MERGE_ELEMS allows (32 at 256 splits), so a program has one load of its partials in
+    flight rather than a chain of chunks, and rows of many splits spread over more programs. V4-Flash: 2 splits
+    (batch 64) -> 2 x 512 dims; up to 16 -> 16 x 512; 20 (CSA batch 1) -> 32 x 256; 66 (HCA batch 1 at 512K) ->
+    128 x 64; 130 (1M) -> 256 x 32. H100, 2026-11-26 (docs/performance.md), against 16 splits at a time over all 512 dims: HCA
     decode core at batch 1 / 512K 33.4 -> 32.4 us, CSA at 1M 54.2 -> 53.6, at 16K 32.4 -> 32.0; 1M and batch 8 / 64
     unchanged. Reading a launch of 20 splits 128 at a time over 64 dims cost 1.0-1.5 us (CSA batch 1).
     A sum of two terms and zeros is one rounding in any order, so 2 splits give the bytes of any tile; with more, the
-    tile sets the order of the fp32 sums over splits (on a GPU the dims too: the reduction's layout follows them)."""
+    tile sets the order of the fp32 sums over splits (on a GPU the dims too: the reduction's layout follows them).
+    Warps: 4, or 2 for a tile of at most 1024 values (batch 64's 2 x 512: merge 8.3 -> 7.0 us, HCA decode core 100.6
+    -> 99.3; 2 warps for every tile made HCA at 1M 38.9 -> 40.4, 8 warps were slower everywhere)."""
     chunk = next((c for c in MERGE_CHUNKS if c >= splits), MERGE_CHUNKS[-1])
-    return chunk, min(dim, MERGE_ELEMS // chunk)
+    dims = min(dim, MERGE_ELEMS // chunk)
+    return chunk, dims, 2 if chunk * dims <= 1024 else 4
 
 
 def _layout_dims(layout: EntryLayout) -> tuple[int, int]:
@@ -593,12 +595,12 @@ def sparse_attention_paged(q: torch.Tensor, plan: StepPlan, *, sinks: torch.Tens
     )
     if split:
         cos, sin = inverse_rope if inverse_rope is not None else (sinks, sinks)  # unread without the RoPE
-        chunk, dims = _merge_tile(config.splits, dim)
+        chunk, dims, warps = _merge_tile(config.splits, dim)
         _merge_kernel[(rows, heads, dim // dims)](
             workspace, sinks, out, plan.positions, cos, sin, n_picks, heads, config.splits,
             RATIO=max(ratio, 1), WINDOW=window, D=dim, ENTRIES=mode, BLOCK_N=config.block_n,
             MERGE_S=chunk,
-            ROPE_HALF=rope_half if inverse_rope is not None else 0, DIMS=dims, num_warps=MERGE_WARPS,
+            ROPE_HALF=rope_half if inverse_rope is not None else 0, DIMS=dims, num_warps=warps,
             # rope_rows' rounding (separately rounded products), and the same fp32 merge with or without the RoPE
             enable_fp_fusion=False, **launch_options(device),
         )

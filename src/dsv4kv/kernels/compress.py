@@ -60,7 +60,7 @@ __all__ = ["compress_insert", "append_state"]
 #   per thread; 1/4 of the per-program work per entry.
 # - "hca" (d 512, 128 rows): [32, 1, 512] chunks over 16 warps (8 rows per thread, 4 warps across the rows), 4
 #   round trips per entry instead of 8 with 16-row chunks; 128 registers x 512 threads, one program per SM. With
-#   POOL_SPLIT (the default) only its warps serve, for the second launch, which pools nothing.
+#   POOL_SPLIT (the default) it is not used: the second launch takes POOLED_WARPS.
 # Small launches (a decode step's few entries) get fewer entries per program (see `program_rows`); chunks shrink to
 # divide the entry's rows.
 COMPRESS_TILES = {"csa_main": (1, 8, 4), "csa_index": (4, 8, 4), "hca": (1, 32, 16)}
@@ -77,6 +77,10 @@ COMPRESS_TILES = {"csa_main": (1, 8, 4), "csa_index": (4, 8, 4), "hca": (1, 32, 
 #   the 1-warp tiles took 102.0-105.2 there.
 POOL_SPLIT: dict[str, tuple[int, int, int, int | None]] | None = {"few": (8, 128, 1, None), "many": (32, 64, 4, 64)}
 POOL_FEW_ENTRIES = 8
+# Warps of the second launch, which norms, ropes and encodes the pooled entries (one a program). H100, 2026-11-26
+# (docs/performance.md), 16 / 8 / 4 / 2 warps: the launch 2.6 / 2.2 / 2.1 / 2.5 us at batch 1 and 3.0 / 2.7 / 2.5 /
+# 2.7 at batch 64; HCA decode core at batch 1 / 1M 39.4 / 38.7 / 38.9 / 39.0, batch 8 40.3 / 40.0 / 39.7 / 40.1.
+POOLED_WARPS = 4
 
 
 def _chunk(chunk: int, span: int) -> int:
@@ -297,7 +301,7 @@ def compress_insert(state_kv: torch.Tensor, state_logits: torch.Tensor, plan, kv
         RATIO=ratio, OVERLAP=overlap, D=d, LOG_D=d.bit_length() - 1, RING=state_kv.shape[1], MAIN=main,
         FORMAT=_format_code(layout, main), ROUND=out_dtype == torch.bfloat16, DATA_BYTES=layout.data_bytes,
         SCALE_BYTES=max(layout.scale_bytes, 1), BLOCK_E=block_e, CHUNK=chunk, POOLED=pooled is not None,
-        WAIT_LATE=wait_late, num_warps=warps, **launch_options(device))
+        WAIT_LATE=wait_late, num_warps=POOLED_WARPS if pooled is not None else warps, **launch_options(device))
 
 
 @triton.jit
