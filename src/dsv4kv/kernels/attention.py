@@ -440,9 +440,9 @@ def _merge_tile(splits: int, dim: int) -> tuple[int, int, int]:
     many of the head's dims as MERGE_ELEMS allows (32 at 256 splits), so a program has one load of its partials in
     flight rather than a chain of chunks, and rows of many splits spread over more programs. V4-Flash: 2 splits
     (batch 64) -> 2 x 512 dims; up to 16 -> 16 x 512; 20 (CSA batch 1) -> 32 x 256; 66 (HCA batch 1 at 512K) ->
-    128 x 64; 130 (1M) -> 256 x 32. H100, 2026-11-26 (docs/performance.md), against 16 splits at a time over all 512 dims: HCA
-    decode core at batch 1 / 512K 33.4 -> 32.4 us, CSA at 1M 54.2 -> 53.6, at 16K 32.4 -> 32.0; 1M and batch 8 / 64
-    unchanged. Reading a launch of 20 splits 128 at a time over 64 dims cost 1.0-1.5 us (CSA batch 1).
+    128 x 64; 130 (1M) -> 256 x 32. H100, 2026-11-26 (docs/performance.md), against 16 splits at a time over all
+    512 dims: HCA decode core at batch 1 / 512K 33.4 -> 32.4 us, CSA at 1M 54.2 -> 53.6, at 16K 32.4 -> 32.0; 1M and
+    batch 8 / 64 unchanged. Reading a launch of 20 splits 128 at a time over 64 dims cost 1.0-1.5 us (CSA batch 1).
     A sum of two terms and zeros is one rounding in any order, so 2 splits give the bytes of any tile; with more, the
     tile sets the order of the fp32 sums over splits (on a GPU the dims too: the reduction's layout follows them).
     Warps: 4, or 2 for a tile of at most 1024 values (batch 64's 2 x 512: merge 8.3 -> 7.0 us, HCA decode core 100.6
