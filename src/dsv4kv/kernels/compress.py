@@ -10,8 +10,9 @@ Work split (COMPRESS_TILES): a program takes BLOCK_E entries and pools their row
 softmax (running max, rescaled sums), reading every row once: all 8 rows of a CSA entry in one chunk, HCA's 128
 rows in chunks of 32 when it pools in one launch. Programs whose entries are all padding (a captured step's spare
 capacity) return at once. HCA by default (POOL_SPLIT) pools in a first launch whose programs take one entry's rows
-over a slice of 32 channels, 64 rows a chunk, into an fp32 buffer, and the second launch (COMPRESS_TILES' HCA
-warps) norms, ropes and encodes from it: one entry's 512 KB of rows then spreads over 16 SMs instead of one.
+over a slice of its channels (a tile by the launch's entry count) into an fp32 buffer, and a second launch
+(POOLED_WARPS warps a program) norms, ropes and encodes from it: one entry's 512 KB of rows then spreads over 16 or
+more SMs instead of one.
 
 Numerics. Same function as `ops.compress.compress_and_insert`; the softmax (Triton's exp, and across chunks the
 online rescaling), the norm (rsqrt) and the sums run in another order, and the indexer's Hadamard rotation is an
