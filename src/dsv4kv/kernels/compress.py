@@ -69,14 +69,16 @@ COMPRESS_TILES = {"csa_main": (1, 8, 4), "csa_index": (4, 8, 4), "hca": (1, 32, 
 # second launch. One program per HCA entry pulled its 512 KB of rows alone. H200, decode (docs/performance.md): one
 # entry 28.1 -> 11.7 us, 64 entries 35.4 -> 23.8. None: one launch, as CSA.
 # Per program (channels, rows per chunk, warps, register cap or None), by the launch's entry count (a host fact):
-# - "few", up to POOL_FEW_ENTRIES entries: 1-warp programs of 8 channels that hold all 128 rows at once, their row
-#   reductions within the warp. H100, 2026-11-26: HCA core at batch 1 23.2 / 23.9 / 40.3 -> 22.3 / 22.8 / 39.1 us at
-#   4K / 16K / 1M (pooling 5.1 -> 4.0-4.3), batch 8 39.9 either way.
+# - "few", up to POOL_FEW_ENTRIES entries: 1-warp programs of 4 channels that hold all 128 rows at once, their row
+#   reductions within the warp. H100, 2026-11-26: against the "many" tile, 8 channels took the HCA core at batch 1
+#   from 23.2 / 23.9 / 40.3 to 22.3 / 22.8 / 39.1 us at 4K / 16K / 1M (pooling 5.1 -> 4.0-4.3), batch 8 39.9 either
+#   way; 4 channels then 22.2 -> 21.6 at 4K, 38.3 -> 37.6 at 1M, 39.4 -> 39.0 at batch 8 (pooling 4.2 -> 3.4 at
+#   batch 1; 16 channels on 1 or 2 warps 3.8-4.0).
 # - "many": 4-warp programs of 32 channels, 64 rows a chunk (row reductions across warps: 9 CTA barriers a chunk)
 #   capped at 64 registers (no spills; 72 uncapped, sm_90a), so 8 fit an SM instead of 7 and batch 64's 1024 run in
 #   one wave (1.11 waves uncapped, ncu). H100: HCA core at batch 64 / 128K 102.6 -> 100.2 us (pooling 21.1 -> 19.5);
 #   the 1-warp tiles took 102.0-105.2 there.
-POOL_SPLIT: dict[str, tuple[int, int, int, int | None]] | None = {"few": (8, 128, 1, None), "many": (32, 64, 4, 64)}
+POOL_SPLIT: dict[str, tuple[int, int, int, int | None]] | None = {"few": (4, 128, 1, None), "many": (32, 64, 4, 64)}
 POOL_FEW_ENTRIES = 8
 # Warps of the second launch, which norms, ropes and encodes the pooled entries (one a program). H100, 2026-11-26
 # (docs/performance.md), 16 / 8 / 4 / 2 warps: the launch 2.6 / 2.2 / 2.1 / 2.5 us at batch 1 and 3.0 / 2.7 / 2.5 /
