@@ -70,10 +70,10 @@ COMPRESS_TILES = {"csa_main": (1, 8, 4), "csa_index": (4, 8, 4), "hca": (1, 32, 
 # entry 28.1 -> 11.7 us, 64 entries 35.4 -> 23.8. None: one launch, as CSA.
 # Per program (channels, rows per chunk, warps, register cap or None), by the launch's entry count (a host fact):
 # - "few", up to POOL_FEW_ENTRIES entries: 1-warp programs of 4 channels that hold all 128 rows at once, their row
-#   reductions within the warp. H100, 2026-11-26: against the "many" tile, 8 channels took the HCA core at batch 1
-#   from 23.2 / 23.9 / 40.3 to 22.3 / 22.8 / 39.1 us at 4K / 16K / 1M (pooling 5.1 -> 4.0-4.3), batch 8 39.9 either
-#   way; 4 channels then 22.2 -> 21.6 at 4K, 38.3 -> 37.6 at 1M, 39.4 -> 39.0 at batch 8 (pooling 4.2 -> 3.4 at
-#   batch 1; 16 channels on 1 or 2 warps 3.8-4.0).
+#   reductions within the warp, so a lone entry's read spreads over 128 programs. H100, 2026-11-26, HCA core at batch
+#   1 / 1M: the "many" tile 40.3 us against 39.1 with 8 channels (pooling 5.1 -> 4.0-4.3); in another run 8
+#   channels 38.3 against 37.6 with 4 (pooling 4.2 -> 3.4; 16 on 1 or 2 warps 3.8-4.0). Past 8 entries it was equal
+#   or slower.
 # - "many": 4-warp programs of 32 channels, 64 rows a chunk (row reductions across warps: 9 CTA barriers a chunk)
 #   capped at 64 registers (no spills; 72 uncapped, sm_90a), so 8 fit an SM instead of 7 and batch 64's 1024 run in
 #   one wave (1.11 waves uncapped, ncu). H100: HCA core at batch 64 / 128K 102.6 -> 100.2 us (pooling 21.1 -> 19.5);
