@@ -34,13 +34,13 @@ DIVISIBLE_BY_16 = {"num_heads", "num_entries", "table_stride", "chunk", "counts_
 
 
 def compile_row_kernel(fp8: bool, stages: int, block_j: int = 64, warps: int = 4, maxnreg: int | None = None,
-                       bits: bool = True, page_tiles: bool | None = None, count: bool = True, part: int = 0):
+                       bits: bool = True, page_tiles: bool | None = None, count: bool = True):
     kernel = indexer._indexer_scores_kernel
     if page_tiles is None:  # as the launch decides it for 256-entry pages
         page_tiles = fp8 and indexer.PAGE_TILES and 256 % block_j == 0
     consts = dict(FORMAT=indexer._MXFP4, RATIO=4, D=128, P=256, PAGE_BYTES=256 * 68, DATA_BYTES=64, SCALE_BYTES=4,
                   BLOCK_H=64, BLOCK_J=block_j, FILL_J=block_j, DOT=tl.bfloat16, FILL=False, MMA8=fp8, ASM=True,
-                  BITS=bits, PAGE_TILES=page_tiles, COUNT=count, SCRATCH=False, PART=part)
+                  BITS=bits, PAGE_TILES=page_tiles, COUNT=count, SCRATCH=False)
     return compile_sm90(kernel, consts, POINTERS, divisible=DIVISIBLE_BY_16, floats={"score_scale"}, num_warps=warps,
                         num_stages=stages, **({"maxnreg": maxnreg} if maxnreg else {}))
 

@@ -363,65 +363,6 @@ def test_row_kernel_counts_topk_first_digit(indexer_format, fp8_from, scratch, m
                              digit_counts=counts.float())
 
 
-@pytest.mark.parametrize("indexer_format,fp8_from", [("mxfp4", 0), ("mxfp4", 1 << 30), ("bf16", 0)],
-                         ids=["mxfp4-fp8-path", "mxfp4-bf16-path", "bf16"])
-def test_row_kernel_parts(indexer_format, fp8_from, monkeypatch):
-    """part="earlier" then part="own" into one poisoned `out` and one histogram give part="all"'s bits and counts;
-    each call writes its own columns alone (no -inf past them), so the "own" column, inside an "earlier" tile, keeps
-    the poison until its call. Rows: one whose token completes an entry inside a chunk the earlier call also
-    scores, one that completes none, one whose only entry is its own, padding rows."""
-    from dsv4kv.kernels import topk as topk_mod
-    from test_kernel_topk import first_digit_histograms
-
-    monkeypatch.setattr(kernel_mod, "_config", lambda rows, entries, device: (16, 2, 4))  # 32-column chunks
-    monkeypatch.setattr(kernel_mod, "FP8_MIN_PROGRAMS_PER_SM", fp8_from)
-    cache, layout, pool = make_cache(TINY, indexer_format, page_tokens=PAGE, max_requests=4, max_tokens=700)
-    rids = admit(cache, 3)
-    cache.plan_step([(rids[0], 251), (rids[1], 50), (rids[2], 3)])
-    buffers = cache.step_buffers(max_tokens=5, max_requests=4)
-    plan = cache.plan_step([(rid, 1) for rid in rids], buffers=buffers)  # a decode step: 2 padding rows
-    g = gen(41)
-    for rid in rids:
-        write_all_keys(cache, rid, layout, pool, torch.randn(200, layout.dim, generator=g).to(DEVICE), M, PAGE)
-    rows, entries = plan.positions.shape[0], 80
-    q, w = make_query(layout, rows, TINY.index_n_heads, seed=42, padding_from=plan.num_tokens)
-    visible = torch.clamp((plan.positions + 1) // M, min=0).to(torch.int32)
-    earlier = torch.clamp(plan.positions // M, min=0).to(torch.int32)
-    earlier[plan.num_tokens:] = 0
-    assert visible.tolist() == [63, 12, 1, 0, 0] and earlier.tolist() == [62, 12, 0, 0, 0]
-    cols = torch.arange(entries, device=DEVICE)
-
-    def scores(*parts):
-        out = torch.full((rows, entries), float("inf"), device=DEVICE)
-        counts = torch.zeros(rows, 256, dtype=torch.int32, device=DEVICE)
-        for part in parts:
-            indexer_scores_paged(q, w, plan, pool, layout, ratio=M, page_tokens=PAGE, out=out, digit_counts=counts,
-                                 part=part)
-        return out, counts
-
-    whole, whole_counts = scores("all")
-    assert torch.equal(whole_counts, first_digit_histograms(whole, visible))
-    for parts, upto in ((("earlier",), earlier), (("earlier", "own"), visible), (("own", "earlier"), visible)):
-        got, counts = scores(*parts)
-        seen = cols < upto[:, None]
-        if parts == ("earlier",):
-            seen_own = (cols >= earlier[:, None]) & (cols < visible[:, None])
-            assert seen_own.sum().item() == 2  # rows 0 and 2 complete an entry
-        assert torch.equal(got[seen].view(torch.int32), whole[seen].view(torch.int32)), parts
-        assert torch.isposinf(got[~seen]).all(), f"{parts} wrote past its columns"
-        assert torch.equal(counts, first_digit_histograms(got, upto)), parts
-    assert torch.equal(counts, whole_counts)
-    own, own_counts = scores("own")
-    mine = (cols >= earlier[:, None]) & (cols < visible[:, None])
-    assert torch.equal(own[mine].view(torch.int32), whole[mine].view(torch.int32))
-    assert torch.isposinf(own[~mine]).all() and own_counts.sum(1).tolist() == [1, 0, 1, 0, 0]
-    for bad, match in ((dict(part="new"), "part: expected one of 'all', 'earlier', 'own'"),
-                       (dict(part="own", fill=True), "only part='all' fills"),
-                       (dict(part="earlier", stack_rows=True), "only the row")):
-        with pytest.raises(ValueError, match=match):
-            indexer_scores_paged(q, w, plan, pool, layout, ratio=M, page_tokens=PAGE, out=own, **bad)
-
-
 def test_stacked_rows_in_any_order(monkeypatch):
     """Rows of several requests interleaved inside blocks (a plan's rows are in request order, but the stacked
     kernel does not rely on it): row for row the reference's scores, and the row kernel's on the ordered plan."""

@@ -56,14 +56,6 @@ QUERY_LAUNCHES_COMPRESS = True
 # batch 8 at 128K 19.0 / 19.0; batch 64 40.3 / 39.0. HCA's q RoPE, kv insert and pooling so were 0.6-1.1 us slower
 # from 16K at batch 1 to batch 8 and equal at batch 64, so HCA keeps the side stream. Read at each call.
 ROPE_LAUNCHES_KV_INSERT = True
-# At decode (one row per request) the CSA layer's indexer compress runs on the aux stream beside the indexer query and
-# the scores of the entries written before the step (`indexer_scores_paged(part="earlier")`); the scores of the entries
-# the step completes (`part="own"`) follow the compress there, and top-k waits for both. False: the query, the compress
-# and one scores launch in a row on the main stream. Read at each call.
-SCORES_BESIDE_COMPRESS = True
-# CSA's state appends (after its compressors read the rings) beside attention, which never reads the rings; False:
-# attention waits for them. Read at each call.
-STATE_APPENDS_BESIDE_ATTENTION = True
 
 # Geometry fields one layer's weights and computation depend on; the layer's own LayerSpec is compared too.
 _LAYER_FIELDS = ("hidden_size", "num_heads", "head_dim", "rope_dim", "q_lora_rank", "o_groups", "o_lora_rank",
@@ -345,11 +337,10 @@ class DSV4Attention(nn.Module):
 
         On CUDA the longest chain to attention stays on the current stream: CSA's indexer query and compress, one
         beside the other, then scores and top-k; HCA's main compress; a window layer's q RoPE and kv insert, one beside
-        the other. The other kernels attention reads (CSA's and HCA's q RoPE and kv insert, CSA's main compress) run
-        beside the chain on a side stream (`streams.StepStreams`), and the state appends and, with one row per request,
-        the window append run there beside attention. With one row per request CSA's indexer compress leaves the chain
-        for the aux stream, followed there by the scores of the entries it writes (`SCORES_BESIDE_COMPRESS`).
-        Elsewhere everything runs in the order written, one of the orders the events allow."""
+        the other. The other kernels attention reads (CSA's and HCA's q RoPE and kv insert, CSA's main compress) and
+        CSA's state appends run beside the chain on a side stream (`streams.StepStreams`); HCA's state append and,
+        with one row per request, the window append run there beside attention. Elsewhere everything runs in the
+        order written, one of the orders the events allow."""
         from .kernels import (append_state, append_window, compress_insert, indexer_query_and_weights,
                               indexer_scores_paged, kv_insert, rope_rows, sparse_attention_paged, topk_indices)
         from .kernels.topk import first_digit_counts, topk_workspace
@@ -409,9 +400,8 @@ class DSV4Attention(nn.Module):
         window_first = WINDOW_APPEND_BESIDE and plan.num_tokens == plan.num_requests
         # a window layer's whole chain: the q RoPE and the kv insert side by side (they share no tensor)
         window_chain = ROPE_LAUNCHES_KV_INSERT and not spec.compressed
-        attention_inputs = None  # the side stream's kernels attention reads (none for a window chain)
         streams.fork()
-        try:  # the side streams are joined whatever happens: no tensor they use is freed under them
+        try:  # the side stream is joined whatever happens: no tensor it uses is freed under it
             if window_chain:
                 rope_rows(p.q, *cos_sin, out=q, launch_next=True)
                 insert_kv(wait_late=True)
@@ -422,14 +412,24 @@ class DSV4Attention(nn.Module):
                         insert_kv()
                     if csa:
                         compress_main()
-                        if STATE_APPENDS_BESIDE_ATTENTION:
-                            attention_inputs = streams.side_mark()
                         append(state_rows[0])  # no later kernel of the step reads the main state ring
                 if not spec.compressed:
                     insert_kv()
                 elif not csa:
                     compress_main()
             if csa:
+                # RoPE, Hadamard rotation, MXFP4 / FP8 round trip and head weights in one kernel (bit for bit the
+                # torch path's query). It lets the indexer compress launch at once, beside it (they share no tensor);
+                # the compress waits for it before it exits, so the scores kernel after them sees both complete
+                indexer_query_and_weights(p.index_q, p.index_weights, *cos_sin, index_layout,
+                                          scale=g.index_n_heads ** -0.5, out=q_index, weights_out=weights,
+                                          fp8_out=q_fp8, launch_next=QUERY_LAUNCHES_COMPRESS)
+                compress_insert(layer_cache.index_state_kv, layer_cache.index_state_score, plan, *p.index_state,
+                                norm_weight=idx.kv_norm.weight, layout=index_layout, pool=layer_cache.index_keys,
+                                main=False, wait_late=QUERY_LAUNCHES_COMPRESS, **insert)
+                streams.side_waits(streams.main_mark())
+                with streams.on_side():
+                    append(state_rows[1])
                 # top-k leaves its workspace zeroed, so one serves every CSA layer of the step. Made before the
                 # scores kernel counts into it: a graph replays the zeroing where it was captured, the first use
                 workspace = plan.derived(("topk workspace", columns, g.index_topk),
@@ -437,49 +437,9 @@ class DSV4Attention(nn.Module):
                 # decode: the scores kernel counts the split top-k's first digit as it writes them, and top-k skips
                 # that pass (phase A)
                 counts = first_digit_counts(workspace) if self.indexer_counts_topk_digit(plan, cache) else None
-                scores = torch.empty((rows, columns), dtype=torch.float32, device=device)
-
-                def query(launch_next=False):
-                    # RoPE, Hadamard rotation, MXFP4 / FP8 round trip and head weights in one kernel (bit for bit
-                    # the torch path's query)
-                    indexer_query_and_weights(p.index_q, p.index_weights, *cos_sin, index_layout,
-                                              scale=g.index_n_heads ** -0.5, out=q_index, weights_out=weights,
-                                              fp8_out=q_fp8, launch_next=launch_next)
-
-                def compress_index(wait_late=False):
-                    compress_insert(layer_cache.index_state_kv, layer_cache.index_state_score, plan, *p.index_state,
-                                    norm_weight=idx.kv_norm.weight, layout=index_layout, pool=layer_cache.index_keys,
-                                    main=False, wait_late=wait_late, **insert)
-
-                def score(part="all"):
-                    indexer_scores_paged(q_index, weights, plan, layer_cache.index_keys, index_layout,
-                                         ratio=spec.ratio, page_tokens=page_tokens, out=scores, q_fp8=q_fp8,
-                                         digit_counts=counts, part=part)
-
-                # One row per request (so the scores take the row kernel, which scores in parts): the step's
-                # compress writes exactly each row's own entry, if its token completes one, so the scores of the
-                # others need not wait for it
-                if SCORES_BESIDE_COMPRESS and plan.num_tokens == plan.num_requests:
-                    with streams.on_aux():
-                        compress_index()
-                    query()
-                    query_done = streams.main_mark()
-                    score("earlier")
-                    streams.aux_waits(query_done)
-                    with streams.on_aux():
-                        score("own")
-                        scored = streams.aux_mark()
-                        append(state_rows[1])  # after the compress's read of the ring, beside top-k and attention
-                    streams.main_waits(scored)
-                else:
-                    # the query lets the compress launch at once, beside it (they share no tensor); the compress
-                    # waits for it before it exits, so the scores kernel after them sees both complete
-                    query(launch_next=QUERY_LAUNCHES_COMPRESS)
-                    compress_index(wait_late=QUERY_LAUNCHES_COMPRESS)
-                    streams.side_waits(streams.main_mark())
-                    with streams.on_side():
-                        append(state_rows[1])
-                    score()
+                scores = indexer_scores_paged(q_index, weights, plan, layer_cache.index_keys, index_layout,
+                                              ratio=spec.ratio, page_tokens=page_tokens, max_entries=columns,
+                                              q_fp8=q_fp8, digit_counts=counts)
                 visible = plan.derived(("visible", spec.ratio),
                                        lambda: torch.clamp((positions + 1) // spec.ratio, min=0).to(torch.int32))
                 picks = topk_indices(scores, visible, g.index_topk, workspace=workspace,
@@ -487,8 +447,8 @@ class DSV4Attention(nn.Module):
             if window_first:
                 if not spec.compressed:  # the step page: a window layer's kv insert runs on main
                     streams.side_waits(streams.main_mark())
-                if not window_chain and attention_inputs is None:
-                    attention_inputs = streams.side_mark()
+                # nothing on the side stream feeds a window chain's attention
+                attention_inputs = None if window_chain else streams.side_mark()
                 with streams.on_side():
                     append_window(layer_cache.window, main, g.window, plan, step_kv)
                 streams.main_waits(attention_inputs)

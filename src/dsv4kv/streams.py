@@ -1,13 +1,11 @@
-"""Side CUDA streams for the kernels of a layer step that do not feed each other.
+"""A second CUDA stream for the kernels of a layer step that do not feed each other.
 
 At decode a CSA layer's core is a chain of small launches, each mostly latency. Only the indexer chain (indexer query
 and compress, scores, top-k) and attention feed each other; the q RoPE, the kv insert and the main compress feed
 attention alone, so they run on a side stream beside the chain and meet it before attention (HCA likewise beside its
 main compress; a window layer's chain is its q RoPE and kv insert, and no side kernel feeds its attention). The state
-appends run there too, and at decode the window append runs there beside attention. At decode a CSA layer's indexer
-compress runs on a third stream ("aux"), beside the indexer query and the scores of the entries written before the
-step; the scores of the entries the step completes follow it there (the order is in `DSV4Attention.attention_core`).
-A CUDA graph captured over the step keeps the branches as parallel nodes.
+appends run there too, and at decode the window append runs there beside attention (the order is in
+`DSV4Attention.attention_core`). A CUDA graph captured over the step keeps the two branches as parallel nodes.
 
 Every call is a no-op on the CPU (Triton's interpreter) and with `CONCURRENT = False`: the kernels then run in
 program order, which is one of the orders the events allow, so both modes compute the same bytes
@@ -30,44 +28,34 @@ CONCURRENT = True  # False: every kernel on the current stream, in program order
 
 
 @functools.lru_cache(maxsize=None)
-def _side_stream(index: int, which: str) -> torch.cuda.Stream:
+def _side_stream(index: int) -> torch.cuda.Stream:
     return torch.cuda.Stream(device=index)
 
 
 class StepStreams:
-    """The current stream ("main") and two side streams ("side", "aux") of `device`, with the few orderings a step
-    needs."""
+    """The current stream ("main") and one side stream of `device`, with the few orderings a step needs."""
 
     def __init__(self, device: torch.device):
         self.enabled = CONCURRENT and device.type == "cuda"
         if self.enabled:
             index = device.index if device.index is not None else torch.cuda.current_device()
             self.main = torch.cuda.current_stream(index)
-            self.side, self.aux = _side_stream(index, "side"), _side_stream(index, "aux")
-            if self.main in (self.side, self.aux):  # a caller already on one of ours: nothing to overlap with
+            self.side = _side_stream(index)
+            if self.side == self.main:  # a caller already running on our side stream: nothing to overlap with
                 self.enabled = False
 
     def fork(self) -> None:
-        """Work queued on either side stream from here on starts after everything queued on the main stream so far."""
+        """Side-stream work queued from here on starts after everything queued on the main stream so far."""
         if self.enabled:
             self.side.wait_stream(self.main)
-            self.aux.wait_stream(self.main)
 
     def on_side(self):
         """A context in which launches go to the side stream (on the main one when disabled)."""
         return torch.cuda.stream(self.side) if self.enabled else contextlib.nullcontext()
 
-    def on_aux(self):
-        """A context in which launches go to the aux stream (on the main one when disabled)."""
-        return torch.cuda.stream(self.aux) if self.enabled else contextlib.nullcontext()
-
     def side_mark(self) -> torch.cuda.Event | None:
         """An event after the side stream's work so far (for `main_waits`)."""
         return self.side.record_event() if self.enabled else None
-
-    def aux_mark(self) -> torch.cuda.Event | None:
-        """An event after the aux stream's work so far (for `main_waits`)."""
-        return self.aux.record_event() if self.enabled else None
 
     def main_mark(self) -> torch.cuda.Event | None:
         """An event after the main stream's work so far (for `side_waits`)."""
@@ -81,12 +69,7 @@ class StepStreams:
         if event is not None:
             self.side.wait_event(event)
 
-    def aux_waits(self, event: torch.cuda.Event | None) -> None:
-        if event is not None:
-            self.aux.wait_event(event)
-
     def join(self) -> None:
-        """Main-stream work queued from here on starts after everything queued on both side streams so far."""
+        """Main-stream work queued from here on starts after everything queued on the side stream so far."""
         if self.enabled:
             self.main.wait_stream(self.side)
-            self.main.wait_stream(self.aux)

@@ -122,8 +122,6 @@ FP8_MAX_REGISTERS = 128  # the FP8 path's register cap: 4 programs of 4 warps pe
 # (docs/performance.md), CSA decode core, top-k counting / straight / scratch: batch 1 at 64K context (16K entries)
 # 42.0 / 40.5 / 40.6 us, at 1M (262K) 59.3 / 60.0 / 57.9; batch 64 at 128K (32K) 210.7 / 208.3 / 209.9.
 DIGIT_COUNT_SCRATCH_ABOVE = 65536
-# `indexer_scores_paged(part=)`'s values, in the row kernel's PART order
-_PARTS = ("all", "earlier", "own")
 _GRID_WAVES = 3  # programs per SM the chunking aims for: one decode row at 1M, 29 us at 3 against 36 us at 1
 _STACK_MIN_ROWS_PER_REQUEST = 2  # the automatic choice of the stacked kernel (`_stacked`)
 
@@ -386,13 +384,12 @@ def _mxfp4_block_mma(b_byte, code, b_q8, acc, BLOCK_J: tl.constexpr, ASM: tl.con
 
 
 @triton.jit
-def _mxfp4_fp8_scores(pool_ptr, p_table, p_out, chunk_lo, hi, row_hi, store_hi, b_w, b_q0, b_q1, b_q2, b_q3,
+def _mxfp4_fp8_scores(pool_ptr, p_table, p_out, chunk_lo, hi, visible, num_entries, b_w, b_q0, b_q1, b_q2, b_q3,
                       D: tl.constexpr, P: tl.constexpr, PAGE_BYTES: tl.constexpr, DATA_BYTES: tl.constexpr,
                       SCALE_BYTES: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_H: tl.constexpr, ASM: tl.constexpr,
                       PAGE_TILES: tl.constexpr):
     """Scores of entries chunk_lo..hi-1 of one row against MXFP4 keys on FP8 MMAs: per tile, the sum over scale
-    blocks, in block order, of exact per-block MMAs (`_mxfp4_block_mma`), then ReLU and the head weights; a tile
-    stores -inf from row_hi (the row's last column + 1) and nothing from store_hi.
+    blocks, in block order, of exact per-block MMAs (`_mxfp4_block_mma`), then ReLU and the head weights.
     PAGE_TILES (every tile within one page, P % BLOCK_J == 0): a tile is addressed from its page, its block id read
     one tile before its bytes and its scale words one tile before their use (a scalar and a word per key row a thread
     holds; 10% less time at batch 64 on the H200). Its values are loaded in their own iteration: held a tile ahead in
@@ -424,7 +421,7 @@ def _mxfp4_fp8_scores(pool_ptr, p_table, p_out, chunk_lo, hi, row_hi, store_hi, 
             acc = _mxfp4_block_mma(k2, s2, b_q2, acc, BLOCK_J, ASM)
             acc = _mxfp4_block_mma(k3, s3, b_q3, acc, BLOCK_J, ASM)
         b_s = tl.sum(_relu(acc) * b_w[None, :], axis=1)
-        tl.store(p_out + o_j, tl.where(o_j < row_hi, b_s, float("-inf")), mask=o_j < store_hi)
+        tl.store(p_out + o_j, tl.where(o_j < visible, b_s, float("-inf")), mask=o_j < num_entries)
 
 
 @triton.jit
@@ -504,13 +501,11 @@ def _indexer_scores_kernel(
     DATA_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_J: tl.constexpr, FILL_J: tl.constexpr, DOT: tl.constexpr,
     FILL: tl.constexpr, MMA8: tl.constexpr, ASM: tl.constexpr, BITS: tl.constexpr, PAGE_TILES: tl.constexpr,
-    COUNT: tl.constexpr, SCRATCH: tl.constexpr, PART: tl.constexpr,
+    COUNT: tl.constexpr, SCRATCH: tl.constexpr,
 ):
     """The row kernel: one token row, one chunk of `chunk` entries (a multiple of BLOCK_J). MMA8: MXFP4 keys on FP8
     MMAs (`_mxfp4_fp8_scores`) when every head of the row's query passed `fp8_query_operand`'s check, else the bf16
-    path. COUNT: then the top-k's digit 1 of the chunk's scores into the row's histogram (`count_first_digits`).
-    PART (`_PARTS`): the row's columns lo..hi-1 are scored, 0..visible-1 (0), those before its own entry (1) or that
-    entry alone (2, one chunk from it); only PART 0 stores -inf past them, up to the tile's end."""
+    path. COUNT: then the top-k's digit 1 of the chunk's scores into the row's histogram (`count_first_digits`)."""
     wait_for_prior_grids()
     i_t, i_c = tl.program_id(0), tl.program_id(1)
     t = i_t.to(tl.int64)
@@ -519,18 +514,11 @@ def _indexer_scores_kernel(
     slot = tl.load(request_slots_ptr + request, mask=request >= 0, other=-1)
     visible = tl.where((position >= 0) & (slot >= 0), (position + 1) // RATIO, 0)
     visible = tl.minimum(visible, num_entries)
-    lo, hi, store_hi = 0, visible, num_entries
-    if PART == 1:  # entries completed before the row's own token
-        hi = tl.minimum(visible, tl.maximum(position, 0) // RATIO)
-        store_hi = hi
-    if PART == 2:  # the entry the row's own token completes (none where it completes none)
-        lo = tl.minimum(visible, tl.maximum(position, 0) // RATIO)
-        store_hi = hi
-    chunk_lo = lo + i_c * chunk
+    chunk_lo = i_c * chunk
     chunk_hi = tl.minimum(chunk_lo + chunk, num_entries)
     p_out = out_ptr + t * num_entries
 
-    if chunk_lo < hi:  # chunks wholly past the row's columns (and padding rows) never load q
+    if chunk_lo < visible:  # chunks wholly past visible(t) (and padding rows) never load q
         o_h = tl.arange(0, BLOCK_H)
         m_h = o_h < num_heads
         # D^-0.5 folded into the head weights; padded heads get weight 0 (and a zero query column)
@@ -545,24 +533,24 @@ def _indexer_scores_kernel(
             exact = tl.min(q_scale, axis=0) > 0
             if exact:
                 b_q8_0, b_q8_1, b_q8_2, b_q8_3 = _q8_blocks(q8_ptr + t * num_heads * D + o_h[None, :] * D, m_h, D)
-                _mxfp4_fp8_scores(pool_ptr, p_table, p_out, chunk_lo, tl.minimum(chunk_hi, hi), hi,
-                                  store_hi, b_w * q_scale, b_q8_0, b_q8_1, b_q8_2, b_q8_3, D, P, PAGE_BYTES,
+                _mxfp4_fp8_scores(pool_ptr, p_table, p_out, chunk_lo, tl.minimum(chunk_hi, visible), visible,
+                                  num_entries, b_w * q_scale, b_q8_0, b_q8_1, b_q8_2, b_q8_3, D, P, PAGE_BYTES,
                                   DATA_BYTES, SCALE_BYTES, BLOCK_J, BLOCK_H, ASM, PAGE_TILES)
         if not exact:
             o_d0, o_d1 = _q_dims(FORMAT, D)
             # [D/2, BLOCK_H]
             b_q0 = round_bf16(tl.load(p_q + o_d0[:, None], mask=m_h[None, :], other=0.0).to(tl.float32)).to(DOT)
             b_q1 = round_bf16(tl.load(p_q + o_d1[:, None], mask=m_h[None, :], other=0.0).to(tl.float32)).to(DOT)
-            for j0 in range(chunk_lo, tl.minimum(chunk_hi, hi), BLOCK_J):
+            for j0 in range(chunk_lo, tl.minimum(chunk_hi, visible), BLOCK_J):
                 o_j = j0 + tl.arange(0, BLOCK_J)
-                b_dot = _key_dot(pool_ptr, p_table, o_j, o_j < hi, b_q0, b_q1, FORMAT, D, P, PAGE_BYTES,
+                b_dot = _key_dot(pool_ptr, p_table, o_j, o_j < visible, b_q0, b_q1, FORMAT, D, P, PAGE_BYTES,
                                  DATA_BYTES, SCALE_BYTES, BLOCK_J, DOT, BITS)  # [BLOCK_J, BLOCK_H]
                 b_s = tl.sum(_relu(b_dot) * b_w[None, :], axis=1)
-                tl.store(p_out + o_j, tl.where(o_j < hi, b_s, float("-inf")), mask=o_j < store_hi)
+                tl.store(p_out + o_j, tl.where(o_j < visible, b_s, float("-inf")), mask=o_j < num_entries)
         if COUNT:  # read back from this program's own stores, in a layout with no replicated lanes
             tl.debug_barrier()
             p_scratch = scratch_ptr + (t * tl.num_programs(1) + i_c) * 256
-            count_first_digits(p_out, chunk_lo, tl.minimum(chunk_hi, hi), counts_ptr + t * counts_stride,
+            count_first_digits(p_out, chunk_lo, tl.minimum(chunk_hi, visible), counts_ptr + t * counts_stride,
                                p_scratch, ASM, _COUNT_BLOCK, SCRATCH)
 
     if FILL:  # the rest of the chunk is past visible(t): one wide streaming store (FILL_J = the chunk)
@@ -757,7 +745,7 @@ def indexer_scores_paged(q: torch.Tensor, weights: torch.Tensor, plan, key_pool:
                          *, ratio: int, page_tokens: int, out: torch.Tensor | None = None,
                          max_entries: int | None = None, stack_rows: bool | None = None,
                          fill: bool = False, q_fp8: tuple[torch.Tensor, torch.Tensor] | None = None,
-                         digit_counts: torch.Tensor | None = None, part: str = "all") -> torch.Tensor:
+                         digit_counts: torch.Tensor | None = None) -> torch.Tensor:
     """Indexer scores of every plan row against its request's compressed keys -> fp32 [R, J].
 
     Args:
@@ -788,19 +776,12 @@ def indexer_scores_paged(q: torch.Tensor, weights: torch.Tensor, plan, key_pool:
             (`counts_digits`); each warp adds its counts of a digit in one reduction, straight to the row's histogram,
             or, for scores wider than DIGIT_COUNT_SCRATCH_ABOVE columns, to a scratch row per program first
             (allocated here).
-        part: which of a row's visible columns this call scores (row kernel, fill=False; `_PARTS`): "all"; "earlier",
-            the entries completed before the row's own token (j < position // ratio); "own", the entry that token
-            completes (j = visible(t) - 1 where (position + 1) % ratio == 0; none elsewhere). Each writes its
-            columns alone, so an "earlier" and an "own" call into the same `out` (and `digit_counts`) equal one "all"
-            call. In a decode step the step's compress writes exactly the rows' own entries: the "earlier" call may run
-            beside that compress, the "own" call after it.
 
     MXFP4 keys run on FP8 MMAs in the row kernel when its grid has at least FP8_MIN_PROGRAMS_PER_SM programs per SM
     and every head of the row's q is MXFP4-valued (`fp8_query_operand`); the scores are those of the bf16 path up to
     summation order.
 
-    Returns `out`: scores for j < visible(t) (for the part's columns); -inf elsewhere with fill=True, else unspecified
-    there.
+    Returns `out`: scores for j < visible(t); -inf elsewhere with fill=True, else unspecified there.
     """
     require(isinstance(plan, StepPlan), f"plan: expected a StepPlan, got {type(plan).__name__}")
     fmt = _format(layout)
@@ -828,15 +809,11 @@ def indexer_scores_paged(q: torch.Tensor, weights: torch.Tensor, plan, key_pool:
     require(stack_rows is None or isinstance(stack_rows, bool),
             f"stack_rows: expected True, False or None, got {stack_rows!r}")
     require(isinstance(fill, bool), f"fill: expected a bool, got {fill!r}")
-    require(part in _PARTS, f"part: expected one of {', '.join(map(repr, _PARTS))}, got {part!r}")
-    require(part == "all" or not fill, f"part: only part='all' fills (fill=True), got part={part!r}")
     if q_fp8 is not None:
         require(isinstance(q_fp8, tuple) and len(q_fp8) == 2, "q_fp8: expected (codes, scales) from indexer_query_fp8")
         check_tensor("q_fp8 codes", q_fp8[0], dtype=torch.uint8, shape=tuple(q.shape), device=device)
         check_tensor("q_fp8 scales", q_fp8[1], dtype=torch.float32, shape=(rows, heads), device=device)
     stacked = _stacked(plan) if stack_rows is None else stack_rows
-    require(part == "all" or not stacked, f"part={part!r}: only the row (decode) kernel scores part of a row; this "
-                                          "call takes the stacked kernel (stack_rows, or see counts_digits)")
     if digit_counts is not None:
         check_tensor("digit_counts", digit_counts, dtype=torch.int32, shape=(rows, 256), device=device,
                      contiguous=False)
@@ -875,9 +852,8 @@ def indexer_scores_paged(q: torch.Tensor, weights: torch.Tensor, plan, key_pool:
             num_warps=num_warps, num_stages=num_stages, **launch_options(device))
     else:
         block_j, iters, num_warps = _config(rows, entries, device)
-        own = part == "own"
-        chunk = block_j if own else block_j * iters  # "own": at most one column a row, one tile
-        grid = (rows, 1 if own else triton.cdiv(entries, chunk))
+        chunk = block_j * iters
+        grid = (rows, triton.cdiv(entries, chunk))
         mma8 = _row_takes_fp8(fmt, dim, rows, entries, device)
         if mma8 and q_fp8 is None:
             q_fp8 = indexer_query_fp8(q)
@@ -890,7 +866,7 @@ def indexer_scores_paged(q: torch.Tensor, weights: torch.Tensor, plan, key_pool:
                 f"digit_counts: a {_COUNT_BLOCK.value}-score tile over {num_warps} warps would replicate lanes, "
                 "which the warp counts would count twice (_ROW_TILES)")
         count = digit_counts is not None
-        scratch = count and entries > DIGIT_COUNT_SCRATCH_ABOVE and not own
+        scratch = count and entries > DIGIT_COUNT_SCRATCH_ABOVE
         counts = (digit_counts if count else out, digit_counts.stride(0) if count else 0,  # `out`: unread stand-ins
                   torch.empty(grid[0] * grid[1] * 256, dtype=torch.int32, device=device) if scratch else out)
         # FILL_J (the chunk, a tile shape) matters only with fill: without, one kernel serves every chunk size
@@ -898,9 +874,8 @@ def indexer_scores_paged(q: torch.Tensor, weights: torch.Tensor, plan, key_pool:
                                      dim ** -0.5, chunk,
                                      **common, BLOCK_J=block_j, FILL_J=chunk if fill else block_j, MMA8=mma8,
                                      ASM=not interpreted(), BITS=bits,
-                                     # "own" tiles start at any column, so they may cross pages
-                                     PAGE_TILES=mma8 and PAGE_TILES and per_page % block_j == 0 and not own,
-                                     COUNT=count, SCRATCH=scratch, PART=_PARTS.index(part),
+                                     PAGE_TILES=mma8 and PAGE_TILES and per_page % block_j == 0,
+                                     COUNT=count, SCRATCH=scratch,
                                      num_warps=num_warps,
                                      num_stages=_ROW_TILES["num_stages"],
                                      **cap, **launch_options(device))
