@@ -310,8 +310,9 @@ def test_hca_pool_split_changes_no_byte(channels, monkeypatch):
 
 
 def test_compress_wait_late_changes_no_byte(monkeypatch):
-    """`wait_late` (the wait for the grid before it moved to the kernel's end, every exit included) writes the bytes
-    the plain launch writes, over the CSA random schedule (on the GPU the layer's streams test runs it for real)."""
+    """`wait_late` (the wait for the grid before it moved to the kernel's end, every exit included) and `launch_next`
+    (the next grid let in after the wait) write the bytes the plain launch writes, over the CSA random schedule (on
+    the GPU the layer's streams test runs them for real)."""
     monkeypatch.setattr(encode, "SPREAD_PROGRAMS", 1)
     plain = compress_insert
     calls = []
@@ -321,8 +322,10 @@ def test_compress_wait_late_changes_no_byte(monkeypatch):
         plain(state_kv, state_logits, plan, kv_rows, logit_rows, pool=other, **kw)
         writes = plan.entries[kw["ratio"]]
         cos_sin = rope_cos_sin(kw["rope"], writes.index * kw["ratio"])
+        early = pool.clone()
         plain(state_kv, state_logits, plan, kv_rows, logit_rows, pool=pool, wait_late=True, cos_sin=cos_sin, **kw)
-        assert torch.equal(pool, other)
+        plain(state_kv, state_logits, plan, kv_rows, logit_rows, pool=early, launch_next=True, **kw)
+        assert torch.equal(pool, other) and torch.equal(early, other)
         calls.append((writes.count, writes.slots.shape[0]))
 
     monkeypatch.setitem(globals(), "compress_insert", both)
@@ -340,9 +343,11 @@ def test_compress_wait_late_changes_no_byte(monkeypatch):
 def test_wait_late_waits_once_per_program(monkeypatch):
     """A `wait_late` program still waits before it exits, programs of padding entries only (which return early)
     included: under the interpreter, where the wait is a plain function, every program of a launch calls it once on
-    both paths. The caller's cos_sin is required (made here, they would be written right before the early reader)."""
+    both paths. With `launch_next` every program waits, then lets the next grid in. The caller's cos_sin is required
+    for wait_late (made here, they would be written right before the early reader)."""
     waits = []
-    monkeypatch.setattr(compress, "wait_for_prior_grids", lambda: waits.append(1))
+    monkeypatch.setattr(compress, "wait_for_prior_grids", lambda: waits.append("wait"))
+    monkeypatch.setattr(compress, "let_next_grid_launch", lambda: waits.append("launch"))
     cache = CacheManager(TINY, max_requests=2, max_tokens=300, page_tokens=128, device=DEVICE, poison=True)
     rid = cache.admit()
     buffers = cache.step_buffers(max_tokens=5, max_requests=2)
@@ -362,7 +367,10 @@ def test_wait_late_waits_once_per_program(monkeypatch):
             waits.clear()
             compress_insert(*state, cos_sin=rope_cos_sin(spec.rope, writes.index * spec.ratio), wait_late=late, **kw)
             counts[late] = len(waits)
-        assert counts[True] == counts[False] > 0, counts
+        assert counts[True] == counts[False] > 0 and set(waits) == {"wait"}, counts
+        waits.clear()
+        compress_insert(*state, launch_next=True, **kw)
+        assert waits == ["wait", "launch"] * counts[False], waits
         with pytest.raises(ValueError, match="wait_late needs the caller's cos_sin"):
             compress_insert(*state, wait_late=True, **kw)
 
@@ -543,12 +551,18 @@ def test_compress_insert_rejects_bad_input():
         call(layout=main_layout("bf16", 192, 64))
     with pytest.raises(ValueError, match=r"wait_late: expected a bool, got 1"):
         call(wait_late=1)
+    with pytest.raises(ValueError, match=r"launch_next: expected a bool, got 1"):
+        call(launch_next=1)
+    with pytest.raises(ValueError, match=r"wait_late and launch_next are the two ends of a pair"):
+        call(wait_late=True, launch_next=True,
+             cos_sin=rope_cos_sin(TINY.layers[1].rope, torch.zeros(0, dtype=torch.int32, device=DEVICE)))
     hca = cache.pools.layers[2]
-    with pytest.raises(ValueError, match=r"wait_late needs one launch"):  # HCA's pooling is a launch of its own
-        call(state_kv=hca.state_kv, state_logits=hca.state_score, kv_rows=torch.randn(9, 128, device=DEVICE),
-             logit_rows=torch.randn(9, 128, device=DEVICE), ratio=TINY.layers[2].ratio, overlap=False,
-             layout=cache.spec.layers[2].main, pool=hca.entries, wait_late=True,
-             cos_sin=rope_cos_sin(TINY.layers[2].rope, torch.zeros(0, dtype=torch.int32, device=DEVICE)))
+    for end in ("wait_late", "launch_next"):  # HCA's pooling is a launch of its own
+        with pytest.raises(ValueError, match=r"wait_late / launch_next need one launch"):
+            call(state_kv=hca.state_kv, state_logits=hca.state_score, kv_rows=torch.randn(9, 128, device=DEVICE),
+                 logit_rows=torch.randn(9, 128, device=DEVICE), ratio=TINY.layers[2].ratio, overlap=False,
+                 layout=cache.spec.layers[2].main, pool=hca.entries, **{end: True},
+                 cos_sin=rope_cos_sin(TINY.layers[2].rope, torch.zeros(0, dtype=torch.int32, device=DEVICE)))
     for tensor, old in zip((state_kv, state_logits, pool), before):
         assert same_bits(tensor, old)
 

@@ -228,9 +228,9 @@ def test_indexer_query_and_weights(fmt, wdtype, scale):
     assert got is out and got_w is w_out
     assert_same(got_w, w.float() * scale)
     assert_same(got, indexer_query_rows(q, cos, sin, layout))
-    early, early_w = indexer_query_and_weights(q, w, cos, sin, layout, scale=scale, launch_next=True)
-    # the next launch's timing changes no byte
-    assert torch.equal(early.view(torch.int32), got.view(torch.int32)) and torch.equal(early_w, got_w)
+    for end in ("launch_next", "wait_late"):  # either end of a pair: the launches' timing changes no byte
+        early, early_w = indexer_query_and_weights(q, w, cos, sin, layout, scale=scale, **{end: True})
+        assert torch.equal(early.view(torch.int32), got.view(torch.int32)) and torch.equal(early_w, got_w)
     w32, want = w.float().clone(), w.float() * scale
     _, in_place = indexer_query_and_weights(q, w32, cos, sin, layout, scale=scale, weights_out=w32)
     assert in_place is w32 and torch.equal(w32, want)
@@ -243,18 +243,23 @@ def test_indexer_query_and_weights(fmt, wdtype, scale):
 def test_launch_next_comes_after_the_wait(monkeypatch):
     """`launch_next` lets the next grid in only after the program's own wait (everything before it then complete):
     under the interpreter, where both are plain functions, every program of the indexer query and of the q RoPE
-    calls the wait, then the launch."""
+    calls the wait, then the launch. With `wait_late` every program of the indexer query waits once."""
     events = []
     monkeypatch.setattr(query, "wait_for_prior_grids", lambda: events.append("wait"))
     monkeypatch.setattr(query, "let_next_grid_launch", lambda: events.append("launch"))
     q, _, cos, sin = indexer_case(3, 7, 128, CSA.rope, seed=11)
     w = torch.randn(3, 7, generator=gen(12)).to(DEVICE)
+    programs = []
     for launch in (lambda: indexer_query_and_weights(q, w, cos, sin, indexer_layout("mxfp4", 128), scale=1.0,
                                                      launch_next=True),
                    lambda: rope_rows(q, cos, sin, launch_next=True)):
         events.clear()
         launch()
         assert len(events) >= 6 and events == ["wait", "launch"] * (len(events) // 2), events
+        programs.append(len(events) // 2)
+    events.clear()
+    indexer_query_and_weights(q, w, cos, sin, indexer_layout("mxfp4", 128), scale=1.0, wait_late=True)
+    assert events == ["wait"] * programs[0], events
 
 
 def check_fp8_operand(q, w, cos, sin, layout):
@@ -326,6 +331,10 @@ def test_bad_input():
         (lambda: indexer_query_and_weights(q, w, cos, sin, mx, scale=1.0, fp8_out=codes), "fp8_out: expected"),
         (lambda: indexer_query_and_weights(q, w, cos, sin, mx, scale=1.0, launch_next="yes"),
          "launch_next: expected a bool"),
+        (lambda: indexer_query_and_weights(q, w, cos, sin, mx, scale=1.0, wait_late="yes"),
+         "wait_late: expected a bool"),
+        (lambda: indexer_query_and_weights(q, w, cos, sin, mx, scale=1.0, wait_late=True, launch_next=True),
+         "wait_late and launch_next are the two ends of a pair"),
         (lambda: indexer_query_and_weights(q, w, cos, sin, mx, scale=1.0, fp8_out=(codes.float(), scales)),
          "fp8_out codes: expected torch.uint8"),
         (lambda: indexer_query_and_weights(q, w, cos, sin, mx, scale=1.0, fp8_out=(codes, scales[:2])),

@@ -50,6 +50,9 @@ WINDOW_APPEND_BESIDE = True
 # (docs/performance.md), CSA decode core, the query on the side stream / on main with this: batch 1 at 4K 34.6 /
 # 32.5 us, at 16K 36.0 / 32.0, at 1M 54.3 / 54.5; batch 64 at 128K 213.2 / 212.6. Read at each call.
 QUERY_LAUNCHES_COMPRESS = True
+# Which of the pair launches first (the other waits for the grid before them last): the indexer compress, the longer of
+# the two at decode, or the query. Read at each call.
+COMPRESS_FIRST = True
 # A window layer's q RoPE lets its kv insert launch beside it on the main stream, the kv insert waiting for it before
 # it exits, so attention waits for no event; False: the q RoPE on the side stream. H100, 2026-11-26
 # (docs/performance.md), window decode core, side stream / this: batch 1 at 4K 16.7 / 15.5 us, at 16K 17.2 / 15.6;
@@ -419,14 +422,23 @@ class DSV4Attention(nn.Module):
                     compress_main()
             if csa:
                 # RoPE, Hadamard rotation, MXFP4 / FP8 round trip and head weights in one kernel (bit for bit the
-                # torch path's query). It lets the indexer compress launch at once, beside it (they share no tensor);
-                # the compress waits for it before it exits, so the scores kernel after them sees both complete
-                indexer_query_and_weights(p.index_q, p.index_weights, *cos_sin, index_layout,
-                                          scale=g.index_n_heads ** -0.5, out=q_index, weights_out=weights,
-                                          fp8_out=q_fp8, launch_next=QUERY_LAUNCHES_COMPRESS)
-                compress_insert(layer_cache.index_state_kv, layer_cache.index_state_score, plan, *p.index_state,
-                                norm_weight=idx.kv_norm.weight, layout=index_layout, pool=layer_cache.index_keys,
-                                main=False, wait_late=QUERY_LAUNCHES_COMPRESS, **insert)
+                # torch path's query), and the indexer compress: a pair (they share no tensor), the first letting the
+                # second launch at once, the second waiting for it before it exits, so the scores kernel after them
+                # sees both complete
+                pair = QUERY_LAUNCHES_COMPRESS
+                query = lambda **kw: indexer_query_and_weights(  # noqa: E731
+                    p.index_q, p.index_weights, *cos_sin, index_layout, scale=g.index_n_heads ** -0.5, out=q_index,
+                    weights_out=weights, fp8_out=q_fp8, **kw)
+                compress = lambda **kw: compress_insert(  # noqa: E731
+                    layer_cache.index_state_kv, layer_cache.index_state_score, plan, *p.index_state,
+                    norm_weight=idx.kv_norm.weight, layout=index_layout, pool=layer_cache.index_keys, main=False,
+                    **insert, **kw)
+                if COMPRESS_FIRST:
+                    compress(launch_next=pair)
+                    query(wait_late=pair)
+                else:
+                    query(launch_next=pair)
+                    compress(wait_late=pair)
                 streams.side_waits(streams.main_mark())
                 with streams.on_side():
                     append(state_rows[1])

@@ -36,7 +36,7 @@ from ..layout import EntryLayout, IndexerFP8Layout, IndexerMXFP4Layout, MainFP8L
 from ..ops.common import require
 from ..ops.rope import rope_cos_sin
 from .common import check_plan, check_pool, check_tensor, interpreted
-from .launch import check_wait_late, launch_options, wait_for_prior_grids
+from .launch import check_wait_late, launch_options, let_next_grid_launch, wait_for_prior_grids
 from .encode import (
     last_block,
     program_rows,
@@ -184,12 +184,16 @@ def _compress_kernel(kv_rows_ptr, logit_rows_ptr, state_kv_ptr, state_logit_ptr,
                      RATIO: tl.constexpr, OVERLAP: tl.constexpr, D: tl.constexpr, LOG_D: tl.constexpr,
                      RING: tl.constexpr, MAIN: tl.constexpr, FORMAT: tl.constexpr, ROUND: tl.constexpr,
                      DATA_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr, BLOCK_E: tl.constexpr,
-                     CHUNK: tl.constexpr, POOLED: tl.constexpr, WAIT_LATE: tl.constexpr):
+                     CHUNK: tl.constexpr, POOLED: tl.constexpr, WAIT_LATE: tl.constexpr,
+                     LAUNCH_NEXT: tl.constexpr):
     """Entries i_e * BLOCK_E .. of the plan: pool their rows (CHUNK at a time; POOLED: read them from pooled_ptr,
     `_pool_kernel`'s), norm, rope, encode, store. WAIT_LATE: the wait for the grid before it comes last, before
-    every exit (`compress_insert(wait_late=True)`)."""
+    every exit (`compress_insert(wait_late=True)`); LAUNCH_NEXT: the next grid may launch once this one's programs
+    have waited (`compress_insert(launch_next=True)`)."""
     if not WAIT_LATE:
         wait_for_prior_grids()
+        if LAUNCH_NEXT:
+            let_next_grid_launch()
     o_e = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
     m_e, j, given, slot, query_start, start = _entries(slots_ptr, request_ptr, index_ptr, request_slots_ptr,
                                                        query_start_ptr, seq_lens_ptr, o_e, count)
@@ -246,7 +250,7 @@ def compress_insert(state_kv: torch.Tensor, state_logits: torch.Tensor, plan, kv
                     logit_rows: torch.Tensor, *, ratio: int, overlap: bool, norm_weight: torch.Tensor, eps: float,
                     rope: RopeSpec, out_dtype: torch.dtype, layout: EntryLayout, pool: torch.Tensor,
                     page_tokens: int, main: bool, cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None,
-                    wait_late: bool = False) -> None:
+                    wait_late: bool = False, launch_next: bool = False) -> None:
     """Every entry of `ratio` completing in the plan, pooled, normed, roped, rounded to `out_dtype` and encoded
     into `pool` at the plan's slots (`ops.compress.compress_and_insert`, without its return value).
 
@@ -255,7 +259,8 @@ def compress_insert(state_kv: torch.Tensor, state_logits: torch.Tensor, plan, kv
     MODEL1 / bf16) or an indexer key (MXFP4 / FP8 / bf16). cos_sin: `ops.rope.rope_cos_sin(rope,
     plan.entries[ratio].index * ratio)` when the caller already has it (computed here otherwise).
     wait_late: the second kernel of a pair (`launch`'s module docstring: beside the layer's indexer query), its wait
-    last; needs the caller's cos_sin and one launch (not HCA's split pooling).
+    last; needs the caller's cos_sin and one launch (not HCA's split pooling). launch_next: the first kernel of a pair
+    (the layer's indexer query beside it); one launch too.
     Tiles: COMPRESS_TILES, and POOL_SPLIT (by the entry count) for HCA's pooling."""
     device = pool.device
     check_plan(plan, device)
@@ -275,8 +280,10 @@ def compress_insert(state_kv: torch.Tensor, state_logits: torch.Tensor, plan, kv
     check_tensor("norm_weight", norm_weight, dtype=torch.float32, shape=(d,), device=device)
     check_pool("pool", pool, layout, page_tokens // ratio, device)
     check_wait_late("compress_insert", wait_late, cos_sin is not None)
-    require(not wait_late or POOL_SPLIT is None or overlap,
-            "compress_insert: wait_late needs one launch (overlap, or POOL_SPLIT = None)")
+    require(isinstance(launch_next, bool), f"launch_next: expected a bool, got {launch_next!r}")
+    require(not (wait_late and launch_next), "compress_insert: wait_late and launch_next are the two ends of a pair")
+    require(not (wait_late or launch_next) or POOL_SPLIT is None or overlap,
+            "compress_insert: wait_late / launch_next need one launch (overlap, or POOL_SPLIT = None)")
     writes = plan.entries[ratio]
     count = writes.slots.shape[0]
     if count == 0:
@@ -304,7 +311,7 @@ def compress_insert(state_kv: torch.Tensor, state_logits: torch.Tensor, plan, kv
         RATIO=ratio, OVERLAP=overlap, D=d, LOG_D=d.bit_length() - 1, RING=state_kv.shape[1], MAIN=main,
         FORMAT=_format_code(layout, main), ROUND=out_dtype == torch.bfloat16, DATA_BYTES=layout.data_bytes,
         SCALE_BYTES=max(layout.scale_bytes, 1), BLOCK_E=block_e, CHUNK=chunk, POOLED=pooled is not None,
-        WAIT_LATE=wait_late, num_warps=POOLED_WARPS if pooled is not None else warps, **launch_options(device))
+        WAIT_LATE=wait_late, LAUNCH_NEXT=launch_next, num_warps=POOLED_WARPS if pooled is not None else warps, **launch_options(device))
 
 
 @triton.jit

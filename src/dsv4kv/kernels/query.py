@@ -31,7 +31,7 @@ from .common import check_tensor
 from .encode import e2m1_bits, e4m3_round, exp2_int, nan_amax, pow2_exponent, program_rows, rotate_keys, round_bf16
 from .indexer import _BF16, _MXFP4, fp8_query_operand
 from .indexer import _format as _layout_format
-from .launch import launch_options, let_next_grid_launch, wait_for_prior_grids
+from .launch import check_wait_late, launch_options, let_next_grid_launch, wait_for_prior_grids
 
 __all__ = ["indexer_query_and_weights", "indexer_query_rows", "rope_rows"]
 
@@ -116,13 +116,15 @@ def _e2m1_value(code):
 def _indexer_query_kernel(q_ptr, cos_ptr, sin_ptr, out_ptr, w_ptr, w_out_ptr, q8_ptr, q8_scale_ptr, w_scale, h_scale,
                           H: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, COLS: tl.constexpr,
                           LOG_D: tl.constexpr, BLOCK_H: tl.constexpr, FORMAT: tl.constexpr, WEIGHTS: tl.constexpr,
-                          FP8_OUT: tl.constexpr, LAUNCH_NEXT: tl.constexpr):
+                          FP8_OUT: tl.constexpr, LAUNCH_NEXT: tl.constexpr, WAIT_LATE: tl.constexpr):
     """Row i_t, heads i_h * BLOCK_H ..: q bf16 -> roped (bf16 values) -> FORMAT's query numerics, fp32 out; FP8_OUT
     (MXFP4): also the scores kernel's FP8 MMA operand of those values (`indexer.fp8_query_operand`). LAUNCH_NEXT:
-    the next grid may launch once this one's programs have waited (`launch.let_next_grid_launch`)."""
-    wait_for_prior_grids()
-    if LAUNCH_NEXT:
-        let_next_grid_launch()
+    the next grid may launch once this one's programs have waited (`launch.let_next_grid_launch`); WAIT_LATE: the
+    wait for the grid before it comes last (the second kernel of a pair)."""
+    if not WAIT_LATE:
+        wait_for_prior_grids()
+        if LAUNCH_NEXT:
+            let_next_grid_launch()
     i_t, i_h = tl.program_id(0), tl.program_id(1)
     t = i_t.to(tl.int64)
     o_h = i_h * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -157,6 +159,8 @@ def _indexer_query_kernel(q_ptr, cos_ptr, sin_ptr, out_ptr, w_ptr, w_out_ptr, q8
     if WEIGHTS:
         b_w = tl.load(w_ptr + t * H + o_h, mask=m_h, other=0.0).to(tl.float32)
         tl.store(w_out_ptr + t * H + o_h, b_w * w_scale, mask=m_h)
+    if WAIT_LATE:
+        wait_for_prior_grids()
 
 
 def _check_cos_sin(cos, sin, rows: int, dim: int, device: torch.device) -> int:
@@ -207,7 +211,7 @@ def rope_rows(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, inverse:
 
 
 def _indexer_query(q, cos, sin, layout, out, weights, scale, weights_out, fmt=None, fp8_out=None,
-                   launch_next=False) -> torch.Tensor:
+                   launch_next=False, wait_late=False) -> torch.Tensor:
     require(isinstance(layout, EntryLayout), f"layout: expected an EntryLayout, got {type(layout).__name__}")
     fmt = _layout_format(layout) if fmt is None else fmt
     require(isinstance(q, torch.Tensor), f"q: expected a tensor, got {type(q).__name__}")
@@ -246,7 +250,8 @@ def _indexer_query(q, cos, sin, layout, out, weights, scale, weights_out, fmt=No
             *(fp8_out if fp8_out is not None else (out, out)),
             float(scale) if weights is not None else 1.0, h_scale, H=heads, D=dim, HALF=half,
             COLS=triton.next_power_of_2(dim), LOG_D=max(dim.bit_length() - 1, 0), BLOCK_H=block_h, FORMAT=fmt,
-            WEIGHTS=weights is not None, FP8_OUT=fp8_out is not None, LAUNCH_NEXT=launch_next, num_warps=warps,
+            WEIGHTS=weights is not None, FP8_OUT=fp8_out is not None, LAUNCH_NEXT=launch_next, WAIT_LATE=wait_late,
+            num_warps=warps,
             enable_fp_fusion=False, **launch_options(device))
     return out if weights is None else (out, weights_out)
 
@@ -264,17 +269,21 @@ def indexer_query_rows(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, la
 def indexer_query_and_weights(q: torch.Tensor, weights: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                               layout: EntryLayout, *, scale: float, out: torch.Tensor | None = None,
                               weights_out: torch.Tensor | None = None,
-                              fp8_out: tuple[torch.Tensor, torch.Tensor] | None = None, launch_next: bool = False
-                              ) -> tuple[torch.Tensor, torch.Tensor]:
+                              fp8_out: tuple[torch.Tensor, torch.Tensor] | None = None, launch_next: bool = False,
+                              wait_late: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """`indexer_query_rows` and, in the same launch, the head weights `weights.float() * scale` (bit for bit).
 
     weights: bf16 or fp32 [N, H] (weights_proj's output); scale: e.g. index_n_heads^-0.5 (applied as an fp32,
     as torch does for a Python scalar); weights_out: fp32 [N, H], contiguous (may be weights itself when fp32);
     fp8_out (MXFP4 keys): (uint8 [N, H, D], fp32 [N, H]) for the scores kernel's FP8 operand of the query, written in
-    the same launch, bit for bit `indexer.indexer_query_fp8(query)`; launch_next: the first kernel of a pair
-    (`launch`'s module docstring), beside `compress_insert(wait_late=True)`.
+    the same launch, bit for bit `indexer.indexer_query_fp8(query)`; launch_next / wait_late: the first / second
+    kernel of a pair (`launch`'s module docstring), beside `compress_insert(wait_late=True)` /
+    `compress_insert(launch_next=True)`. Every input is the caller's, as a wait_late kernel needs.
     Returns (query fp32 [N, H, D], weights fp32 [N, H])."""
     require(weights is not None, "weights: expected a tensor, got None")
     require(isinstance(launch_next, bool), f"launch_next: expected a bool, got {launch_next!r}")
+    check_wait_late("indexer_query_and_weights", wait_late, True)
+    require(not (wait_late and launch_next), "indexer_query_and_weights: wait_late and launch_next are the two ends "
+                                             "of a pair")
     return _indexer_query(q, cos, sin, layout, out, weights, scale, weights_out, fp8_out=fp8_out,
-                          launch_next=launch_next)
+                          launch_next=launch_next, wait_late=wait_late)
