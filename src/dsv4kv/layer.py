@@ -45,13 +45,16 @@ BACKENDS = ("auto", "torch", "triton")
 # step (`DSV4Attention.attention_core`); False: after attention on the main stream, as every other step does. Read at
 # each call.
 WINDOW_APPEND_BESIDE = True
-# The CSA layer's indexer query lets the indexer compress launch beside it on the main stream, the compress waiting
-# for it before it exits (`launch_next` / `wait_late`); False: the compress after it, plain PDL. H100, 2026-11-26
-# (docs/performance.md), CSA decode core, the query on the side stream / on main with this: batch 1 at 4K 34.6 /
-# 32.5 us, at 16K 36.0 / 32.0, at 1M 54.3 / 54.5; batch 64 at 128K 213.2 / 212.6. Read at each call.
-QUERY_LAUNCHES_COMPRESS = True
-# Which of the pair launches first (the other waits for the grid before them last): the indexer compress, the longer of
-# the two at decode, or the query. Read at each call.
+# The CSA layer's indexer query and indexer compress as a pair on the main stream: the first lets the second launch
+# beside it, the second waits for the grid before them last (`launch_next` / `wait_late`); False: one after the
+# other, plain PDL. H100, 2026-11-26 (docs/performance.md), CSA decode core, the query on the side stream / the pair
+# (query first): batch 1 at 4K 34.6 / 32.5 us, at 16K 36.0 / 32.0, at 1M 54.3 / 54.5; batch 64 at 128K 213.2 / 212.6.
+# Read at each call.
+INDEXER_PAIR = True
+# The pair's first kernel: the indexer compress, the longer of the two at decode (at batch 1 it took 4.5-5.1 us
+# launched first, the query 3.1-3.2), so the scores start as it ends; False: the query. H100, 2026-11-26 (docs/performance.md), CSA
+# decode core, query / compress first: batch 1 at 4K 31.6 / 31.5 us, at 16K 32.0 / 31.1, at 1M 54.1 / 52.1; batch 8
+# at 128K 64.9 / 64.5; batch 64 212.5 / 212.5. Read at each call.
 COMPRESS_FIRST = True
 # A window layer's q RoPE lets its kv insert launch beside it on the main stream, the kv insert waiting for it before
 # it exits, so attention waits for no event; False: the q RoPE on the side stream. H100, 2026-11-26
@@ -423,22 +426,21 @@ class DSV4Attention(nn.Module):
             if csa:
                 # RoPE, Hadamard rotation, MXFP4 / FP8 round trip and head weights in one kernel (bit for bit the
                 # torch path's query), and the indexer compress: a pair (they share no tensor), the first letting the
-                # second launch at once, the second waiting for it before it exits, so the scores kernel after them
-                # sees both complete
-                pair = QUERY_LAUNCHES_COMPRESS
-                query = lambda **kw: indexer_query_and_weights(  # noqa: E731
-                    p.index_q, p.index_weights, *cos_sin, index_layout, scale=g.index_n_heads ** -0.5, out=q_index,
-                    weights_out=weights, fp8_out=q_fp8, **kw)
-                compress = lambda **kw: compress_insert(  # noqa: E731
-                    layer_cache.index_state_kv, layer_cache.index_state_score, plan, *p.index_state,
-                    norm_weight=idx.kv_norm.weight, layout=index_layout, pool=layer_cache.index_keys, main=False,
-                    **insert, **kw)
-                if COMPRESS_FIRST:
-                    compress(launch_next=pair)
-                    query(wait_late=pair)
-                else:
-                    query(launch_next=pair)
-                    compress(wait_late=pair)
+                # second launch at once, the second waiting for the grid before it last, so the scores kernel after
+                # them sees both complete
+                def query(**pair_end):
+                    indexer_query_and_weights(p.index_q, p.index_weights, *cos_sin, index_layout,
+                                              scale=g.index_n_heads ** -0.5, out=q_index, weights_out=weights,
+                                              fp8_out=q_fp8, **pair_end)
+
+                def compress(**pair_end):
+                    compress_insert(layer_cache.index_state_kv, layer_cache.index_state_score, plan, *p.index_state,
+                                    norm_weight=idx.kv_norm.weight, layout=index_layout, pool=layer_cache.index_keys,
+                                    main=False, **insert, **pair_end)
+
+                first, second = (compress, query) if COMPRESS_FIRST else (query, compress)
+                first(launch_next=INDEXER_PAIR)
+                second(wait_late=INDEXER_PAIR)
                 streams.side_waits(streams.main_mark())
                 with streams.on_side():
                     append(state_rows[1])

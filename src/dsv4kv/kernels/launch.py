@@ -18,8 +18,9 @@ next grid's programs would then hold SM slots while they wait. Measured on the H
 CSA core: without PDL 43.3 / 73.7 / 265.5 us (16K and 1M at batch 1, 128K at batch 64), with PDL 38.5 / 70.6 /
 262.7, with PDL and the early trigger on every kernel 40.8 / 72.0 / 286.4 (docs/performance.md).
 
-Two pairs run side by side on purpose: the CSA layer's indexer query and its indexer compress
-(`compress_insert(wait_late=True)`), and a window layer's q RoPE and its kv insert (`kv_insert(wait_late=True)`). The
+Two pairs run side by side on purpose: the CSA layer's indexer compress and its indexer query
+(`compress_insert(launch_next=True)`, `indexer_query_and_weights(wait_late=True)`; either may go first), and a window
+layer's q RoPE and its kv insert (`kv_insert(wait_late=True)`). The
 first of a pair lets the next grid launch right after its own wait (`let_next_grid_launch`); the second touches no
 tensor the first does and calls its wait last, before every exit. It launches only once every program of the first
 has passed its wait, so everything before the pair is complete when it reads; and it completes only after the
