@@ -62,10 +62,6 @@ COMPRESS_FIRST = True
 # batch 8 at 128K 19.0 / 19.0; batch 64 40.3 / 39.0. HCA's q RoPE, kv insert and pooling so were 0.6-1.1 us slower
 # from 16K at batch 1 to batch 8 and equal at batch 64, so HCA keeps the side stream. Read at each call.
 ROPE_LAUNCHES_KV_INSERT = True
-# HCA's q RoPE and kv insert launched on the main stream right after its encode launch, beside it (a chain of early
-# launches, `attention_core`), so attention waits for no event; False: on the side stream beside the pooling.
-# Read at each call.
-HCA_CHAIN = True
 
 # Geometry fields one layer's weights and computation depend on; the layer's own LayerSpec is compared too.
 _LAYER_FIELDS = ("hidden_size", "num_heads", "head_dim", "rope_dim", "q_lora_rank", "o_groups", "o_lora_rank",
@@ -394,10 +390,10 @@ class DSV4Attention(nn.Module):
             ring_kv, ring_logits, kv_rows, logit_rows = state
             append_state(ring_kv, ring_logits, plan, kv_rows, logit_rows)
 
-        def compress_main(**launch):
+        def compress_main():
             compress_insert(layer_cache.state_kv, layer_cache.state_score, plan, *p.state,
                             norm_weight=self.compressor.kv_norm.weight, layout=main, pool=layer_cache.entries,
-                            main=True, **insert, **launch)
+                            main=True, **insert)
 
         # the main stream keeps the longest chain to attention: the indexer chain (CSA), the main compress (HCA) or
         # the q RoPE and kv insert (window layers); the rest goes to the side stream
@@ -410,19 +406,10 @@ class DSV4Attention(nn.Module):
         window_first = WINDOW_APPEND_BESIDE and plan.num_tokens == plan.num_requests
         # a window layer's whole chain: the q RoPE and the kv insert side by side (they share no tensor)
         window_chain = ROPE_LAUNCHES_KV_INSERT and not spec.compressed
-        # HCA's: the pooling, then its encode launch with the q RoPE and the kv insert beside it (`HCA_CHAIN`)
-        hca_chain = HCA_CHAIN and spec.compressed and not csa
         streams.fork()
         try:  # the side stream is joined whatever happens: no tensor it uses is freed under it
             if window_chain:
                 rope_rows(p.q, *cos_sin, out=q, launch_next=True)
-                insert_kv(wait_late=True)
-            elif hca_chain:
-                # a chain of early launches: each lets the next launch as soon as it has started (the encode once it
-                # has waited for the pooling), and the q RoPE and the kv insert wait for the grid before them last;
-                # neither reads what the chain writes, and attention after them sees all three complete
-                compress_main(launch_next=True)
-                rope_rows(p.q, *cos_sin, out=q, launch_next=True, wait_late=True)
                 insert_kv(wait_late=True)
             else:
                 with streams.on_side():
@@ -472,10 +459,10 @@ class DSV4Attention(nn.Module):
                 picks = topk_indices(scores, visible, g.index_topk, workspace=workspace,
                                      first_digit_counted=counts is not None)
             if window_first:
-                if not spec.compressed or hca_chain:  # the step page: the kv insert ran on main
+                if not spec.compressed:  # the step page: a window layer's kv insert runs on main
                     streams.side_waits(streams.main_mark())
-                # nothing on the side stream feeds a window or HCA chain's attention
-                attention_inputs = None if window_chain or hca_chain else streams.side_mark()
+                # nothing on the side stream feeds a window chain's attention
+                attention_inputs = None if window_chain else streams.side_mark()
                 with streams.on_side():
                     append_window(layer_cache.window, main, g.window, plan, step_kv)
                 streams.main_waits(attention_inputs)

@@ -259,9 +259,8 @@ def compress_insert(state_kv: torch.Tensor, state_logits: torch.Tensor, plan, kv
     MODEL1 / bf16) or an indexer key (MXFP4 / FP8 / bf16). cos_sin: `ops.rope.rope_cos_sin(rope,
     plan.entries[ratio].index * ratio)` when the caller already has it (computed here otherwise).
     wait_late: the second kernel of a pair (`launch`'s module docstring: beside the layer's indexer query), its wait
-    last; needs the caller's cos_sin and one launch (not HCA's split pooling). launch_next: the next grid may launch
-    as soon as this op's last launch (the compress proper) has waited: the first kernel of a pair (the CSA layer's
-    indexer query beside it) or of a chain of early launches (HCA's q RoPE and kv insert).
+    last; needs the caller's cos_sin and one launch (not HCA's split pooling). launch_next: the first kernel of a pair
+    (the layer's indexer query beside it); one launch too.
     Tiles: COMPRESS_TILES, and POOL_SPLIT (by the entry count) for HCA's pooling."""
     device = pool.device
     check_plan(plan, device)
@@ -283,8 +282,8 @@ def compress_insert(state_kv: torch.Tensor, state_logits: torch.Tensor, plan, kv
     check_wait_late("compress_insert", wait_late, cos_sin is not None)
     require(isinstance(launch_next, bool), f"launch_next: expected a bool, got {launch_next!r}")
     require(not (wait_late and launch_next), "compress_insert: wait_late and launch_next are the two ends of a pair")
-    require(not wait_late or POOL_SPLIT is None or overlap,
-            "compress_insert: wait_late needs one launch (overlap, or POOL_SPLIT = None)")
+    require(not (wait_late or launch_next) or POOL_SPLIT is None or overlap,
+            "compress_insert: wait_late / launch_next need one launch (overlap, or POOL_SPLIT = None)")
     writes = plan.entries[ratio]
     count = writes.slots.shape[0]
     if count == 0:

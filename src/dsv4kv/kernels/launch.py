@@ -27,12 +27,6 @@ has passed its wait, so everything before the pair is complete when it reads; an
 first has, so the transitive argument above holds for the kernel after the pair. Whatever the second reads must be
 complete before the first started (its wrapper refuses to make its RoPE tables itself).
 
-A chain extends a pair: HCA's encode launch (`compress_insert(launch_next=True)`), then its q RoPE
-(`rope_rows(launch_next=True, wait_late=True)`: it lets the next grid launch at once, before its work, and waits last),
-then its kv insert (`wait_late=True`). Every kernel after the first launches once every program of the one before it
-has started, hence after the first's wait; none reads what another kernel of the chain writes; and each completes only
-after the one before it, so the kernel after the chain sees all of them complete.
-
 PDL and the wait's instruction need Hopper (sm_90) or later: on older GPUs the wait is compiled out and kernels are
 launched plainly. `DEPENDENT_LAUNCH = False` launches plainly everywhere (read at each launch). The interpreter runs
 no inline PTX and launches nothing early, so there the wait is a plain function that does nothing.
@@ -78,8 +72,7 @@ else:
     @triton.jit
     def let_next_grid_launch():
         """Let the next grid in the stream launch now, before this one's programs exit (`griddepcontrol
-        .launch_dependents`). After `wait_for_prior_grids` (everything before this grid is then complete), or before
-        it in a kernel inside a chain whose first kernel has waited (the module docstring)."""
+        .launch_dependents`). Only after `wait_for_prior_grids`: everything before this grid is then complete."""
         if cuda_capability_geq(9, 0):
             gdc_launch_dependents()
 

@@ -84,20 +84,13 @@ def _rope_pairs(x, cos_ptr, sin_ptr, row, BLOCK_H: tl.constexpr, COLS: tl.conste
 @triton.jit
 def _rope_rows_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr,
                       H: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, START: tl.constexpr,
-                      COLS: tl.constexpr, BLOCK_H: tl.constexpr, INVERSE: tl.constexpr, LAUNCH_NEXT: tl.constexpr,
-                      WAIT_LATE: tl.constexpr):
+                      COLS: tl.constexpr, BLOCK_H: tl.constexpr, INVERSE: tl.constexpr, LAUNCH_NEXT: tl.constexpr):
     """Row i_t, heads i_h * BLOCK_H ..: dims START .. D - 1 of each head (START = 0: the whole head, rounded
     to bf16; START = D - 2 * HALF: the rope dims only, for an in-place call). LAUNCH_NEXT: the next grid may launch
-    once this one's programs have waited (`launch.let_next_grid_launch`), or at once with WAIT_LATE (the wait for the
-    grid before it last: a kernel inside a chain of early launches)."""
+    once this one's programs have waited (`launch.let_next_grid_launch`)."""
+    wait_for_prior_grids()
     if LAUNCH_NEXT:
-        if WAIT_LATE:
-            let_next_grid_launch()
-        else:
-            wait_for_prior_grids()
-            let_next_grid_launch()
-    elif not WAIT_LATE:
-        wait_for_prior_grids()
+        let_next_grid_launch()
     i_t, i_h = tl.program_id(0), tl.program_id(1)
     t = i_t.to(tl.int64)
     o_h = i_h * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -108,8 +101,6 @@ def _rope_rows_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr,
     b_x = _rope_pairs(b_x, cos_ptr, sin_ptr, t, BLOCK_H, COLS, START // 2, D // 2 - HALF, HALF, INVERSE)
     # nope dims of an fp32 input round here too (the layer's final .to(bf16)); bf16 values pass unchanged
     tl.store(out_ptr + offs, round_bf16(b_x).to(tl.bfloat16), mask=m)
-    if WAIT_LATE:
-        wait_for_prior_grids()
 
 
 @triton.jit
@@ -188,7 +179,7 @@ def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def rope_rows(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, inverse: bool = False,
-              out: torch.Tensor | None = None, launch_next: bool = False, wait_late: bool = False) -> torch.Tensor:
+              out: torch.Tensor | None = None, launch_next: bool = False) -> torch.Tensor:
     """Interleaved RoPE on the last rope_dim dims of every head, result bf16, bit for bit
     `apply_rope(x, positions, rope, inverse=inverse).to(torch.bfloat16)`.
 
@@ -196,8 +187,6 @@ def rope_rows(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, inverse:
     cos, sin: fp32 [N, rope_dim // 2] = `ops.rope.rope_cos_sin(rope, positions)`, computed once per step.
     out: bf16 [N, H, D], contiguous; may be x itself (bf16 x), then only the rope dims are read and written.
     launch_next: the first kernel of a pair (`launch`'s module docstring): the next one may launch while this runs.
-    wait_late: the second kernel of a pair, its wait last (all its inputs are the caller's); with launch_next, a
-    kernel inside a chain of early launches: it lets the next one launch at once.
     """
     require(isinstance(x, torch.Tensor), f"x: expected a tensor, got {type(x).__name__}")
     check_tensor("x", x, dtype=(torch.bfloat16, torch.float32), shape=(None, None, None), device=x.device)
@@ -205,7 +194,6 @@ def rope_rows(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, inverse:
     half = _check_cos_sin(cos, sin, n, dim, x.device)
     require(isinstance(inverse, bool), f"inverse: expected a bool, got {type(inverse).__name__}")
     require(isinstance(launch_next, bool), f"launch_next: expected a bool, got {launch_next!r}")
-    check_wait_late("rope_rows", wait_late, True)
     if out is None:
         out = torch.empty(x.shape, dtype=torch.bfloat16, device=x.device)
     check_tensor("out", out, dtype=torch.bfloat16, shape=(n, heads, dim), device=x.device)
@@ -217,8 +205,7 @@ def rope_rows(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, inverse:
     block_h, warps = _tiles("rope_inplace" if in_place else "rope", heads)
     _rope_rows_kernel[(n, triton.cdiv(heads, block_h))](
         x, cos, sin, out, H=heads, D=dim, HALF=half, START=start, COLS=triton.next_power_of_2(dim - start),
-        BLOCK_H=block_h, INVERSE=inverse, LAUNCH_NEXT=launch_next, WAIT_LATE=wait_late, num_warps=warps,
-        enable_fp_fusion=False,
+        BLOCK_H=block_h, INVERSE=inverse, LAUNCH_NEXT=launch_next, num_warps=warps, enable_fp_fusion=False,
         **launch_options(x.device))
     return out
 
