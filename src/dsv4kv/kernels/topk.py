@@ -91,20 +91,17 @@ _ROW_BLOCK = 4096  # the row kernel's smallest row tile: shorter rows share its 
 FUSED = False  # four launches; True: one launch ordered by tickets. H200 (docs/bench/topk-variants-h200.txt): four
 # launches 22.9 / 38.2 / 53.9 us at 256K / 1M / 64 x 32K, one launch 26.9 / 53.3 / 69.2 (the waits cost more than
 # launches)
-# The split kernel's (programs per SM and phase, columns per tile) on a GPU, for problems below / from BIG_FROM scores,
-# and from BIG_FROM in one row (S = programs per SM x SMs / R; a workspace's size depends on it). H100, 2026-11-25
-# (docs/performance.md): 2 / 1024 22.1 us at 1 x 262K against 24.2 with 4 / 2048; 4 / 2048 47.6 against 53.3 at
-# 64 x 32K, 47.8 against 54.6 at 8 x 262K. H100, 2026-11-26, re-swept over 2 / 4 / 8 programs and 1024 / 2048 / 4096
-# columns: the same choices at 1 x 262K (18.8 us, tied with 4 and 8 / 1024), 64 x 32K (34.7) and 8 x 262K (33.2); at
-# 1 x 1M 2 / 2048 took 28.7 us against 30.4 with 4 / 2048. Three compilations, one per tiling (the tile width and
-# SPLITS).
-SPLIT_TILING = {"small": (2, 1024), "big": (4, 2048), "long row": (2, 2048)}
+# The split kernel's (programs per SM and phase, columns per tile) on a GPU, for problems below / from BIG_FROM scores
+# (S = programs per SM x SMs / R; a workspace's size depends on it). H100, 2026-11-25 (docs/performance.md): 2 / 1024
+# 22.1 us at 1 x 262K against 24.2 with 4 / 2048; 4 / 2048 36.2 against 37.1 at 1 x 1M, 47.6 against 53.3 at 64 x 32K,
+# 47.8 against 54.6 at 8 x 262K. Two compilations, one per tiling (the tile width and SPLITS).
+SPLIT_TILING = {"small": (2, 1024), "big": (4, 2048)}
 BIG_FROM = 1 << 20
 # Whether phases A-C load a chunk's first tile before their histogram reads (its latency overlaps theirs) rather than
 # after them, per tiling. H200, 2026-11-26 (docs/performance.md), ahead / not: with 2 programs per SM the latency
 # shows, 1 x 262K 18.0-18.6 / 18.5-18.7 us; with 4 the other programs hide it, and the tile held across the reads
 # costs registers (phase B 96 -> 119 on the proxy: 4 programs per SM instead of 5), 64 x 32K 35.4-35.7 / 33.6-34.0.
-FIRST_TILE_AHEAD = {"small": True, "big": False, "long row": False}
+FIRST_TILE_AHEAD = {"small": True, "big": False}
 # Phases A and B count digits into global memory (`_count_digits`: on a GPU one reduction per group of a warp's
 # lanes holding the same digit, PTX match.any + red; under the interpreter an atomic per key) instead of a 256-bin
 # tl.histogram per tile (~73 SASS instructions per key). H200, 64 x 32K 45.4 -> 34.4 us, 1 x 1M 33.5 -> 30.2
@@ -120,10 +117,8 @@ _CPU_TILING = (6, 64)  # the interpreter's programs and tile columns: small, so 
 
 
 def _size(rows: int, cols: int) -> str:
-    """The split kernel's tiling key for scores [rows, cols] ("small" / "big" / "long row")."""
-    if rows * cols < BIG_FROM:
-        return "small"
-    return "long row" if rows == 1 else "big"
+    """The split kernel's tiling key for scores [rows, cols] ("small" / "big")."""
+    return "big" if rows * cols >= BIG_FROM else "small"
 
 
 def _tiling(rows: int, cols: int, device: torch.device) -> tuple[int, int]:
