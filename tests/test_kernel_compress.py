@@ -345,9 +345,9 @@ def test_wait_late_waits_once_per_program(monkeypatch):
     included: under the interpreter, where the wait is a plain function, every program of a launch calls it once on
     both paths. With `launch_next` every program waits, then lets the next grid in. The caller's cos_sin is required
     for wait_late (made here, they would be written right before the early reader)."""
-    waits = []
-    monkeypatch.setattr(compress, "wait_for_prior_grids", lambda: waits.append("wait"))
-    monkeypatch.setattr(compress, "let_next_grid_launch", lambda: waits.append("launch"))
+    events = []
+    monkeypatch.setattr(compress, "wait_for_prior_grids", lambda: events.append("wait"))
+    monkeypatch.setattr(compress, "let_next_grid_launch", lambda: events.append("launch"))
     cache = CacheManager(TINY, max_requests=2, max_tokens=300, page_tokens=128, device=DEVICE, poison=True)
     rid = cache.admit()
     buffers = cache.step_buffers(max_tokens=5, max_requests=2)
@@ -364,13 +364,13 @@ def test_wait_late_waits_once_per_program(monkeypatch):
                  torch.randn(rows, 2 * layout.dim, device=DEVICE))
         counts = {}
         for late in (False, True):
-            waits.clear()
+            events.clear()
             compress_insert(*state, cos_sin=rope_cos_sin(spec.rope, writes.index * spec.ratio), wait_late=late, **kw)
-            counts[late] = len(waits)
-        assert counts[True] == counts[False] > 0 and set(waits) == {"wait"}, counts
-        waits.clear()
+            counts[late] = len(events)
+        assert counts[True] == counts[False] > 0 and set(events) == {"wait"}, counts
+        events.clear()
         compress_insert(*state, launch_next=True, **kw)
-        assert waits == ["wait", "launch"] * counts[False], waits
+        assert events == ["wait", "launch"] * counts[False], events
         with pytest.raises(ValueError, match="wait_late needs the caller's cos_sin"):
             compress_insert(*state, wait_late=True, **kw)
 

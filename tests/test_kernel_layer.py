@@ -106,6 +106,43 @@ def test_decode_steps_append_the_window_beside_attention(monkeypatch, index):
         assert torch.equal(caches[1].pools.layers[index].window, caches[0].pools.layers[index].window), step
 
 
+def test_indexer_pair_puts_first_a_kernel_that_launches(monkeypatch):
+    """The indexer compress goes first in its pair with the query (`layer.COMPRESS_FIRST`, `launch_next`; the query
+    waits last, `wait_late`) only where it launches: an exact-size decode plan whose step completes no entry has no
+    entry slot, so `compress_insert` launches nothing, and a second kernel waiting last would then read before any
+    wait. There the query goes first. A graph's padded buffers always hold entry slots. Outputs match the reference."""
+    from dsv4kv import kernels
+    calls = []
+    for name in ("compress_insert", "indexer_query_and_weights"):
+        original = getattr(kernels, name)
+
+        def spy(*a, _f=original, _n=name, **kw):
+            if _n == "indexer_query_and_weights" or not kw["main"]:  # the indexer's compress, not the main one
+                calls.append((_n, kw.get("launch_next", False), kw.get("wait_late", False)))
+            return _f(*a, **kw)
+        monkeypatch.setattr(kernels, name, spy)
+    torch_layer, triton_layer = layer_pair(1, seed=5)
+    caches = [make_cache("fp8", "mxfp4") for _ in range(2)]
+    rids = [c.admit() for c in caches]
+    buffers = caches[1].step_buffers(max_tokens=24, max_requests=3, max_seq_len=128)
+    gen = torch.Generator().manual_seed(5)
+    seen = set()
+    for n, padded in [(21, True)] + [(1, False)] * 4 + [(1, True)] * 2:  # decode positions 21..26: entry 5 at 23
+        x = torch.randn(n, TINY.hidden_size, generator=gen).to(torch.bfloat16).to(DEVICE)
+        want = torch_layer(x, caches[0].plan_step([(rids[0], n)]), caches[0])
+        plan = caches[1].plan_step([(rids[1], n)], buffers=buffers if padded else None)
+        slots = plan.entries[TINY.layers[1].ratio].slots.shape[0]
+        calls.clear()
+        got = triton_layer(x, plan, caches[1])
+        first = ("compress_insert", True, False) if slots else ("indexer_query_and_weights", True, False)
+        second = ("indexer_query_and_weights", False, True) if slots else ("compress_insert", False, True)
+        assert calls == [first, second], (n, padded, slots, calls)
+        seen.add((padded, slots > 0))
+        error = (got.float() - want.float()).abs().amax(-1) / want.float().abs().amax(-1)
+        assert float(error.max()) <= ROW_TOL, (n, error)
+    assert seen == {(True, True), (False, False), (False, True)}, seen
+
+
 def test_backend_choice_and_bad_input():
     layer = DSV4Attention(TINY, 0, dtype=torch.float32)
     assert layer.resolved_backend(torch.device("cpu")) == "torch"

@@ -46,15 +46,16 @@ BACKENDS = ("auto", "torch", "triton")
 # each call.
 WINDOW_APPEND_BESIDE = True
 # The CSA layer's indexer query and indexer compress as a pair on the main stream: the first lets the second launch
-# beside it, the second waits for the grid before them last (`launch_next` / `wait_late`); False: one after the
-# other, plain PDL. H100, 2026-11-26 (docs/performance.md), CSA decode core, the query on the side stream / the pair
-# (query first): batch 1 at 4K 34.6 / 32.5 us, at 16K 36.0 / 32.0, at 1M 54.3 / 54.5; batch 64 at 128K 213.2 / 212.6.
-# Read at each call.
+# beside it, the second waits for the first, last (`launch_next` / `wait_late`); False: one after the other, plain
+# PDL. H100, 2026-11-26 (docs/performance.md), CSA decode core, the query on the side stream / the pair (query
+# first): batch 1 at 4K 34.6 / 32.5 us, at 16K 36.0 / 32.0, at 1M 54.3 / 54.5; batch 64 at 128K 213.2 / 212.6. Read
+# at each call.
 INDEXER_PAIR = True
-# The pair's first kernel: the indexer compress, the longer of the two at decode (at batch 1 it took 4.5-5.1 us
-# launched first, the query 3.1-3.2), so the scores start as it ends; False: the query. H100, 2026-11-26 (docs/performance.md), CSA
-# decode core, query / compress first: batch 1 at 4K 31.6 / 31.5 us, at 16K 32.0 / 31.1, at 1M 54.1 / 52.1; batch 8
-# at 128K 64.9 / 64.5; batch 64 212.5 / 212.5. Read at each call.
+# The pair's first kernel: the indexer compress, the longer of the two at decode (batch 1: 4.5-5.1 us against the
+# query's 3.1-3.2), started first so that the pair ends sooner (1M: the scores start at 5.7 us instead of 6.6), where
+# the plan has entries to compress (else the compress launches nothing and cannot be first); False: the query. H100,
+# 2026-11-26 (docs/performance.md), CSA decode core, query / compress first: batch 1 at 4K 31.6 / 31.5 us, at 16K
+# 32.0 / 31.1, at 1M 54.1 / 52.1; batch 8 at 128K 64.9 / 64.5; batch 64 212.5 / 212.5. Read at each call.
 COMPRESS_FIRST = True
 # A window layer's q RoPE lets its kv insert launch beside it on the main stream, the kv insert waiting for it before
 # it exits, so attention waits for no event; False: the q RoPE on the side stream. H100, 2026-11-26
@@ -438,7 +439,11 @@ class DSV4Attention(nn.Module):
                                     norm_weight=idx.kv_norm.weight, layout=index_layout, pool=layer_cache.index_keys,
                                     main=False, **insert, **pair_end)
 
-                first, second = (compress, query) if COMPRESS_FIRST else (query, compress)
+                # a pair's first kernel must launch (its wait is the second's): the compress launches nothing where
+                # the plan has no entry slot (an exact-size plan's step that completes none; a graph's padded buffers
+                # always hold some), so it goes first only where it launches
+                compress_launches = plan.entries[spec.ratio].slots.shape[0] > 0
+                first, second = (compress, query) if COMPRESS_FIRST and compress_launches else (query, compress)
                 first(launch_next=INDEXER_PAIR)
                 second(wait_late=INDEXER_PAIR)
                 streams.side_waits(streams.main_mark())

@@ -281,7 +281,8 @@ def compress_insert(state_kv: torch.Tensor, state_logits: torch.Tensor, plan, kv
     check_pool("pool", pool, layout, page_tokens // ratio, device)
     check_wait_late("compress_insert", wait_late, cos_sin is not None)
     require(isinstance(launch_next, bool), f"launch_next: expected a bool, got {launch_next!r}")
-    require(not (wait_late and launch_next), "compress_insert: wait_late and launch_next are the two ends of a pair")
+    require(not (wait_late and launch_next),
+            "compress_insert: wait_late and launch_next are the two ends of a pair; pass at most one")
     require(not (wait_late or launch_next) or POOL_SPLIT is None or overlap,
             "compress_insert: wait_late / launch_next need one launch (overlap, or POOL_SPLIT = None)")
     writes = plan.entries[ratio]
@@ -311,7 +312,8 @@ def compress_insert(state_kv: torch.Tensor, state_logits: torch.Tensor, plan, kv
         RATIO=ratio, OVERLAP=overlap, D=d, LOG_D=d.bit_length() - 1, RING=state_kv.shape[1], MAIN=main,
         FORMAT=_format_code(layout, main), ROUND=out_dtype == torch.bfloat16, DATA_BYTES=layout.data_bytes,
         SCALE_BYTES=max(layout.scale_bytes, 1), BLOCK_E=block_e, CHUNK=chunk, POOLED=pooled is not None,
-        WAIT_LATE=wait_late, LAUNCH_NEXT=launch_next, num_warps=POOLED_WARPS if pooled is not None else warps, **launch_options(device))
+        WAIT_LATE=wait_late, LAUNCH_NEXT=launch_next, num_warps=POOLED_WARPS if pooled is not None else warps,
+        **launch_options(device))
 
 
 @triton.jit

@@ -20,12 +20,14 @@ CSA core: without PDL 43.3 / 73.7 / 265.5 us (16K and 1M at batch 1, 128K at bat
 
 Two pairs run side by side on purpose: the CSA layer's indexer compress and its indexer query
 (`compress_insert(launch_next=True)`, `indexer_query_and_weights(wait_late=True)`; either may go first), and a window
-layer's q RoPE and its kv insert (`kv_insert(wait_late=True)`). The
-first of a pair lets the next grid launch right after its own wait (`let_next_grid_launch`); the second touches no
+layer's q RoPE and its kv insert (`kv_insert(wait_late=True)`). The first of a pair lets the next grid launch right
+after its own wait (`let_next_grid_launch`); the second touches no
 tensor the first does and calls its wait last, before every exit. It launches only once every program of the first
 has passed its wait, so everything before the pair is complete when it reads; and it completes only after the
 first has, so the transitive argument above holds for the kernel after the pair. Whatever the second reads must be
-complete before the first started (its wrapper refuses to make its RoPE tables itself).
+complete before the first started (its wrapper refuses to make its RoPE tables itself). And the first must launch:
+a wrapper that may launch nothing (`compress_insert` where the plan has no entry slot) goes first only where its
+caller knows it launches.
 
 PDL and the wait's instruction need Hopper (sm_90) or later: on older GPUs the wait is compiled out and kernels are
 launched plainly. `DEPENDENT_LAUNCH = False` launches plainly everywhere (read at each launch). The interpreter runs

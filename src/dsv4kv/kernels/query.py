@@ -251,8 +251,7 @@ def _indexer_query(q, cos, sin, layout, out, weights, scale, weights_out, fmt=No
             float(scale) if weights is not None else 1.0, h_scale, H=heads, D=dim, HALF=half,
             COLS=triton.next_power_of_2(dim), LOG_D=max(dim.bit_length() - 1, 0), BLOCK_H=block_h, FORMAT=fmt,
             WEIGHTS=weights is not None, FP8_OUT=fp8_out is not None, LAUNCH_NEXT=launch_next, WAIT_LATE=wait_late,
-            num_warps=warps,
-            enable_fp_fusion=False, **launch_options(device))
+            num_warps=warps, enable_fp_fusion=False, **launch_options(device))
     return out if weights is None else (out, weights_out)
 
 
@@ -282,8 +281,8 @@ def indexer_query_and_weights(q: torch.Tensor, weights: torch.Tensor, cos: torch
     Returns (query fp32 [N, H, D], weights fp32 [N, H])."""
     require(weights is not None, "weights: expected a tensor, got None")
     require(isinstance(launch_next, bool), f"launch_next: expected a bool, got {launch_next!r}")
-    check_wait_late("indexer_query_and_weights", wait_late, True)
+    check_wait_late("indexer_query_and_weights", wait_late, tables_given=True)  # cos, sin: always the caller's
     require(not (wait_late and launch_next), "indexer_query_and_weights: wait_late and launch_next are the two ends "
-                                             "of a pair")
+                                             "of a pair; pass at most one")
     return _indexer_query(q, cos, sin, layout, out, weights, scale, weights_out, fp8_out=fp8_out,
                           launch_next=launch_next, wait_late=wait_late)
