@@ -373,6 +373,16 @@ def test_wait_late_waits_once_per_program(monkeypatch):
         assert events == ["wait", "launch"] * counts[False], events
         with pytest.raises(ValueError, match="wait_late needs the caller's cos_sin"):
             compress_insert(*state, wait_late=True, **kw)
+    # an exact-size plan whose step completes no entry has no entry slot: nothing launches, but the first kernel of a
+    # pair launches one program, which waits and lets the next grid in (the second kernel's wait is on it)
+    plan = cache.plan_step([(rid, 1)])
+    assert plan.entries[spec.ratio].slots.shape[0] == 0
+    state = (layer.index_state_kv, layer.index_state_score, plan, torch.randn(1, 2 * layout.dim, device=DEVICE),
+             torch.randn(1, 2 * layout.dim, device=DEVICE))
+    for launch_next, want in ((False, []), (True, ["wait", "launch"])):
+        events.clear()
+        compress_insert(*state, launch_next=launch_next, **kw)
+        assert events == want, (launch_next, events)
 
 
 # --- indexer-key encoders, bit for bit ------------------------------------------------------------------------

@@ -52,8 +52,8 @@ WINDOW_APPEND_BESIDE = True
 # at each call.
 INDEXER_PAIR = True
 # The pair's first kernel: the indexer compress, the longer of the two at decode (batch 1: 4.5-5.1 us against the
-# query's 3.1-3.2), started first so that the pair ends sooner (1M: the scores start at 5.7 us instead of 6.6), where
-# the plan has entries to compress (else the compress launches nothing and cannot be first); False: the query. H100,
+# query's 3.1-3.2), started first so that the pair ends sooner (1M: the scores start at 5.7 us instead of 6.6); as the
+# first it launches even where no entry completes (`compress_insert(launch_next=True)`); False: the query. H100,
 # 2026-11-26 (docs/performance.md), CSA decode core, query / compress first: batch 1 at 4K 31.6 / 31.5 us, at 16K
 # 32.0 / 31.1, at 1M 54.1 / 52.1; batch 8 at 128K 64.9 / 64.5; batch 64 212.5 / 212.5. Read at each call.
 COMPRESS_FIRST = True
@@ -439,11 +439,7 @@ class DSV4Attention(nn.Module):
                                     norm_weight=idx.kv_norm.weight, layout=index_layout, pool=layer_cache.index_keys,
                                     main=False, **insert, **pair_end)
 
-                # a pair's first kernel must launch (its wait is the second's): the compress launches nothing where
-                # the plan has no entry slot (an exact-size plan's step that completes none; a graph's padded buffers
-                # always hold some), so it goes first only where it launches
-                compress_launches = plan.entries[spec.ratio].slots.shape[0] > 0
-                first, second = (compress, query) if COMPRESS_FIRST and compress_launches else (query, compress)
+                first, second = (compress, query) if COMPRESS_FIRST else (query, compress)
                 first(launch_next=INDEXER_PAIR)
                 second(wait_late=INDEXER_PAIR)
                 streams.side_waits(streams.main_mark())

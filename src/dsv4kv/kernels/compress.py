@@ -260,7 +260,8 @@ def compress_insert(state_kv: torch.Tensor, state_logits: torch.Tensor, plan, kv
     plan.entries[ratio].index * ratio)` when the caller already has it (computed here otherwise).
     wait_late: the second kernel of a pair (`launch`'s module docstring: beside the layer's indexer query), its wait
     last; needs the caller's cos_sin and one launch (not HCA's split pooling). launch_next: the first kernel of a pair
-    (the layer's indexer query beside it); one launch too.
+    (the layer's indexer query beside it); one launch too, made even where no entry completes (one program that
+    returns), since the second kernel's wait is on it.
     Tiles: COMPRESS_TILES, and POOL_SPLIT (by the entry count) for HCA's pooling."""
     device = pool.device
     check_plan(plan, device)
@@ -287,7 +288,9 @@ def compress_insert(state_kv: torch.Tensor, state_logits: torch.Tensor, plan, kv
             "compress_insert: wait_late / launch_next need one launch (overlap, or POOL_SPLIT = None)")
     writes = plan.entries[ratio]
     count = writes.slots.shape[0]
-    if count == 0:
+    # nothing to compress; the first kernel of a pair launches all the same (one program that returns), since the
+    # second kernel's wait is on it
+    if count == 0 and not launch_next:
         return
     cos, sin = cos_sin if cos_sin is not None else rope_cos_sin(rope, writes.index * ratio)
     check_tensor("cos", cos, dtype=torch.float32, shape=(count, rope.dim // 2), device=device)
@@ -306,7 +309,7 @@ def compress_insert(state_kv: torch.Tensor, state_logits: torch.Tensor, plan, kv
             kv_rows, logit_rows, state_kv, state_logits, *entry_args, pooled, count, RATIO=ratio, OVERLAP=overlap,
             D=d, RING=state_kv.shape[1], CHANNELS=channels, BLOCK_E=1, CHUNK=_chunk(pool_chunk, span),
             num_warps=pool_warps, **launch_options(device), **({"maxnreg": cap} if cap and not interpreted() else {}))
-    _compress_kernel[(triton.cdiv(count, block_e),)](
+    _compress_kernel[(max(triton.cdiv(count, block_e), 1),)](
         kv_rows, logit_rows, state_kv, state_logits, norm_weight, cos, sin, *entry_args,
         pool, pooled if pooled is not None else kv_rows, count, pool.shape[1], page_tokens // ratio, h_scale, eps,
         RATIO=ratio, OVERLAP=overlap, D=d, LOG_D=d.bit_length() - 1, RING=state_kv.shape[1], MAIN=main,
