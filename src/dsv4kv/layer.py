@@ -427,8 +427,8 @@ class DSV4Attention(nn.Module):
             if csa:
                 # RoPE, Hadamard rotation, MXFP4 / FP8 round trip and head weights in one kernel (bit for bit the
                 # torch path's query), and the indexer compress: a pair (they share no tensor), the first letting the
-                # second launch at once, the second waiting for the grid before it last, so the scores kernel after
-                # them sees both complete
+                # second launch at once, the second waiting for the first, last, so the scores kernel after them sees
+                # both complete
                 def query(**pair_end):
                     indexer_query_and_weights(p.index_q, p.index_weights, *cos_sin, index_layout,
                                               scale=g.index_n_heads ** -0.5, out=q_index, weights_out=weights,

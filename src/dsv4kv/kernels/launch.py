@@ -21,10 +21,10 @@ CSA core: without PDL 43.3 / 73.7 / 265.5 us (16K and 1M at batch 1, 128K at bat
 Two pairs run side by side on purpose: the CSA layer's indexer compress and its indexer query
 (`compress_insert(launch_next=True)`, `indexer_query_and_weights(wait_late=True)`; either may go first), and a window
 layer's q RoPE and its kv insert (`kv_insert(wait_late=True)`). The first of a pair lets the next grid launch right
-after its own wait (`let_next_grid_launch`); the second touches no
-tensor the first does and calls its wait last, before every exit. It launches only once every program of the first
-has passed its wait, so everything before the pair is complete when it reads; and it completes only after the
-first has, so the transitive argument above holds for the kernel after the pair. Whatever the second reads must be
+after its own wait (`let_next_grid_launch`); the second touches no tensor the first does and calls its wait last,
+before every exit. It launches only once every program of the first has passed its wait, so everything before the
+pair is complete when it reads; and it completes only after the first has, so the transitive argument above holds
+for the kernel after the pair. Whatever the second reads must be
 complete before the first started (its wrapper refuses to make its RoPE tables itself). And the first must launch,
 as the second's wait is on it: `compress_insert(launch_next=True)` launches one program where no entry completes.
 
