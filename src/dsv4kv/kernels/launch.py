@@ -24,9 +24,9 @@ layer's q RoPE and its kv insert (`kv_insert(wait_late=True)`). The first of a p
 after its own wait (`let_next_grid_launch`); the second touches no tensor the first does and calls its wait last,
 before every exit. It launches only once every program of the first has passed its wait, so everything before the
 pair is complete when it reads; and it completes only after the first has, so the transitive argument above holds
-for the kernel after the pair. Whatever the second reads must be
-complete before the first started (its wrapper refuses to make its RoPE tables itself). And the first must launch,
-as the second's wait is on it: `compress_insert(launch_next=True)` launches one program where no entry completes.
+for the kernel after the pair. Whatever the second reads must be complete before the first started (its wrapper
+refuses to make its RoPE tables itself). And the first must launch, as the second's wait is on it:
+`compress_insert(launch_next=True)` launches one program where no entry completes.
 
 PDL and the wait's instruction need Hopper (sm_90) or later: on older GPUs the wait is compiled out and kernels are
 launched plainly. `DEPENDENT_LAUNCH = False` launches plainly everywhere (read at each launch). The interpreter runs
