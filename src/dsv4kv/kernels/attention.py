@@ -55,7 +55,7 @@ from ..plan import StepPlan
 from .common import check_pool, check_tensor, interpreted, padded_rows, sm_count
 from .encode import round_bf16
 from .launch import launch_options, wait_for_prior_grids
-from .query import _check_cos_sin, _rope_pairs, rope_rows
+from .query import _check_cos_sin, _rope_pairs
 
 __all__ = ["sparse_attention_paged"]
 
@@ -309,12 +309,15 @@ def _sparse_attention_kernel(
         p_win, win_page_bytes,  # the window ring: page = request slot, WINDOW entries
         p_ent, ent_page_bytes,  # compressed entries: ENT_PER_PAGE of ratio RATIO per page
         p_picks, n_picks, qk_scale, H, splits, p_scratch,  # scratch: fp32 [programs, BLOCK_H * BLOCK_N]
+        p_cos, p_sin,  # fp32 [R, ROPE_HALF]: the rows' RoPE tables, for the output's inverse RoPE (ROPE_HALF > 0)
         RATIO: tl.constexpr, ENT_PER_PAGE: tl.constexpr,
         WINDOW: tl.constexpr, D: tl.constexpr, NOPE: tl.constexpr, DATA_BYTES: tl.constexpr,
         SCALE_BYTES: tl.constexpr, ENTRIES: tl.constexpr, Q_SPLIT: tl.constexpr, DOT_F32: tl.constexpr,
-        BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, QK_SCRATCH: tl.constexpr):
+        BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, QK_SCRATCH: tl.constexpr,
+        ROPE_HALF: tl.constexpr):
     """One program per (token row, head block, key split); pools are uint8 pointers. SPLIT: write split
-    program_id(2)'s partial softmax to the workspace; else (splits = 1) the row's normalized output. The heads
+    program_id(2)'s partial softmax to the workspace; else (splits = 1) the row's normalized output, fp32, or
+    (ROPE_HALF > 0) with the layer's inverse RoPE and rounded to bf16, as the merge writes it. The heads
     of the block are the M dimension of both products, so each key tile is read and decoded once per head
     block (once per row for V4-Flash's 64 heads)."""
     wait_for_prior_grids()
@@ -385,6 +388,11 @@ def _sparse_attention_kernel(
         o_w = tl.arange(0, BLOCK_H) * (D + 2) + D
         tl.store(p_w + o_w, m_i, mask=m_h)
         tl.store(p_w + o_w + 1, l_i, mask=m_h)
+    elif ROPE_HALF > 0:  # bf16 out: the inverse RoPE and the rounding of `query.rope_rows(fp32 out, inverse=True)`
+        b_o = _rope_pairs(acc / l_i[:, None], p_cos, p_sin, i_t.to(tl.int64), BLOCK_H, D, 0, D // 2 - ROPE_HALF,
+                          ROPE_HALF, True)
+        tl.store(p_out + (i_t.to(tl.int64) * H + i_h * BLOCK_H) * D + o_hd, round_bf16(b_o).to(tl.bfloat16),
+                 mask=m_h[:, None])
     else:
         tl.store(p_out + (i_t.to(tl.int64) * H + i_h * BLOCK_H) * D + o_hd, acc / l_i[:, None], mask=m_h[:, None])
 
@@ -498,8 +506,8 @@ def sparse_attention_paged(q: torch.Tensor, plan: StepPlan, *, sinks: torch.Tens
             says otherwise, then they must agree); S = 1 runs the single pass and leaves it untouched.
         inverse_rope: (cos, sin) fp32 [R, rope_dim // 2] of the rows' positions: the output then gets the layer's
             inverse RoPE and is rounded to bf16, bit for bit `query.rope_rows(output, cos, sin, inverse=True)`
-            (`out`, if given, is bf16). With S > 1 splits the merge applies it (no extra launch); the single pass is
-            followed by `rope_rows`.
+            (`out`, if given, is bf16). The single pass applies it as it stores the output; with S > 1 splits the
+            merge does.
     """
     require(isinstance(plan, StepPlan), f"plan: expected a StepPlan, got {type(plan).__name__}")
     require(isinstance(layout, EntryLayout), f"layout: expected an EntryLayout, got {type(layout).__name__}")
@@ -552,9 +560,11 @@ def sparse_attention_paged(q: torch.Tensor, plan: StepPlan, *, sinks: torch.Tens
         out = torch.empty((rows, heads, dim), dtype=out_dtype, device=device)
     else:
         check_tensor("out", out, dtype=out_dtype, shape=(rows, heads, dim), device=device)
+    rope_half, (cos, sin) = 0, (sinks, sinks)  # the tables are unread without the RoPE
     if inverse_rope is not None:
         require(isinstance(inverse_rope, tuple) and len(inverse_rope) == 2, "inverse_rope: expected (cos, sin)")
         rope_half = _check_cos_sin(*inverse_rope, rows, dim, device)
+        cos, sin = inverse_rope
     require(splits is None or (isinstance(splits, int) and not isinstance(splits, bool) and 1 <= splits <= 65535),
             f"splits: expected an int in 1..65535 (a grid dimension) or None, got {splits!r}")
     config = _config(rows, heads, max_keys, device)
@@ -568,9 +578,6 @@ def sparse_attention_paged(q: torch.Tensor, plan: StepPlan, *, sinks: torch.Tens
         return out
 
     split = config.splits > 1
-    final = out  # returned; with inverse_rope the single pass writes an fp32 temporary that rope_rows turns into it
-    if inverse_rope is not None and not split:
-        out = torch.empty((rows, heads, dim), dtype=torch.float32, device=device)
     if split and workspace is None:
         workspace = torch.empty((rows, config.splits, heads, dim + 2), dtype=torch.float32, device=device)
     grid = (rows, triton.cdiv(heads, config.block_h), config.splits)
@@ -587,23 +594,24 @@ def sparse_attention_paged(q: torch.Tensor, plan: StepPlan, *, sinks: torch.Tens
         window_pool, window_pool.shape[1],
         ent_pool, ent_pool.shape[1],
         picks if picks is not None else plan.positions, n_picks, float(scale) * _LOG2E, heads, config.splits, scratch,
+        cos, sin,
         RATIO=max(ratio, 1), ENT_PER_PAGE=per_page,  # fixed per layer: divisions by constants
         WINDOW=window, D=dim, NOPE=nope, DATA_BYTES=layout.data_bytes, SCALE_BYTES=scale_bytes, ENTRIES=mode,
         Q_SPLIT=q.dtype == torch.float32, DOT_F32=interpreted(), BLOCK_H=config.block_h, BLOCK_N=config.block_n,
-        SPLIT=split, QK_SCRATCH=qk_scratch, num_warps=config.num_warps, num_stages=config.num_stages,
-        **launch_options(device),
+        SPLIT=split, QK_SCRATCH=qk_scratch, ROPE_HALF=rope_half if not split else 0, num_warps=config.num_warps,
+        num_stages=config.num_stages,
+        # the inverse RoPE's separately rounded products (`query.rope_rows`); the key loop is the same up to a few
+        # FMULs for FFMAs, and its outputs were byte-equal either way (docs/performance.md)
+        enable_fp_fusion=False, **launch_options(device),
     )
     if split:
-        cos, sin = inverse_rope if inverse_rope is not None else (sinks, sinks)  # unread without the RoPE
         chunk, dims, warps = _merge_tile(config.splits, dim)
         _merge_kernel[(rows, heads, dim // dims)](
             workspace, sinks, out, plan.positions, cos, sin, n_picks, heads, config.splits,
             RATIO=max(ratio, 1), WINDOW=window, D=dim, ENTRIES=mode, BLOCK_N=config.block_n,
             MERGE_S=chunk,
-            ROPE_HALF=rope_half if inverse_rope is not None else 0, DIMS=dims, num_warps=warps,
+            ROPE_HALF=rope_half, DIMS=dims, num_warps=warps,
             # rope_rows' rounding (separately rounded products), and the same fp32 merge with or without the RoPE
             enable_fp_fusion=False, **launch_options(device),
         )
-    elif inverse_rope is not None:
-        rope_rows(out, *inverse_rope, inverse=True, out=final)
-    return final
+    return out
