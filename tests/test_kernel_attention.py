@@ -343,6 +343,31 @@ def test_inverse_rope_output_is_rope_rows_of_the_output(splits):
         sparse_attention_paged(q, plan, inverse_rope=(cos_sin[0][:2], cos_sin[1]), **args)
 
 
+@pytest.mark.parametrize("splits", [1, 3])
+def test_q_rope_dims_replace_the_last_dims_of_q(splits):
+    """q_rope_dims: attention reads each head's last rope_dim dims from it and the others from q, bit for bit the
+    attention of the whole roped q, whether q's own last dims are roped, unroped or NaN (never read)."""
+    q, plan, args, cos_sin = hca_decode_case(90, 3, 5, seed=16)
+    args["splits"] = splits
+    rope_dim = 2 * cos_sin[0].shape[1]
+    roped = rope_rows(q, *cos_sin)
+    dims = torch.full((*q.shape[:2], rope_dim), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    assert rope_rows(q, *cos_sin, out=dims) is dims and torch.equal(dims, roped[..., -rope_dim:])
+    poisoned = q.clone()
+    poisoned[..., -rope_dim:] = float("nan")
+    for inverse in (None, cos_sin):
+        want = sparse_attention_paged(roped, plan, inverse_rope=inverse, **args)
+        for given in (q, roped, poisoned):
+            got = sparse_attention_paged(given, plan, inverse_rope=inverse, q_rope_dims=dims, **args)
+            assert torch.equal(got, want)
+    with pytest.raises(ValueError, match="q_rope_dims: q must be bf16"):
+        sparse_attention_paged(q.float(), plan, q_rope_dims=dims, **args)
+    with pytest.raises(ValueError, match=r"q_rope_dims: expected torch.bfloat16 \[5, 8, \*\]"):
+        sparse_attention_paged(q, plan, q_rope_dims=dims[:, :4].contiguous(), **args)
+    with pytest.raises(ValueError, match="q_rope_dims: expected 1..127 dims a head, got 128"):
+        sparse_attention_paged(q, plan, q_rope_dims=roped, **args)
+
+
 def test_merge_tile_sets_only_the_order_of_the_sums(monkeypatch):
     """The merge's tile (`_merge_tile`: splits read at once, head dims and warps per program) changes only the order
     of fp32 sums over the splits (here 3 in use, read 2 or 8 at a time, over all 128 dims or 32 a program, on 2 or 4

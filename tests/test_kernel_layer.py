@@ -201,6 +201,25 @@ def test_step_overlap_changes_no_byte(monkeypatch, switch):
                 assert torch.equal(a, b), field.name
 
 
+def test_q_rope_dims_only_changes_no_byte(monkeypatch):
+    """`layer.Q_ROPE_DIMS_ONLY`: every layer kind with the q RoPE writing the rope dims only (attention reading the
+    others from the unroped q) and with a whole roped copy of q, over a prefill chunk next to a decode row, then a
+    decode step, on twin caches: outputs equal bit for bit."""
+    from dsv4kv import layer as layer_module
+    from dsv4kv.geometry import LayerKind
+    layers = [init_random_weights(DSV4Attention(TINY, i, device=DEVICE, backend="triton"), i) for i in range(3)]
+    caches = [make_cache("fp8", "mxfp4") for _ in range(2)]
+    rids = [[c.admit() for _ in range(2)] for c in caches]
+    gen = torch.Generator(device=DEVICE).manual_seed(6)
+    for step in ([(0, 37), (1, 20)], [(0, 1), (1, 19)], [(0, 1), (1, 1)]):
+        x = torch.randn(sum(n for _, n in step), TINY.hidden_size, generator=gen, device=DEVICE).to(torch.bfloat16)
+        outs = []
+        for kinds, cache, ids in zip((frozenset(LayerKind), frozenset()), caches, rids):
+            monkeypatch.setattr(layer_module, "Q_ROPE_DIMS_ONLY", kinds)
+            outs.append(chain(layers, x, cache.plan_step([(ids[i], n) for i, n in step]), cache))
+        assert torch.equal(outs[0], outs[1])
+
+
 def test_side_stream_is_off_without_cuda():
     """On the CPU (the interpreter) the streams are no-ops: the kernels run in the order written."""
     from dsv4kv.streams import StepStreams

@@ -143,6 +143,9 @@ def test_rope_rows_odd_shapes(dim, rope_dim, heads):
         assert_same(rope_rows(x, cos, sin, out=out), apply_rope(x, positions, rope).to(torch.bfloat16))
     x = x.to(torch.bfloat16)
     want = apply_rope(x, positions, rope, inverse=True)
+    if rope_dim < dim:  # out of rope_dim dims a head: the rope dims alone, the same bits
+        dims = torch.full((7, heads, rope_dim), NAN, dtype=torch.bfloat16, device=DEVICE)
+        assert_same(rope_rows(x, cos, sin, inverse=True, out=dims), want[..., -rope_dim:].to(torch.bfloat16))
     assert_same(rope_rows(x, cos, sin, inverse=True, out=x), want)
 
 

@@ -63,6 +63,13 @@ COMPRESS_FIRST = True
 # batch 8 at 128K 19.0 / 19.0; batch 64 40.3 / 39.0. HCA's q RoPE, kv insert and pooling so were 0.6-1.1 us slower
 # from 16K at batch 1 to batch 8 and equal at batch 64, so HCA keeps the side stream. Read at each call.
 ROPE_LAUNCHES_KV_INSERT = True
+# Layer kinds whose q RoPE writes only the rope dims (`rope_rows(out=[R, H, rope_dim])`, 64 of 512 a head) and whose
+# attention reads the other dims from the unroped q (`sparse_attention_paged(q_rope_dims=)`); the others rope a whole
+# copy of q. H100, 2026-11-26 (docs/performance.md), whole copy / rope dims only: an 8192-token prefill chunk's q RoPE
+# 378 / 52 us; window decode core at batch 64 / 128K 37.0 / 35.5 us, batch 128 / 32K 35.0 / 32.5; HCA 99.8 / 98.7
+# and 93.5 / 89.4; batch 1 and 8 within 0.3 us. CSA lost at batch 64 (212.0 / 222.0) and 128 (179.9 / 183.7): its
+# side stream's kernels then meet its indexer scores (timelines in the log). Read at each call.
+Q_ROPE_DIMS_ONLY = frozenset({LayerKind.WINDOW, LayerKind.HCA})
 
 # Geometry fields one layer's weights and computation depend on; the layer's own LayerSpec is compared too.
 _LAYER_FIELDS = ("hidden_size", "num_heads", "head_dim", "rope_dim", "q_lora_rank", "o_groups", "o_lora_rank",
@@ -362,7 +369,9 @@ class DSV4Attention(nn.Module):
         # everything the side stream touches is allocated here, on the main stream, before the fork (streams.py)
         cos_sin = plan.derived(("rope", spec.rope), lambda: rope_cos_sin(spec.rope, positions))
         row_slots = plan.derived("rows", lambda: torch.arange(rows, dtype=torch.int32, device=device))
-        q = torch.empty(p.q.shape, dtype=torch.bfloat16, device=device)
+        rope_only = spec.kind in Q_ROPE_DIMS_ONLY and spec.rope.dim < g.head_dim  # q: the rope dims, else all
+        q = torch.empty((*p.q.shape[:2], spec.rope.dim if rope_only else p.q.shape[2]), dtype=torch.bfloat16,
+                        device=device)
         step_kv = torch.empty((1, main.page_bytes(rows)), dtype=torch.uint8, device=device)
         state_rows, picks = [], None
         entries = max(plan.max_seq_len // spec.ratio, 1) if spec.compressed else None  # per-row bound, host-known
@@ -475,7 +484,8 @@ class DSV4Attention(nn.Module):
                 streams.side_waits(streams.main_mark())
                 with streams.on_side():
                     append(state_rows[0])
-            out = sparse_attention_paged(q, plan, sinks=self.sinks, scale=g.head_dim ** -0.5, layout=main,
+            out = sparse_attention_paged(p.q if rope_only else q, plan, q_rope_dims=q if rope_only else None,
+                                         sinks=self.sinks, scale=g.head_dim ** -0.5, layout=main,
                                          window=g.window, window_pool=layer_cache.window, step_kv=step_kv,
                                          entry_pool=layer_cache.entries if spec.compressed else None,
                                          ratio=spec.ratio if spec.compressed else 0, page_tokens=page_tokens,

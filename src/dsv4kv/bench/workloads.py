@@ -283,7 +283,7 @@ def core_bytes(g: ModelGeometry, cache: CacheManager, layer_index: int, context:
 _STAGES = (("_kv_insert", "kv insert"), ("_compress", "compress-and-insert"), ("_pool_kernel", "compress-and-insert"),
            ("_indexer_scores", "indexer scores"), ("_topk", "top-k"),
            ("_sparse_attention", "attention"), ("_merge_kernel", "attention"), ("_copy_entries", "window append"),
-           ("_append_state", "state append"), ("_rope_rows", "RoPE of q and the output"),
+           ("_append_state", "state append"), ("_rope_rows", "RoPE of q"),
            ("_indexer_query", "indexer query"), ("_q_fp8", "indexer query"))
 
 

@@ -310,11 +310,12 @@ def _sparse_attention_kernel(
         p_ent, ent_page_bytes,  # compressed entries: ENT_PER_PAGE of ratio RATIO per page
         p_picks, n_picks, qk_scale, H, splits, p_scratch,  # scratch: fp32 [programs, BLOCK_H * BLOCK_N]
         p_cos, p_sin,  # fp32 [R, ROPE_HALF]: the rows' RoPE tables, for the output's inverse RoPE (ROPE_HALF > 0)
+        p_q_rope,  # bf16 [R, H, Q_ROPE_DIMS]: q's last dims, roped (Q_ROPE_DIMS > 0; q's own are then unread)
         RATIO: tl.constexpr, ENT_PER_PAGE: tl.constexpr,
         WINDOW: tl.constexpr, D: tl.constexpr, NOPE: tl.constexpr, DATA_BYTES: tl.constexpr,
         SCALE_BYTES: tl.constexpr, ENTRIES: tl.constexpr, Q_SPLIT: tl.constexpr, DOT_F32: tl.constexpr,
         BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, QK_SCRATCH: tl.constexpr,
-        ROPE_HALF: tl.constexpr):
+        ROPE_HALF: tl.constexpr, Q_ROPE_DIMS: tl.constexpr):
     """One program per (token row, head block, key split); pools are uint8 pointers. SPLIT: write split
     program_id(2)'s partial softmax to the workspace; else (splits = 1) the row's normalized output, fp32, or
     (ROPE_HALF > 0) with the layer's inverse RoPE and rounded to bf16, as the merge writes it. The heads
@@ -341,7 +342,13 @@ def _sparse_attention_kernel(
     m_busy = m_h & (b_lo + tl.zeros([BLOCK_H], tl.int32) < b_hi)
 
     p_q_row = p_q + i_t.to(tl.int64) * H * D
-    b_q = tl.load(p_q_row + o_h[:, None] * D + o_d[None, :], mask=m_busy[:, None], other=0.0)
+    p_q_tile = p_q_row + o_h[:, None] * D + o_d[None, :]
+    if Q_ROPE_DIMS > 0:  # one load from two tensors: a tile made by arithmetic (a select) would feed the MMA from
+        # registers and spill beside the accumulator; a loaded one goes through shared memory
+        p_q_rope_tile = (p_q_rope + i_t.to(tl.int64) * H * Q_ROPE_DIMS + o_h[:, None] * Q_ROPE_DIMS
+                         + (o_d - (D - Q_ROPE_DIMS))[None, :])
+        p_q_tile = tl.where((o_d >= D - Q_ROPE_DIMS)[None, :], p_q_rope_tile, p_q_tile)
+    b_q = tl.load(p_q_tile, mask=m_busy[:, None], other=0.0)
     # bf16 q as given; an fp32 q as two bf16 parts (16 significant bits: ~2^-17 relative per product)
     b_q_hi = _round_bf16(b_q, DOT_F32)
     b_q_lo = b_q_hi
@@ -475,7 +482,8 @@ def sparse_attention_paged(q: torch.Tensor, plan: StepPlan, *, sinks: torch.Tens
                            picks: torch.Tensor | None = None, out: torch.Tensor | None = None,
                            max_entries: int | None = None, splits: int | None = None,
                            workspace: torch.Tensor | None = None,
-                           inverse_rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                           inverse_rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+                           q_rope_dims: torch.Tensor | None = None) -> torch.Tensor:
     """Sparse attention with sink over the window (ring + this step's kv) and compressed entries -> fp32 [R, H, D]
     (bf16 with `inverse_rope`).
 
@@ -508,6 +516,8 @@ def sparse_attention_paged(q: torch.Tensor, plan: StepPlan, *, sinks: torch.Tens
             inverse RoPE and is rounded to bf16, bit for bit `query.rope_rows(output, cos, sin, inverse=True)`
             (`out`, if given, is bf16). The single pass applies it as it stores the output; with S > 1 splits the
             merge does.
+        q_rope_dims: bf16 [R, H, rope_dim], q's last rope_dim dims of each head, roped (`query.rope_rows(q, cos,
+            sin, out=q_rope_dims)`); q's own last dims are then never read, so q may be the query before its RoPE.
     """
     require(isinstance(plan, StepPlan), f"plan: expected a StepPlan, got {type(plan).__name__}")
     require(isinstance(layout, EntryLayout), f"layout: expected an EntryLayout, got {type(layout).__name__}")
@@ -565,6 +575,11 @@ def sparse_attention_paged(q: torch.Tensor, plan: StepPlan, *, sinks: torch.Tens
         require(isinstance(inverse_rope, tuple) and len(inverse_rope) == 2, "inverse_rope: expected (cos, sin)")
         rope_half = _check_cos_sin(*inverse_rope, rows, dim, device)
         cos, sin = inverse_rope
+    if q_rope_dims is not None:
+        require(q.dtype == torch.bfloat16, f"q_rope_dims: q must be bf16, got {q.dtype}")
+        check_tensor("q_rope_dims", q_rope_dims, dtype=torch.bfloat16, shape=(rows, heads, None), device=device)
+        require(1 <= q_rope_dims.shape[2] < dim, f"q_rope_dims: expected 1..{dim - 1} dims a head, got "
+                                                 f"{q_rope_dims.shape[2]}")
     require(splits is None or (isinstance(splits, int) and not isinstance(splits, bool) and 1 <= splits <= 65535),
             f"splits: expected an int in 1..65535 (a grid dimension) or None, got {splits!r}")
     config = _config(rows, heads, max_keys, device)
@@ -594,11 +609,12 @@ def sparse_attention_paged(q: torch.Tensor, plan: StepPlan, *, sinks: torch.Tens
         window_pool, window_pool.shape[1],
         ent_pool, ent_pool.shape[1],
         picks if picks is not None else plan.positions, n_picks, float(scale) * _LOG2E, heads, config.splits, scratch,
-        cos, sin,
+        cos, sin, q_rope_dims if q_rope_dims is not None else q,
         RATIO=max(ratio, 1), ENT_PER_PAGE=per_page,  # fixed per layer: divisions by constants
         WINDOW=window, D=dim, NOPE=nope, DATA_BYTES=layout.data_bytes, SCALE_BYTES=scale_bytes, ENTRIES=mode,
         Q_SPLIT=q.dtype == torch.float32, DOT_F32=interpreted(), BLOCK_H=config.block_h, BLOCK_N=config.block_n,
-        SPLIT=split, QK_SCRATCH=qk_scratch, ROPE_HALF=rope_half if not split else 0, num_warps=config.num_warps,
+        SPLIT=split, QK_SCRATCH=qk_scratch, ROPE_HALF=rope_half if not split else 0,
+        Q_ROPE_DIMS=q_rope_dims.shape[2] if q_rope_dims is not None else 0, num_warps=config.num_warps,
         num_stages=config.num_stages,
         # the inverse RoPE's separately rounded products (`query.rope_rows`); the key loop is the same up to a few
         # FMULs for FFMAs, and its outputs were byte-equal either way (docs/performance.md)

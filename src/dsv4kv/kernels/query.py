@@ -84,10 +84,12 @@ def _rope_pairs(x, cos_ptr, sin_ptr, row, BLOCK_H: tl.constexpr, COLS: tl.conste
 @triton.jit
 def _rope_rows_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr,
                       H: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, START: tl.constexpr,
-                      COLS: tl.constexpr, BLOCK_H: tl.constexpr, INVERSE: tl.constexpr, LAUNCH_NEXT: tl.constexpr):
+                      COLS: tl.constexpr, OUT_D: tl.constexpr, BLOCK_H: tl.constexpr, INVERSE: tl.constexpr,
+                      LAUNCH_NEXT: tl.constexpr):
     """Row i_t, heads i_h * BLOCK_H ..: dims START .. D - 1 of each head (START = 0: the whole head, rounded
-    to bf16; START = D - 2 * HALF: the rope dims only, for an in-place call). LAUNCH_NEXT: the next grid may launch
-    once this one's programs have waited (`launch.let_next_grid_launch`)."""
+    to bf16; START = D - 2 * HALF: the rope dims only, for an in-place call or into an out of OUT_D = 2 * HALF dims a
+    head). LAUNCH_NEXT: the next grid may launch once this one's programs have waited
+    (`launch.let_next_grid_launch`)."""
     wait_for_prior_grids()
     if LAUNCH_NEXT:
         let_next_grid_launch()
@@ -100,7 +102,8 @@ def _rope_rows_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr,
     b_x = tl.load(x_ptr + offs, mask=m, other=0.0).to(tl.float32)
     b_x = _rope_pairs(b_x, cos_ptr, sin_ptr, t, BLOCK_H, COLS, START // 2, D // 2 - HALF, HALF, INVERSE)
     # nope dims of an fp32 input round here too (the layer's final .to(bf16)); bf16 values pass unchanged
-    tl.store(out_ptr + offs, round_bf16(b_x).to(tl.bfloat16), mask=m)
+    o_out = t * (H * OUT_D) + o_h[:, None] * OUT_D + (o_d - (D - OUT_D))[None, :]
+    tl.store(out_ptr + o_out, round_bf16(b_x).to(tl.bfloat16), mask=m)
 
 
 @triton.jit
@@ -185,7 +188,8 @@ def rope_rows(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, inverse:
 
     x: bf16 or fp32 [N, H, D], contiguous (fp32: the attention output; its nope dims are rounded to bf16 too);
     cos, sin: fp32 [N, rope_dim // 2] = `ops.rope.rope_cos_sin(rope, positions)`, computed once per step.
-    out: bf16 [N, H, D], contiguous; may be x itself (bf16 x), then only the rope dims are read and written.
+    out: bf16 [N, H, D], contiguous; may be x itself (bf16 x), then only the rope dims are read and written; or
+        bf16 [N, H, rope_dim]: the rope dims only (`sparse_attention_paged(q_rope_dims=)` reads q's other dims from x).
     launch_next: the first kernel of a pair (`launch`'s module docstring): the next one may launch while this runs.
     """
     require(isinstance(x, torch.Tensor), f"x: expected a tensor, got {type(x).__name__}")
@@ -196,16 +200,17 @@ def rope_rows(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, inverse:
     require(isinstance(launch_next, bool), f"launch_next: expected a bool, got {launch_next!r}")
     if out is None:
         out = torch.empty(x.shape, dtype=torch.bfloat16, device=x.device)
-    check_tensor("out", out, dtype=torch.bfloat16, shape=(n, heads, dim), device=x.device)
+    rope_only = isinstance(out, torch.Tensor) and out.dim() == 3 and out.shape[2] == 2 * half < dim
+    check_tensor("out", out, dtype=torch.bfloat16, shape=(n, heads, 2 * half if rope_only else dim), device=x.device)
     in_place = out.data_ptr() == x.data_ptr() and out.dtype == x.dtype
     require(in_place or not _overlaps(out, x), "out: overlaps x without being x (only out=x is allowed in place)")
     if out.numel() == 0:
         return out
-    start = dim - 2 * half if in_place else 0
-    block_h, warps = _tiles("rope_inplace" if in_place else "rope", heads)
+    start = dim - 2 * half if in_place or rope_only else 0
+    block_h, warps = _tiles("rope_inplace" if in_place or rope_only else "rope", heads)
     _rope_rows_kernel[(n, triton.cdiv(heads, block_h))](
         x, cos, sin, out, H=heads, D=dim, HALF=half, START=start, COLS=triton.next_power_of_2(dim - start),
-        BLOCK_H=block_h, INVERSE=inverse, LAUNCH_NEXT=launch_next, num_warps=warps, enable_fp_fusion=False,
+        OUT_D=out.shape[2], BLOCK_H=block_h, INVERSE=inverse, LAUNCH_NEXT=launch_next, num_warps=warps, enable_fp_fusion=False,
         **launch_options(x.device))
     return out
 
