@@ -26,7 +26,7 @@ from triton.backends.compiler import GPUTarget
 POINTERS = {"p_q": "*bf16", "p_sinks": "*fp32", "p_out": "*fp32", "p_ws": "*fp32", "p_positions": "*i32",
             "p_token_request": "*i32", "p_request_slots": "*i32", "p_query_start": "*i32", "p_seq_lens": "*i32",
             "p_block_table": "*i32", "p_step": "*u8", "p_win": "*u8", "p_ent": "*u8", "p_picks": "*i32",
-            "p_scratch": "*fp32"}
+            "p_scratch": "*fp32", "p_cos": "*fp32", "p_sin": "*fp32", "p_q_rope": "*bf16"}
 DIVISIBLE_BY_16 = {"win_page_bytes", "ent_page_bytes", "n_picks", "H", "bt_stride", "ent_per_page", "page_tokens"}
 TILES = [(64, 64, 8), (64, 32, 8), (16, 32, 4)]  # (BLOCK_H, BLOCK_N, num_warps) of `attention._config`
 
@@ -54,9 +54,9 @@ def compile_kernel(kernel, block_h: int, block_n: int, warps: int, csa: bool, sc
     the logits through memory, `attention.QK_SCRATCH`)."""
     consts = dict(RATIO=4 if csa else 128, ENT_PER_PAGE=256 if csa else 8, WINDOW=128, D=512, NOPE=448,
                   QK_SCRATCH=scratch, DATA_BYTES=576, SCALE_BYTES=8, ENTRIES=2 if csa else 1, Q_SPLIT=False, DOT_F32=False,
-                  BLOCK_H=block_h, BLOCK_N=block_n, SPLIT=False)
+                  BLOCK_H=block_h, BLOCK_N=block_n, SPLIT=False, ROPE_HALF=0, Q_ROPE_DIMS=0)
     return compile_sm90(kernel, consts, POINTERS, divisible=DIVISIBLE_BY_16, floats={"qk_scale"}, num_warps=warps,
-                        num_stages=1)
+                        num_stages=1, enable_fp_fusion=False)  # as launched
 
 
 def tool(name: str) -> str:

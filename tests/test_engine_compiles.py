@@ -28,7 +28,8 @@ pytest.importorskip("triton")
 FORMATS = {"official": dict(kv_format="fp8", indexer_format="mxfp4"),
            "exact": dict(kv_format="bf16", indexer_format="bf16")}
 # one key per kernel and layer variant: attention and its launches per layer kind (window, CSA, HCA), the
-# compressor per (CSA main, CSA indexer, HCA), append_state per ring shape, top-k per phase, rope forward / inverse
+# compressor per (CSA main, CSA indexer, HCA), append_state per ring shape, top-k per phase, the q RoPE (whole
+# heads, rope dims only)
 BOUND = 24
 
 

@@ -327,7 +327,7 @@ def hca_decode_case(history: int, new: int, rows: int, seed: int):
 @pytest.mark.parametrize("splits", [1, 3])
 def test_inverse_rope_output_is_rope_rows_of_the_output(splits):
     """inverse_rope: the bf16 output is bit for bit `rope_rows(fp32 output, cos, sin, inverse=True)`, whether the
-    merge applies it (3 splits) or rope_rows follows the single pass; padding rows stay zeros."""
+    merge applies it (3 splits) or the single pass's epilogue; padding rows stay zeros."""
     q, plan, args, cos_sin = hca_decode_case(90, 3, 5, seed=14)
     args["splits"] = splits
     want = rope_rows(sparse_attention_paged(q, plan, **args), *cos_sin, inverse=True)
@@ -360,6 +360,8 @@ def test_q_rope_dims_replace_the_last_dims_of_q(splits):
         for given in (q, roped, poisoned):
             got = sparse_attention_paged(given, plan, inverse_rope=inverse, q_rope_dims=dims, **args)
             assert torch.equal(got, want)
+    with pytest.raises(ValueError, match="out: overlaps x"):  # a rope-dims out over x's own bytes
+        rope_rows(q, *cos_sin, out=q.view(-1)[:dims.numel()].view(dims.shape))
     with pytest.raises(ValueError, match="q_rope_dims: q must be bf16"):
         sparse_attention_paged(q.float(), plan, q_rope_dims=dims, **args)
     with pytest.raises(ValueError, match=r"q_rope_dims: expected torch.bfloat16 \[5, 8, \*\]"):
@@ -488,6 +490,8 @@ def test_rejects_bad_input():
     bad(r"q: expected .* got torch.bfloat16 \[3, 8, 64\]", q=q[..., :64].contiguous())
     bad(r"q: must be contiguous", q=q.transpose(0, 1).contiguous().transpose(0, 1))
     bad(r"q: on meta", q=q.to("meta"))
+    buf = zeros(3 * heads * dim)  # an fp32 out over the bytes of a bf16 q
+    bad("out: overlaps q", q=buf.view(torch.bfloat16)[:3 * heads * dim].view(3, heads, dim), out=buf.view(3, heads, dim))
     bad(r"sinks: expected torch.float32 \[8\]", sinks=zeros(heads, dtype=torch.bfloat16))
     bad(r"sinks: expected torch.float32 \[8\]", sinks=zeros(heads + 1))
     bad(r"sinks: on meta", sinks=zeros(heads).to("meta"))
@@ -668,6 +672,29 @@ def _flash_decode(kind, contexts, seed=0):
     args = dict(sinks=sinks_of(q), scale=dim ** -0.5, layout=layout, window=window, window_pool=lc.window,
                 step_kv=encode_step_kv(layout, batch, kv), **kw)
     return q, plan, args, want
+
+
+@needs_cuda
+@pytest.mark.parametrize("kind", ["csa", "hca"])
+@pytest.mark.parametrize("splits", [1, None])
+def test_gpu_flash_rope_in_attention(kind, splits):
+    """V4-Flash decode at batch 8 (64-head, 8-warp programs with the logits' scratch rows), single pass and split:
+    the inverse RoPE of the output (epilogue or merge) is bit for bit `rope_rows` of the fp32 output, and q's rope dims
+    from `q_rope_dims` (q's own NaN) give the attention of the whole roped q, bit for bit. The interpreter ignores
+    the kernel's compile without FMA contraction, so only a GPU checks the rounding of the rotation's products."""
+    q, plan, args, _ = _flash_decode(kind, [5000 + 301 * i for i in range(8)])
+    rope = ModelGeometry.preset("flash").layers[0].rope
+    cos_sin = rope_cos_sin(rope, plan.positions)
+    args["splits"] = splits
+    fp32 = sparse_attention_paged(q, plan, **args)
+    assert torch.equal(sparse_attention_paged(q, plan, inverse_rope=cos_sin, **args),
+                       rope_rows(fp32, *cos_sin, inverse=True))
+    roped = rope_rows(q, *cos_sin)
+    dims = rope_rows(q, *cos_sin, out=torch.empty((*q.shape[:2], rope.dim), dtype=torch.bfloat16, device="cuda"))
+    poisoned = q.clone()
+    poisoned[..., -rope.dim:] = float("nan")
+    assert torch.equal(sparse_attention_paged(poisoned, plan, q_rope_dims=dims, inverse_rope=cos_sin, **args),
+                       sparse_attention_paged(roped, plan, inverse_rope=cos_sin, **args))
 
 
 @needs_cuda

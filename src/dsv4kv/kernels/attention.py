@@ -55,7 +55,7 @@ from ..plan import StepPlan
 from .common import check_pool, check_tensor, interpreted, padded_rows, sm_count
 from .encode import round_bf16
 from .launch import launch_options, wait_for_prior_grids
-from .query import _check_cos_sin, _rope_pairs
+from .query import _check_cos_sin, _overlaps, _rope_pairs
 
 __all__ = ["sparse_attention_paged"]
 
@@ -303,7 +303,8 @@ def _key_rows(blk, o_j, block, pos, n_win, n_win_blocks, start, q_lo, p_ring, p_
 # runtime ints, so Triton neither compiles a variant per value class (== 1, % 16) nor bakes them in.
 @triton.jit(do_not_specialize=["step_entries", "splits"])
 def _sparse_attention_kernel(
-        p_q, p_sinks, p_out, p_ws,  # q [R, H, D], sinks fp32 [H], out fp32 [R, H, D], workspace fp32 [R, S, H, D+2]
+        p_q, p_sinks, p_out, p_ws,  # q [R, H, D], sinks fp32 [H], out [R, H, D] (fp32, bf16 with ROPE_HALF),
+        # workspace fp32 [R, S, H, D+2]
         p_positions, p_token_request, p_request_slots, p_query_start, p_seq_lens, p_block_table, bt_stride,
         p_step, step_entries,  # this step's kv: one page of R entries
         p_win, win_page_bytes,  # the window ring: page = request slot, WINDOW entries
@@ -488,7 +489,8 @@ def sparse_attention_paged(q: torch.Tensor, plan: StepPlan, *, sinks: torch.Tens
     (bf16 with `inverse_rope`).
 
     Args:
-        q: bf16 / fp32 [R, H, D] roped queries, R = the plan's padded rows (plan.positions.shape[0]).
+        q: bf16 / fp32 [R, H, D] roped queries, R = the plan's padded rows (plan.positions.shape[0]); with
+            `q_rope_dims`, bf16 and its last dims unread (they may be unroped).
         plan: the step's plan; every row runs (padding rows give zeros).
         sinks: fp32 [H] learned sinks; scale: softmax scale (head_dim^-0.5).
         layout: the main-entry layout (`main_layout("fp8" | "bf16", D, rope_dim)`).
@@ -500,9 +502,9 @@ def sparse_attention_paged(q: torch.Tensor, plan: StepPlan, *, sinks: torch.Tens
             (window-only layer). ratio / page_tokens: its compression ratio and tokens per page.
         picks: int32 / int64 [R, K] entry indices (-1 = none) for CSA; None with an entry pool = every
             visible entry (HCA).
-        out: optional fp32 [R, H, D] to write (nothing is allocated then, unless the split path needs a workspace
-            and none is given, and the logits' scratch rows of 8-warp programs (QK_SCRATCH): CUDA-graph capturable,
-            torch's graph pool serves the allocations).
+        out: optional fp32 [R, H, D] (bf16 with `inverse_rope`) to write, not overlapping q (nothing is allocated
+            then, unless the split path needs a workspace and none is given, and the logits' scratch rows of 8-warp
+            programs (QK_SCRATCH): CUDA-graph capturable, torch's graph pool serves the allocations).
         max_entries: HCA: a host bound on any row's visible entries (e.g. plan.max_seq_len // ratio), used only to
             choose the split count (a row with more entries is still exact); default block_table.shape[1] *
             page_tokens // ratio. Ignored for CSA (K picks) and window-only layers.
@@ -575,11 +577,13 @@ def sparse_attention_paged(q: torch.Tensor, plan: StepPlan, *, sinks: torch.Tens
         require(isinstance(inverse_rope, tuple) and len(inverse_rope) == 2, "inverse_rope: expected (cos, sin)")
         rope_half = _check_cos_sin(*inverse_rope, rows, dim, device)
         cos, sin = inverse_rope
+    require(not _overlaps(out, q), "out: overlaps q")
     if q_rope_dims is not None:
         require(q.dtype == torch.bfloat16, f"q_rope_dims: q must be bf16, got {q.dtype}")
         check_tensor("q_rope_dims", q_rope_dims, dtype=torch.bfloat16, shape=(rows, heads, None), device=device)
         require(1 <= q_rope_dims.shape[2] < dim, f"q_rope_dims: expected 1..{dim - 1} dims a head, got "
                                                  f"{q_rope_dims.shape[2]}")
+        require(not _overlaps(out, q_rope_dims), "out: overlaps q_rope_dims")
     require(splits is None or (isinstance(splits, int) and not isinstance(splits, bool) and 1 <= splits <= 65535),
             f"splits: expected an int in 1..65535 (a grid dimension) or None, got {splits!r}")
     config = _config(rows, heads, max_keys, device)

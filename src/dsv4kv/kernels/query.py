@@ -1,8 +1,9 @@
 """Per-step glue of the layer's kernel path, one launch each instead of the torch op chains:
 
 - `rope_rows`: interleaved RoPE (`ops.rope.apply_rope`) over rows x [N, H, D] with the step's cos/sin, result
-  bf16: the roped query q (bf16 in), and the attention output's inverse rotation (fp32 in, the layer's
-  `apply_rope(out, positions, rope, inverse=True).to(bf16)`);
+  bf16: the roped query q (bf16 in; whole heads, or their rope dims only), and the inverse rotation of an fp32
+  attention output (`apply_rope(out, positions, rope, inverse=True).to(bf16)`, what attention's merge and single pass
+  apply themselves);
 - `indexer_query_rows`: RoPE on the indexer query, then `ops.indexer.indexer_query` (Hadamard rotation, bf16
   rounding, MXFP4 / FP8 round trip; plain float for bf16 keys); `indexer_query_and_weights` also writes the
   head weights `weights_proj(x).float() * scale` in the same launch.
@@ -16,7 +17,8 @@ e4m3 / e2m1 encoders and keep the value on the grid in fp32: no fp8 cast and dec
 H200, the cast-and-decode form gave wrong values for the last num_warps heads of some tiles, docs/performance.md).
 
 Work split: one program per (row, block of BLOCK_H heads), single pass; rows in grid axis 0 (any N), head
-blocks in axis 1. `rope_rows` with out=x (in place, bf16) touches only the rope dims of each head.
+blocks in axis 1. `rope_rows` with out=x (in place, bf16) or an out of rope_dim dims a head touches only the rope
+dims of each head.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ _ROTATED = 3  # test hook: store the bf16-rounded rotation itself (fp32), no qua
 # (BLOCK_H, num_warps) per kernel; assign to time variants. All three are memory- or launch-bound, so the tiles
 # aim at 16-32 values per thread (16 B vector accesses) and many small programs (one decode row still makes
 # H / BLOCK_H of them): "rope": whole heads [8, 512] (8 KB of bf16 in and out); "rope_inplace": the rope dims
-# [16, 64] only; "indexer": [16, 128] through the butterfly (7 shuffles of the tile through shared memory).
+# [16, 64] only (in place, or into an out of the rope dims); "indexer": [16, 128] through the butterfly (7 shuffles of the tile through shared memory).
 TILES = {"rope": (8, 4), "rope_inplace": (16, 2), "indexer": (16, 4)}
 # The indexer query of a small launch (a decode step's rows) takes fewer heads per program, down to this many, while
 # it would have fewer than `encode.SPREAD_PROGRAMS` programs: its time is the latency of one program's chain (the
@@ -202,7 +204,7 @@ def rope_rows(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, inverse:
         out = torch.empty(x.shape, dtype=torch.bfloat16, device=x.device)
     rope_only = isinstance(out, torch.Tensor) and out.dim() == 3 and out.shape[2] == 2 * half < dim
     check_tensor("out", out, dtype=torch.bfloat16, shape=(n, heads, 2 * half if rope_only else dim), device=x.device)
-    in_place = out.data_ptr() == x.data_ptr() and out.dtype == x.dtype
+    in_place = not rope_only and out.data_ptr() == x.data_ptr() and out.dtype == x.dtype
     require(in_place or not _overlaps(out, x), "out: overlaps x without being x (only out=x is allowed in place)")
     if out.numel() == 0:
         return out
@@ -210,8 +212,8 @@ def rope_rows(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, inverse:
     block_h, warps = _tiles("rope_inplace" if in_place or rope_only else "rope", heads)
     _rope_rows_kernel[(n, triton.cdiv(heads, block_h))](
         x, cos, sin, out, H=heads, D=dim, HALF=half, START=start, COLS=triton.next_power_of_2(dim - start),
-        OUT_D=out.shape[2], BLOCK_H=block_h, INVERSE=inverse, LAUNCH_NEXT=launch_next, num_warps=warps, enable_fp_fusion=False,
-        **launch_options(x.device))
+        OUT_D=out.shape[2], BLOCK_H=block_h, INVERSE=inverse, LAUNCH_NEXT=launch_next, num_warps=warps,
+        enable_fp_fusion=False, **launch_options(x.device))
     return out
 
 
