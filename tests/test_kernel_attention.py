@@ -491,7 +491,8 @@ def test_rejects_bad_input():
     bad(r"q: must be contiguous", q=q.transpose(0, 1).contiguous().transpose(0, 1))
     bad(r"q: on meta", q=q.to("meta"))
     buf = zeros(3 * heads * dim)  # an fp32 out over the bytes of a bf16 q
-    bad("out: overlaps q", q=buf.view(torch.bfloat16)[:3 * heads * dim].view(3, heads, dim), out=buf.view(3, heads, dim))
+    bad("out: overlaps q", q=buf.view(torch.bfloat16)[:3 * heads * dim].view(3, heads, dim),
+        out=buf.view(3, heads, dim))
     bad(r"sinks: expected torch.float32 \[8\]", sinks=zeros(heads, dtype=torch.bfloat16))
     bad(r"sinks: expected torch.float32 \[8\]", sinks=zeros(heads + 1))
     bad(r"sinks: on meta", sinks=zeros(heads).to("meta"))

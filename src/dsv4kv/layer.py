@@ -369,9 +369,10 @@ class DSV4Attention(nn.Module):
         # everything the side stream touches is allocated here, on the main stream, before the fork (streams.py)
         cos_sin = plan.derived(("rope", spec.rope), lambda: rope_cos_sin(spec.rope, positions))
         row_slots = plan.derived("rows", lambda: torch.arange(rows, dtype=torch.int32, device=device))
-        rope_only = spec.kind in Q_ROPE_DIMS_ONLY and spec.rope.dim < g.head_dim  # q: the rope dims, else all
-        q = torch.empty((*p.q.shape[:2], spec.rope.dim if rope_only else p.q.shape[2]), dtype=torch.bfloat16,
-                        device=device)
+        # the q RoPE's output: each head's rope dims (attention reads the others from p.q), or the whole roped head
+        rope_only = spec.kind in Q_ROPE_DIMS_ONLY and spec.rope.dim < g.head_dim
+        q_roped = torch.empty((*p.q.shape[:2], spec.rope.dim if rope_only else p.q.shape[2]), dtype=torch.bfloat16,
+                              device=device)
         step_kv = torch.empty((1, main.page_bytes(rows)), dtype=torch.uint8, device=device)
         state_rows, picks = [], None
         entries = max(plan.max_seq_len // spec.ratio, 1) if spec.compressed else None  # per-row bound, host-known
@@ -379,7 +380,7 @@ class DSV4Attention(nn.Module):
         if spec.compressed:
             entry_cos_sin = plan.derived(("entry rope", spec.rope, spec.ratio),
                                          lambda: rope_cos_sin(spec.rope, plan.entries[spec.ratio].index * spec.ratio))
-            insert = dict(ratio=spec.ratio, overlap=csa, eps=g.rms_norm_eps, rope=spec.rope, out_dtype=q.dtype,
+            insert = dict(ratio=spec.ratio, overlap=csa, eps=g.rms_norm_eps, rope=spec.rope, out_dtype=q_roped.dtype,
                           page_tokens=page_tokens, cos_sin=entry_cos_sin)
             state_rows.append((layer_cache.state_kv, layer_cache.state_score, *p.state))
         if csa:
@@ -419,11 +420,11 @@ class DSV4Attention(nn.Module):
         streams.fork()
         try:  # the side stream is joined whatever happens: no tensor it uses is freed under it
             if window_chain:
-                rope_rows(p.q, *cos_sin, out=q, launch_next=True)
+                rope_rows(p.q, *cos_sin, out=q_roped, launch_next=True)
                 insert_kv(wait_late=True)
             else:
                 with streams.on_side():
-                    rope_rows(p.q, *cos_sin, out=q)
+                    rope_rows(p.q, *cos_sin, out=q_roped)
                     if spec.compressed:
                         insert_kv()
                     if csa:
@@ -484,8 +485,9 @@ class DSV4Attention(nn.Module):
                 streams.side_waits(streams.main_mark())
                 with streams.on_side():
                     append(state_rows[0])
-            out = sparse_attention_paged(p.q if rope_only else q, plan, q_rope_dims=q if rope_only else None,
-                                         sinks=self.sinks, scale=g.head_dim ** -0.5, layout=main,
+            out = sparse_attention_paged(p.q if rope_only else q_roped, plan,
+                                         q_rope_dims=q_roped if rope_only else None, sinks=self.sinks,
+                                         scale=g.head_dim ** -0.5, layout=main,
                                          window=g.window, window_pool=layer_cache.window, step_kv=step_kv,
                                          entry_pool=layer_cache.entries if spec.compressed else None,
                                          ratio=spec.ratio if spec.compressed else 0, page_tokens=page_tokens,

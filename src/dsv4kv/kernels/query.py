@@ -42,7 +42,8 @@ _ROTATED = 3  # test hook: store the bf16-rounded rotation itself (fp32), no qua
 # (BLOCK_H, num_warps) per kernel; assign to time variants. All three are memory- or launch-bound, so the tiles
 # aim at 16-32 values per thread (16 B vector accesses) and many small programs (one decode row still makes
 # H / BLOCK_H of them): "rope": whole heads [8, 512] (8 KB of bf16 in and out); "rope_inplace": the rope dims
-# [16, 64] only (in place, or into an out of the rope dims); "indexer": [16, 128] through the butterfly (7 shuffles of the tile through shared memory).
+# [16, 64] only (in place, or into an out of the rope dims); "indexer": [16, 128] through the butterfly (7 shuffles
+# of the tile through shared memory).
 TILES = {"rope": (8, 4), "rope_inplace": (16, 2), "indexer": (16, 4)}
 # The indexer query of a small launch (a decode step's rows) takes fewer heads per program, down to this many, while
 # it would have fewer than `encode.SPREAD_PROGRAMS` programs: its time is the latency of one program's chain (the
