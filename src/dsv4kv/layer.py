@@ -68,7 +68,7 @@ ROPE_LAUNCHES_KV_INSERT = True
 # copy of q. H100, 2026-11-26 (docs/performance.md), whole copy / rope dims only: an 8192-token prefill chunk's q RoPE
 # 378 / 52 us; window decode core at batch 64 / 128K 37.0 / 35.5 us, batch 128 / 32K 35.0 / 32.5; HCA 99.8 / 98.7
 # and 93.5 / 89.4; batch 1 and 8 within 0.3 us. CSA lost at batch 64 (212.0 / 222.0) and 128 (179.9 / 183.7), its
-# attention unchanged: its side stream's kernels start earlier, beside its indexer scores (the cause is not settled).
+# attention unchanged, also with the side stream joined before the indexer scores (H200); the cause is not settled.
 # Read at each call.
 Q_ROPE_DIMS_ONLY = frozenset({LayerKind.WINDOW, LayerKind.HCA})
 
