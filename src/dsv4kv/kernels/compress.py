@@ -36,7 +36,7 @@ from ..layout import EntryLayout, IndexerFP8Layout, IndexerMXFP4Layout, MainFP8L
 from ..ops.common import require
 from ..ops.rope import rope_cos_sin
 from .common import check_plan, check_pool, check_tensor, interpreted
-from .launch import check_wait_late, launch_options, let_next_grid_launch, wait_for_prior_grids
+from .launch import check_pair_ends, launch_options, let_next_grid_launch, wait_for_prior_grids
 from .encode import (
     last_block,
     program_rows,
@@ -280,10 +280,7 @@ def compress_insert(state_kv: torch.Tensor, state_logits: torch.Tensor, plan, kv
     check_tensor("logit_rows", logit_rows, dtype=torch.float32, shape=(rows, width), device=device)
     check_tensor("norm_weight", norm_weight, dtype=torch.float32, shape=(d,), device=device)
     check_pool("pool", pool, layout, page_tokens // ratio, device)
-    check_wait_late("compress_insert", wait_late, cos_sin is not None)
-    require(isinstance(launch_next, bool), f"launch_next: expected a bool, got {launch_next!r}")
-    require(not (wait_late and launch_next),
-            "compress_insert: wait_late and launch_next are the two ends of a pair; pass at most one")
+    check_pair_ends("compress_insert", launch_next, wait_late, cos_sin is not None)
     require(not (wait_late or launch_next) or POOL_SPLIT is None or overlap,
             "compress_insert: wait_late / launch_next need one launch (overlap, or POOL_SPLIT = None)")
     writes = plan.entries[ratio]

@@ -62,6 +62,14 @@ def check_wait_late(op: str, wait_late, tables_given: bool) -> None:
     require(not wait_late or tables_given, f"{op}: wait_late needs the caller's cos_sin")
 
 
+def check_pair_ends(op: str, launch_next, wait_late, tables_given: bool) -> None:
+    """A wrapper that can be either end of a pair: `launch_next` a bool, `wait_late` as `check_wait_late`, not both."""
+    require(isinstance(launch_next, bool), f"launch_next: expected a bool, got {launch_next!r}")
+    check_wait_late(op, wait_late, tables_given)
+    require(not (wait_late and launch_next), f"{op}: wait_late and launch_next are the two ends of a pair; pass at "
+                                             f"most one")
+
+
 if interpreted():
     def wait_for_prior_grids():
         """Nothing to wait for: the interpreter runs kernels one after another as Python (a plain function, where a

@@ -33,7 +33,7 @@ from .common import check_tensor
 from .encode import e2m1_bits, e4m3_round, exp2_int, nan_amax, pow2_exponent, program_rows, rotate_keys, round_bf16
 from .indexer import _BF16, _MXFP4, fp8_query_operand
 from .indexer import _format as _layout_format
-from .launch import check_wait_late, launch_options, let_next_grid_launch, wait_for_prior_grids
+from .launch import check_pair_ends, launch_options, let_next_grid_launch, wait_for_prior_grids
 
 __all__ = ["indexer_query_and_weights", "indexer_query_rows", "rope_rows"]
 
@@ -209,8 +209,9 @@ def rope_rows(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, inverse:
     require(in_place or not _overlaps(out, x), "out: overlaps x without being x (only out=x is allowed in place)")
     if out.numel() == 0:
         return out
-    start = dim - 2 * half if in_place or rope_only else 0
-    block_h, warps = _tiles("rope_inplace" if in_place or rope_only else "rope", heads)
+    dims_only = in_place or rope_only  # only the rope dims are read and written
+    start = dim - 2 * half if dims_only else 0
+    block_h, warps = _tiles("rope_inplace" if dims_only else "rope", heads)
     _rope_rows_kernel[(n, triton.cdiv(heads, block_h))](
         x, cos, sin, out, H=heads, D=dim, HALF=half, START=start, COLS=triton.next_power_of_2(dim - start),
         OUT_D=out.shape[2], BLOCK_H=block_h, INVERSE=inverse, LAUNCH_NEXT=launch_next, num_warps=warps,
@@ -288,9 +289,6 @@ def indexer_query_and_weights(q: torch.Tensor, weights: torch.Tensor, cos: torch
     `compress_insert(launch_next=True)`. Every input is the caller's, as a wait_late kernel needs.
     Returns (query fp32 [N, H, D], weights fp32 [N, H])."""
     require(weights is not None, "weights: expected a tensor, got None")
-    require(isinstance(launch_next, bool), f"launch_next: expected a bool, got {launch_next!r}")
-    check_wait_late("indexer_query_and_weights", wait_late, tables_given=True)  # cos, sin: always the caller's
-    require(not (wait_late and launch_next), "indexer_query_and_weights: wait_late and launch_next are the two ends "
-                                             "of a pair; pass at most one")
+    check_pair_ends("indexer_query_and_weights", launch_next, wait_late, tables_given=True)  # cos, sin: the caller's
     return _indexer_query(q, cos, sin, layout, out, weights, scale, weights_out, fp8_out=fp8_out,
                           launch_next=launch_next, wait_late=wait_late)
