@@ -31,6 +31,7 @@ from .ops.common import StepRows, require, step_rows
 from .ops.compress import compress_and_insert
 from .ops.gather import gather_entries, gather_window, visible_entries
 from .ops.indexer import indexer_topk
+from .ops.norm import rms_norm, unit_rms_norm
 from .backend import kernels_can_run
 from .ops.rope import apply_rope, rope_cos_sin
 from .plan import StepPlan
@@ -86,8 +87,7 @@ class RMSNorm(nn.Module):  # its weight is one of weights.FP32_PARAMETERS
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        return (self.weight.float() * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps))).to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 class _Scorer(nn.Module):
@@ -138,6 +138,25 @@ class _MainCompressor(_Compressor):
         super().__init__(g, g.head_dim, ratio, overlap=csa, **kw)
         if csa:
             self.indexer = _Indexer(g, ratio, **kw)
+
+    def step_rows(self, x: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The kernel path's state rows (`rows`) of this compressor, then of its indexer's (CSA), from one GEMM of
+        bf16 x with all their projections stacked, and one launch that splits it (`kernels.compressor_rows`).
+
+        On a GPU the GEMM runs on tensor cores with fp32 products and sums (`torch.mm(out_dtype=float32)`): the
+        products of bf16 values are exact in fp32, as in `rows`' fp32 GEMM, and only how the sums round differs
+        (H200, docs/performance.md: 8192 rows 3,512 -> 230 us, one row 32.2 -> 15.1 us). Elsewhere an fp32 GEMM."""
+        from .kernels import compressor_rows
+        parts = [self, self.indexer] if hasattr(self, "indexer") else [self]
+        weights = [w for part in parts for w in (part.kv_proj.weight, part.gate_proj.weight)]
+        on_gpu = x.is_cuda and x.dtype == torch.bfloat16 and all(w.dtype == torch.bfloat16 for w in weights)
+        dtype = torch.bfloat16 if on_gpu else torch.float32
+        key = tuple((w.data_ptr(), w._version, w.dtype, w.device) for w in weights) + (dtype,)
+        if getattr(self, "_stacked_key", None) != key:  # made again when a weight is replaced or changed in place
+            self._stacked = torch.cat([w.detach().to(dtype) for w in weights]).t()
+            self._stacked_key = key
+        y = torch.mm(x, self._stacked, out_dtype=torch.float32) if on_gpu else torch.mm(x.float(), self._stacked)
+        return compressor_rows(y, positions, [part.position_bias for part in parts])
 
 
 @dataclass
@@ -247,7 +266,7 @@ class DSV4Attention(nn.Module):
 
         qr = self.q_a_norm(self.q_a_proj(x))
         q = self.q_b_proj(qr).view(n, g.num_heads, g.head_dim)
-        q = q * torch.rsqrt(q.float().pow(2).mean(-1, keepdim=True) + g.rms_norm_eps).to(q.dtype)  # unweighted
+        q = unit_rms_norm(q, g.rms_norm_eps)
         q = apply_rope(q, positions, spec.rope)
         kv = apply_rope(self.kv_norm(self.kv_proj(x)), positions, spec.rope)
         stored_kv = cache_spec.main.round_trip(kv)  # what the window ring will hold
@@ -311,16 +330,18 @@ class DSV4Attention(nn.Module):
     def project(self, x: torch.Tensor, positions: torch.Tensor) -> "Projected":
         """The input projections of the kernel path (bf16 GEMMs, the q and kv norms, the compressors' fp32 rows):
         everything `attention_core` reads that is a function of x alone."""
+        from .kernels import rms_norm_rows
         g, spec = self.geometry, self.spec
-        qr = self.q_a_norm(self.q_a_proj(x))
+        qr = rms_norm_rows(self.q_a_proj(x), self.q_a_norm.weight, self.q_a_norm.eps)
         q = self.q_b_proj(qr).view(x.shape[0], g.num_heads, g.head_dim)
-        q = q * torch.rsqrt(q.float().pow(2).mean(-1, keepdim=True) + g.rms_norm_eps).to(q.dtype)  # unweighted
-        projected = Projected(q=q, kv=self.kv_norm(self.kv_proj(x)))
+        rms_norm_rows(q, None, g.rms_norm_eps, out=q)  # unweighted, in place
+        projected = Projected(q=q, kv=rms_norm_rows(self.kv_proj(x), self.kv_norm.weight, self.kv_norm.eps))
         if spec.compressed:
-            projected.state = self.compressor.rows(x, positions)
+            state_rows = self.compressor.step_rows(x, positions)
+            projected.state = state_rows[0]
             if spec.kind is LayerKind.CSA:
                 idx = self.compressor.indexer
-                projected.index_state = idx.rows(x, positions)
+                projected.index_state = state_rows[1]
                 projected.index_q = idx.q_b_proj(qr).view(x.shape[0], g.index_n_heads, g.index_head_dim)
                 projected.index_weights = idx.scorer.weights_proj(x)
         return projected

@@ -9,6 +9,7 @@ from .attention import sparse_attention_paged
 from ..backend import interpreted, kernels_can_run
 from .compress import append_state, compress_insert
 from .indexer import indexer_scores_paged
+from .projection import compressor_rows, rms_norm_rows
 from .query import indexer_query_and_weights, indexer_query_rows, rope_rows
 from .topk import topk_indices
 from .window import append_window, kv_insert
@@ -16,5 +17,5 @@ from .window import append_window, kv_insert
 __all__ = [
     "kv_insert", "append_window", "compress_insert", "append_state", "indexer_scores_paged", "topk_indices",
     "sparse_attention_paged", "rope_rows", "indexer_query_rows", "indexer_query_and_weights", "interpreted",
-    "kernels_can_run",
+    "kernels_can_run", "rms_norm_rows", "compressor_rows",
 ]
