@@ -302,7 +302,8 @@ def test_a_near_tie_flip_passes_and_real_errors_are_refused():
 def test_input_check_gates_keys_and_query():
     assert InputCheck(6, 680, 1.0).passed
     assert not InputCheck(7, 680, 1.0).passed  # > 1% of the new key bytes differ
-    assert not InputCheck(0, 680, 0.9999).passed  # the query is exact: one differing value fails
+    assert InputCheck(0, 680, 0.9999).passed  # the q_a norm's rare one-unit roundings move ~1e-5 of the query
+    assert not InputCheck(0, 680, 0.998).passed  # more than 0.1% of the query values differ
 
 
 def _tiny_csa_step(seed=0):

@@ -128,14 +128,15 @@ def explain_rows(errors: torch.Tensor, picks: torch.Tensor | None, ref_picks: to
 @dataclass
 class InputCheck:
     """The kernels' inputs to the indexer against the reference's: the indexer keys this step wrote (bytes, within
-    the compressor's documented rounding: <= 1% of the new keys' bytes differ) and the indexer query (every value
-    equal bit for bit: the fused query kernel is exact)."""
+    the compressor's documented rounding: <= 1% of the new keys' bytes differ) and the indexer query (>= 99.9% of
+    its values equal bit for bit: the fused query kernel is exact, and its input q_a norm, `kernels.rms_norm_rows`,
+    rounds one bf16 unit away from torch's in ~1e-4 of its values, which moves ~1e-5 of the query's)."""
     key_bytes_differ: int
     new_key_bytes: int
     query_equal: float
 
     KEY_FRACTION = 0.01
-    QUERY_FRACTION = 1.0
+    QUERY_FRACTION = 0.999
 
     @property
     def passed(self) -> bool:
