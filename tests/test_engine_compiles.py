@@ -29,8 +29,8 @@ FORMATS = {"official": dict(kv_format="fp8", indexer_format="mxfp4"),
            "exact": dict(kv_format="bf16", indexer_format="bf16")}
 # one key per kernel and layer variant: attention and its launches per layer kind (window, CSA, HCA), the
 # compressor per (CSA main, CSA indexer, HCA), append_state per ring shape, top-k per phase, the q RoPE (whole
-# heads, rope dims only)
-BOUND = 24
+# heads, rope dims only), the projection norms (q_a's, q's, kv's) and the compressor rows split (CSA, HCA)
+BOUND = 29
 
 
 @functools.lru_cache(maxsize=None)
@@ -74,7 +74,7 @@ def test_steps_of_new_shapes_compile_nothing_new(numerics):
     first = [key for step in range(first_new, launches.step + 1) for key in launches.new_keys(step)][:2]
     assert not any(new.values()), (f"steps {first_new}..{launches.step} launched kernels with new specialization "
                                    f"keys: {new}; the first: {first}")
-    assert launches.distinct() <= BOUND, {name: len(keys) for name, keys in launches.keys.items()}
+    assert launches.distinct() <= BOUND, str({name: len(keys) for name, keys in launches.keys.items()})
 
 
 def test_the_recorder_sees_what_triton_specializes():

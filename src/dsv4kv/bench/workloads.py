@@ -284,7 +284,8 @@ _STAGES = (("_kv_insert", "kv insert"), ("_compress", "compress-and-insert"), ("
            ("_indexer_scores", "indexer scores"), ("_topk", "top-k"),
            ("_sparse_attention", "attention"), ("_merge_kernel", "attention"), ("_copy_entries", "window append"),
            ("_append_state", "state append"), ("_rope_rows", "RoPE of q"),
-           ("_indexer_query", "indexer query"), ("_q_fp8", "indexer query"))
+           ("_indexer_query", "indexer query"), ("_q_fp8", "indexer query"),
+           ("_rms_norm", "projection norms"), ("_compressor_rows", "compressor rows"))
 
 
 def _stage(kernel: str) -> str:

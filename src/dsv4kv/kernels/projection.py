@@ -11,8 +11,9 @@ contraction), but sum the squares in the kernel's order: the mean may differ in 
 rarely, by one unit (tests/test_kernel_projection.py counts them). `compressor_rows` copies and adds one fp32 value:
 bit for bit.
 
-Work split: `rms_norm_rows`, BLOCK_R rows of the flattened [rows, D] per program (fewer while a small launch would
-leave SMs idle, `encode.program_rows`); `compressor_rows`, one row and BLOCK columns of one compressor per program.
+Work split: `rms_norm_rows`, 4096 // D rows of the flattened [rows, D] per program whatever the row count, so that
+one compilation per (D, weighted) serves every step (a step-dependent tile would compile anew on new step shapes,
+tests/test_engine_compiles.py); `compressor_rows`, one row and BLOCK columns of one compressor per program.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import triton.language as tl
 
 from ..ops.common import require
 from .common import check_tensor
-from .encode import program_rows, round_bf16
+from .encode import round_bf16
 from .launch import launch_options, wait_for_prior_grids
 
 __all__ = ["rms_norm_rows", "compressor_rows"]
@@ -32,7 +33,7 @@ _NORM_VALUES = 4096  # values per rms_norm_rows program at most: 32 per thread a
 _SPLIT_BLOCK = 256  # columns per compressor_rows program
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["rows"])  # a step's row count: one compilation for all
 def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, rows, eps, D: tl.constexpr, BLOCK_D: tl.constexpr,
                      BLOCK_R: tl.constexpr, WEIGHTED: tl.constexpr):
     wait_for_prior_grids()
@@ -73,7 +74,7 @@ def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor | None, eps: float, *,
     if rows == 0 or dim == 0:
         return out
     block_d = triton.next_power_of_2(dim)
-    block_r = program_rows(rows, max(1, _NORM_VALUES // block_d))
+    block_r = max(1, _NORM_VALUES // block_d)
     _rms_norm_kernel[(triton.cdiv(rows, block_r),)](
         x, weight if weight is not None else x, out, rows, float(eps), D=dim, BLOCK_D=block_d, BLOCK_R=block_r,
         WEIGHTED=weight is not None, num_warps=4, enable_fp_fusion=False, **launch_options(x.device))
