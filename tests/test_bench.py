@@ -130,6 +130,9 @@ def test_every_step_kernel_has_a_stage():
                if hasattr(value, "arg_names") and name.endswith("_kernel")}  # jit functions (or interpreted)
     assert {"_pool_kernel", "_compress_kernel", "_topk_kernel", "_indexer_scores_kernel"} <= kernels
     assert {name for name in kernels if _stage(name) == "torch kernels"} == set()
+    # the first key found names the stage: a key inside another kernel's name must not take it
+    assert _stage("_compressor_rows_kernel") == "compressor rows" and _stage("_compress_kernel") == "compress-and-insert"
+    assert _stage("_rms_norm_kernel") == "projection norms"
 
 
 def test_cli_rejects_unknown_workloads_and_needs_a_gpu(capsys):
@@ -304,6 +307,7 @@ def test_input_check_gates_keys_and_query():
     assert not InputCheck(7, 680, 1.0).passed  # > 1% of the new key bytes differ
     assert InputCheck(0, 680, 0.9999).passed  # the q_a norm's rare one-unit roundings move ~1e-5 of the query
     assert not InputCheck(0, 680, 0.998).passed  # more than 0.1% of the query values differ
+    assert not InputCheck(0, 680, 0.9999, 0.98).passed  # a row with more than 1% of its values differing
 
 
 def _tiny_csa_step(seed=0):

@@ -2,11 +2,12 @@
 
 - rms_norm_rows == ops.norm.rms_norm (weighted) / ops.norm.unit_rms_norm (unweighted, in place): the same fp32
   operations, the sum of squares in another order. Tolerance: every value within one bf16 unit of the reference's,
-  and at most 1% of them off by that unit (a mean that differs in its last bit moves a rounding); zero, NaN and
+  and at most 0.1% of them off by that unit (a mean that differs in its last bit moves a rounding; measured: 1 in
+  65,536 under the interpreter, ~1e-4 on the H200 through the q_a, q_b and q norms together); zero, NaN and
   overflowing rows as the reference;
 - compressor_rows == (kv columns, ops.append.compressor_logits(gate columns, bias, positions)), bit for bit, one or
   two compressors, padding positions (-1) included;
-- `_MainCompressor.step_rows` (one GEMM of all the layer's compressor projections) against `rows` (an fp32 GEMM per
+- `_MainCompressor.projected_rows` (one GEMM of all the layer's compressor projections) against `rows` (an fp32 GEMM per
   projection): within 2^-16 of the sum of the products' magnitudes (on a GPU the tensor cores' fp32 sums round
   differently; the products of bf16 values are exact either way).
 
@@ -47,7 +48,7 @@ def bf16_rows(shape, seed, special=True):
     return x.to(DEVICE)
 
 
-def assert_within_one_unit(got, want, max_fraction=0.01):
+def assert_within_one_unit(got, want, max_fraction=1e-3):
     """bf16 results: NaN where the reference has NaN; elsewhere equal, or one bf16 unit apart in at most
     `max_fraction` of the values."""
     assert got.dtype == want.dtype == torch.bfloat16 and got.shape == want.shape
@@ -62,12 +63,12 @@ def assert_within_one_unit(got, want, max_fraction=0.01):
 
 
 # --- rms_norm_rows -------------------------------------------------------------------------------------
-@pytest.mark.parametrize("shape", [(9, 48), (6, 3, 40), (2, 64, 512), (5, 1024)])
-@pytest.mark.parametrize("weighted", [True, False])
-def test_rms_norm_rows_matches_the_reference(shape, weighted):
+@pytest.mark.parametrize("shape", [(9, 48), (6, 3, 40), (2, 64, 512), (5, 1024), (4, 7168)])
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16, None])  # None: unweighted
+def test_rms_norm_rows_matches_the_reference(shape, weight_dtype):
     x = bf16_rows(shape, seed=sum(shape))
-    weight = (torch.rand(shape[-1], generator=gen(1)) * 2).to(DEVICE) if weighted else None
-    want = rms_norm(x, weight, 1e-6) if weighted else unit_rms_norm(x, 1e-6)
+    weight = None if weight_dtype is None else (torch.rand(shape[-1], generator=gen(1)) * 2).to(weight_dtype).to(DEVICE)
+    want = unit_rms_norm(x, 1e-6) if weight is None else rms_norm(x, weight, 1e-6)
     out = torch.full_like(x, NAN)
     got = rms_norm_rows(x, weight, 1e-6, out=out)
     assert got is out
@@ -125,7 +126,8 @@ def test_compressor_rows_bit_exact(widths, ratio, pos_dtype):
     y = torch.randn(rows, 2 * sum(widths), generator=gen(rows)).to(DEVICE)
     y[3, 5] = NAN
     biases = [torch.randn(ratio, w, generator=gen(w)).to(DEVICE) for w in widths]
-    positions = torch.tensor([0, 1, 2, 3, 4, 5, 130, 131, 1 << 20, -1, -1], dtype=pos_dtype, device=DEVICE)
+    far = (1 << 33) + 5 if pos_dtype == torch.int64 else (1 << 31) - 1
+    positions = torch.tensor([0, 1, 2, 3, 4, 5, 130, 131, far, -1, -1], dtype=pos_dtype, device=DEVICE)
     got = compressor_rows(y, positions, biases)
     for (kv, logits), (kv_want, logits_want) in zip(got, reference_rows(y, positions, biases)):
         assert kv.is_contiguous() and logits.is_contiguous()
@@ -141,13 +143,15 @@ def test_compressor_rows_refuses_bad_input():
     assert compressor_rows(y[:0], pos[:0], good)[1][0].shape == (0, 4)
     for args in [(y, pos, [torch.zeros(4, 6, device=DEVICE), torch.zeros(2, 4, device=DEVICE)]),  # two m
                  (y, pos, [torch.zeros(4, 6, device=DEVICE)]),  # y wider than 2 w
-                 (y, pos[:2], good), (y.double(), pos, good), (y, pos.float(), good), (y, pos, good * 2)]:
+                 (y, pos[:2], good), (y.double(), pos, good), (y, pos.float(), good), (y, pos, good * 2),
+                 (torch.zeros(20, 3, device=DEVICE).t(), pos, good),  # not contiguous
+                 (y, pos, [torch.zeros(6, 4, device=DEVICE).t(), good[1]])]:
         with pytest.raises(ValueError):
             compressor_rows(*args)
 
 
 # --- the compressors' one GEMM ---------------------------------------------------------------------------
-def _tiny_csa_layer(g):
+def _csa_layer(g):
     index = next(i for i, s in enumerate(g.layers) if s.kind is LayerKind.CSA)
     return init_random_weights(DSV4Attention(g, index, device=DEVICE), seed=index)
 
@@ -159,13 +163,13 @@ def assert_rows_close(got, want, x, weights):
 
 
 @pytest.mark.parametrize("rows", [1, 13])
-def test_step_rows_is_rows_from_one_gemm(rows):
+def test_projected_rows_are_rows_from_one_gemm(rows):
     g = ModelGeometry.preset("tiny")
-    layer = _tiny_csa_layer(g)
+    layer = _csa_layer(g)
     comp = layer.compressor
     x = torch.randn(rows, g.hidden_size, generator=gen(rows)).to(torch.bfloat16).to(DEVICE)
     positions = torch.arange(rows, dtype=torch.int32, device=DEVICE) - 1  # one padding row first
-    got = comp.step_rows(x, positions)
+    got = comp.projected_rows(x, positions)
     parts = (comp, comp.indexer)
     for (kv, logits), part in zip(got, parts):
         kv_want, logits_want = part.rows(x, positions)
@@ -173,7 +177,7 @@ def test_step_rows_is_rows_from_one_gemm(rows):
         assert_rows_close(logits, logits_want, x, part.gate_proj.weight)
     with torch.no_grad():  # a weight changed in place: the stacked copy is made again
         comp.indexer.gate_proj.weight.mul_(-1)
-    logits = comp.step_rows(x, positions)[1][1]
+    logits = comp.projected_rows(x, positions)[1][1]
     assert_rows_close(logits, comp.indexer.rows(x, positions)[1], x, comp.indexer.gate_proj.weight)
 
 
@@ -181,17 +185,19 @@ def test_step_rows_is_rows_from_one_gemm(rows):
 def test_cuda_flash_projection_glue():
     """V4-Flash CSA layer on the GPU: the norms within one unit of the torch forms, the compressor rows within the
     GEMM bound of the fp32 GEMMs, the stacked GEMM on tensor cores."""
-    layer = _tiny_csa_layer(FLASH)
+    layer = _csa_layer(FLASH)
     x = torch.randn(257, FLASH.hidden_size, generator=gen(0)).to(torch.bfloat16).to(DEVICE)
     positions = torch.arange(257, dtype=torch.int32, device=DEVICE) + 4093
     with torch.no_grad():
         p = layer.project(x, positions)
-        qr = layer.q_a_norm(layer.q_a_proj(x))
-        q = unit_rms_norm(layer.q_b_proj(qr).view(257, FLASH.num_heads, FLASH.head_dim), FLASH.rms_norm_eps)
-        assert_within_one_unit(p.q, q)
+        qa = layer.q_a_proj(x)
+        qr = rms_norm_rows(qa, layer.q_a_norm.weight, FLASH.rms_norm_eps)  # each norm against its torch form alone
+        assert_within_one_unit(qr, layer.q_a_norm(qa))
+        q = layer.q_b_proj(qr).view(257, FLASH.num_heads, FLASH.head_dim)
+        assert_within_one_unit(p.q, unit_rms_norm(q, FLASH.rms_norm_eps))
         assert_within_one_unit(p.kv, layer.kv_norm(layer.kv_proj(x)))
         for (kv, logits), part in zip((p.state, p.index_state), (layer.compressor, layer.compressor.indexer)):
             kv_want, logits_want = part.rows(x, positions)
             assert_rows_close(kv, kv_want, x, part.kv_proj.weight)
             assert_rows_close(logits, logits_want, x, part.gate_proj.weight)
-    assert layer.compressor._stacked.dtype == torch.bfloat16
+    assert layer.compressor._stacked_bfloat16.dtype == torch.bfloat16  # the tensor-core GEMM ran

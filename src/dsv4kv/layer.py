@@ -11,7 +11,9 @@ overwrite ring rows the step's own earlier tokens still need.
 Numerics follow the cache's formats (`docs/numerics.md`): the kv the step attends to and the entries it
 stores are exactly what the cache's format holds, so how a sequence is split into steps changes a
 token's output only by the rounding of differently shaped GEMMs. Projections run in the weights' dtype;
-norms, RoPE, the compressor (as the official model), the indexer scores and attention run in fp32.
+norms, RoPE, the compressor (as the official model), the indexer scores and attention run in fp32. The kernel path
+(`project`) runs the compressors' projections as one bf16 tensor-core GEMM with fp32 products and sums (exact
+products, as the fp32 GEMM's) and its norms as kernels that sum in their own order (docs/numerics.md).
 """
 
 from __future__ import annotations
@@ -108,22 +110,30 @@ class _Compressor(nn.Module):
         self.kv_norm = RMSNorm(dim, g.rms_norm_eps, **kw)
 
     def rows(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The step's state rows, in fp32 like the official compressor: kv [N, width], logits (gate + bias) [N, width]."""
+        """The step's state rows, in fp32 like the official compressor: kv [N, width], logits (gate + bias) [N, width].
+        The fp32 copies of the weights are kept between steps (a decode step would otherwise cast 2 x 16 MB of weights
+        per CSA layer before its GEMMs)."""
         x32 = x.float()
-        kv_weight, gate_weight = self._fp32_weights()
+        kv_weight, gate_weight = _weight_copy(self, "_fp32", (self.kv_proj.weight, self.gate_proj.weight),
+                                              lambda ws: tuple(w.float() for w in ws))
         kv = torch.nn.functional.linear(x32, kv_weight)
         gate = torch.nn.functional.linear(x32, gate_weight)
         return kv, compressor_logits(gate, self.position_bias, positions)
 
-    def _fp32_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """fp32 copies of the two projections, kept between steps (a decode step would otherwise cast 2 x 16 MB of
-        weights per CSA layer before its GEMMs); made again when a weight is replaced or changed in place."""
-        weights = (self.kv_proj.weight, self.gate_proj.weight)
-        key = tuple((w.data_ptr(), w._version, w.dtype, w.device) for w in weights)
-        if getattr(self, "_fp32_key", None) != key:
-            self._fp32 = tuple(w.detach().float() for w in weights)
-            self._fp32_key = key
-        return self._fp32
+
+# torch.mm(..., out_dtype=) (bf16 in, fp32 out on CUDA): torch >= 2.8; older versions take the fp32 GEMM
+_MM_OUT_DTYPE = hasattr(torch.ops.aten.mm, "dtype")
+
+
+def _weight_copy(owner: nn.Module, name: str, weights: tuple[torch.Tensor, ...], make):
+    """`make(weights)` (detached), kept on `owner` under `name` between steps and made again when a weight is replaced,
+    moved or changed in place through autograd-visible ops (its `_version`). Not seen: writes through `.data`, and a
+    captured CUDA graph, which keeps reading the copy it captured."""
+    key = tuple((w.data_ptr(), w._version, w.dtype, w.device) for w in weights)
+    if getattr(owner, name + "_key", None) != key:
+        setattr(owner, name, make(tuple(w.detach() for w in weights)))
+        setattr(owner, name + "_key", key)
+    return getattr(owner, name)
 
 
 class _Indexer(_Compressor):
@@ -139,23 +149,24 @@ class _MainCompressor(_Compressor):
         if csa:
             self.indexer = _Indexer(g, ratio, **kw)
 
-    def step_rows(self, x: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def projected_rows(self, x: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The kernel path's state rows (`rows`) of this compressor, then of its indexer's (CSA), from one GEMM of
         bf16 x with all their projections stacked, and one launch that splits it (`kernels.compressor_rows`).
 
-        On a GPU the GEMM runs on tensor cores with fp32 products and sums (`torch.mm(out_dtype=float32)`): the
-        products of bf16 values are exact in fp32, as in `rows`' fp32 GEMM, and only how the sums round differs
-        (H200, docs/performance.md: 8192 rows 3,512 -> 230 us, one row 32.2 -> 15.1 us). Elsewhere an fp32 GEMM."""
+        bf16 x and weights on a GPU: the GEMM runs on tensor cores with fp32 products and sums
+        (`torch.mm(out_dtype=float32)`). The products of bf16 values are exact in fp32, as in `rows`' fp32 GEMM; only
+        how the sums round differs (H200, docs/performance.md: 8192 rows 3,512 -> 230 us, one row 32.2 -> 15.1 us;
+        mean relative error 4.1e-6 against fp32's 4.1e-7). Elsewhere an fp32 GEMM. The stacked copy of the weights
+        (21 MB for a V4-Flash CSA layer) is kept as `rows`' fp32 copies are."""
         from .kernels import compressor_rows
         parts = [self, self.indexer] if hasattr(self, "indexer") else [self]
-        weights = [w for part in parts for w in (part.kv_proj.weight, part.gate_proj.weight)]
-        on_gpu = x.is_cuda and x.dtype == torch.bfloat16 and all(w.dtype == torch.bfloat16 for w in weights)
-        dtype = torch.bfloat16 if on_gpu else torch.float32
-        key = tuple((w.data_ptr(), w._version, w.dtype, w.device) for w in weights) + (dtype,)
-        if getattr(self, "_stacked_key", None) != key:  # made again when a weight is replaced or changed in place
-            self._stacked = torch.cat([w.detach().to(dtype) for w in weights]).t()
-            self._stacked_key = key
-        y = torch.mm(x, self._stacked, out_dtype=torch.float32) if on_gpu else torch.mm(x.float(), self._stacked)
+        weights = tuple(w for part in parts for w in (part.kv_proj.weight, part.gate_proj.weight))
+        tensor_cores = (x.is_cuda and x.dtype == torch.bfloat16 and all(w.dtype == torch.bfloat16 for w in weights)
+                        and _MM_OUT_DTYPE)
+        dtype = torch.bfloat16 if tensor_cores else torch.float32
+        stacked = _weight_copy(self, f"_stacked_{str(dtype)[6:]}", weights,
+                               lambda ws: torch.cat([w.to(dtype) for w in ws]).t())  # [hidden, sum of widths]
+        y = torch.mm(x, stacked, out_dtype=torch.float32) if tensor_cores else torch.mm(x.float(), stacked)
         return compressor_rows(y, positions, [part.position_bias for part in parts])
 
 
@@ -328,8 +339,9 @@ class DSV4Attention(nn.Module):
         return self.o_b_proj(self._grouped_o_a(out))[:given]
 
     def project(self, x: torch.Tensor, positions: torch.Tensor) -> "Projected":
-        """The input projections of the kernel path (bf16 GEMMs, the q and kv norms, the compressors' fp32 rows):
-        everything `attention_core` reads that is a function of x alone."""
+        """The input projections of the kernel path (bf16 GEMMs; the q_a, q and kv norms as `kernels.rms_norm_rows`; the
+        compressors' rows from one GEMM with fp32 output, `_MainCompressor.projected_rows`): everything
+        `attention_core` reads that is a function of x alone."""
         from .kernels import rms_norm_rows
         g, spec = self.geometry, self.spec
         qr = rms_norm_rows(self.q_a_proj(x), self.q_a_norm.weight, self.q_a_norm.eps)
@@ -337,7 +349,7 @@ class DSV4Attention(nn.Module):
         rms_norm_rows(q, None, g.rms_norm_eps, out=q)  # unweighted, in place
         projected = Projected(q=q, kv=rms_norm_rows(self.kv_proj(x), self.kv_norm.weight, self.kv_norm.eps))
         if spec.compressed:
-            state_rows = self.compressor.step_rows(x, positions)
+            state_rows = self.compressor.projected_rows(x, positions)
             projected.state = state_rows[0]
             if spec.kind is LayerKind.CSA:
                 idx = self.compressor.indexer

@@ -280,12 +280,14 @@ def core_bytes(g: ModelGeometry, cache: CacheManager, layer_index: int, context:
     return {k: v * batch for k, v in parts.items()}
 
 
-_STAGES = (("_kv_insert", "kv insert"), ("_compress", "compress-and-insert"), ("_pool_kernel", "compress-and-insert"),
+# (a key inside the kernel's name, its stage), the first match wins: "_compressor_rows" before "_compress"
+_STAGES = (("_kv_insert", "kv insert"), ("_compressor_rows", "compressor rows"), ("_compress", "compress-and-insert"),
+           ("_pool_kernel", "compress-and-insert"),
            ("_indexer_scores", "indexer scores"), ("_topk", "top-k"),
            ("_sparse_attention", "attention"), ("_merge_kernel", "attention"), ("_copy_entries", "window append"),
            ("_append_state", "state append"), ("_rope_rows", "RoPE of q"),
            ("_indexer_query", "indexer query"), ("_q_fp8", "indexer query"),
-           ("_rms_norm", "projection norms"), ("_compressor_rows", "compressor rows"))
+           ("_rms_norm", "projection norms"))
 
 
 def _stage(kernel: str) -> str:

@@ -11,7 +11,8 @@ contraction), but sum the squares in the kernel's order: the mean may differ in 
 rarely, by one unit (tests/test_kernel_projection.py counts them). `compressor_rows` copies and adds one fp32 value:
 bit for bit.
 
-Work split: `rms_norm_rows`, 4096 // D rows of the flattened [rows, D] per program whatever the row count, so that
+Work split: `rms_norm_rows`, max(1, 4096 // next_pow2(D)) rows of the flattened [rows, D] per program whatever the
+row count, so that
 one compilation per (D, weighted) serves every step (a step-dependent tile would compile anew on new step shapes,
 tests/test_engine_compiles.py); `compressor_rows`, one row and BLOCK columns of one compressor per program.
 """
@@ -29,7 +30,7 @@ from .launch import launch_options, wait_for_prior_grids
 
 __all__ = ["rms_norm_rows", "compressor_rows"]
 
-_NORM_VALUES = 4096  # values per rms_norm_rows program at most: 32 per thread at 4 warps
+_NORM_VALUES = 4096  # values per rms_norm_rows program (32 per thread at 4 warps), or one row if D is wider
 _SPLIT_BLOCK = 256  # columns per compressor_rows program
 
 
@@ -43,7 +44,7 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, rows, eps, D: tl.constexpr, BLOCK_D:
     m = (o_r < rows)[:, None] & m_d[None, :]
     offs = o_r.to(tl.int64)[:, None] * D + o_d[None, :]
     b_x = tl.load(x_ptr + offs, mask=m, other=0.0).to(tl.float32)
-    b_r = tl.math.rsqrt(tl.sum(b_x * b_x, axis=1) / D + eps)
+    b_r = tl.math.rsqrt(tl.sum(b_x * b_x, axis=1) * (1.0 / D) + eps)  # torch's mean: the sum times fp32(1 / D)
     if WEIGHTED:  # weight * (x * r), fp32, one rounding
         b_w = tl.load(w_ptr + o_d, mask=m_d, other=0.0).to(tl.float32)
         b_y = b_w[None, :] * (b_x * b_r[:, None])
@@ -125,6 +126,8 @@ def compressor_rows(y: torch.Tensor, positions: torch.Tensor,
     ratio, widths = biases[0].shape[0], [bias.shape[1] for bias in biases]
     require(ratio >= 1 and all(bias.shape[0] == ratio for bias in biases) and min(widths) >= 1,
             f"biases: expected [m, w] each with one m >= 1, got {[list(b.shape) for b in biases]}")
+    require(y.shape[1] == 2 * sum(widths), f"y: expected {2 * sum(widths)} columns ([kv | gate] of each compressor: "
+                                           f"2 x {' + '.join(map(str, widths))}), got {y.shape[1]}")
     check_tensor("y", y, dtype=torch.float32, shape=(rows, 2 * sum(widths)), device=device)
     check_tensor("positions", positions, dtype=(torch.int32, torch.int64), shape=(rows,), device=device)
     outs = [(torch.empty(rows, w, dtype=torch.float32, device=device),
