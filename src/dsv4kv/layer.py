@@ -75,6 +75,14 @@ ROPE_LAUNCHES_KV_INSERT = True
 # Read at each call.
 Q_ROPE_DIMS_ONLY = frozenset({LayerKind.WINDOW, LayerKind.HCA})
 
+# The kernel path's projections that the query chain (q_a, its norm, q_b, q's norm, the indexer's q_b) does not read
+# (kv and its norm, the compressors' GEMM and split, the indexer's head weights) run on the side stream beside it, and
+# the main stream waits for them at the end of `project`; False: all in order on the main stream. H200, 2026-11-26
+# (docs/performance.md), in order / beside, bytes equal: whole decode layers at batch 1 / 16K CSA 145.7 / 123.3 us,
+# HCA 115.1 / 102.0, window 101.3 / 94.9; CSA at batch 64 / 128K 328.3 / 310.9; an 8192-row chunk's projections
+# within 2% either way. Read at each call.
+PROJECT_BESIDE = True
+
 # Geometry fields one layer's weights and computation depend on; the layer's own LayerSpec is compared too.
 _LAYER_FIELDS = ("hidden_size", "num_heads", "head_dim", "rope_dim", "q_lora_rank", "o_groups", "o_lora_rank",
                  "window", "index_n_heads", "index_head_dim", "index_topk", "rms_norm_eps")
@@ -149,7 +157,17 @@ class _MainCompressor(_Compressor):
         if csa:
             self.indexer = _Indexer(g, ratio, **kw)
 
-    def projected_rows(self, x: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def row_buffers(self, rows: int, device: torch.device) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+        """Empty outputs of `projected_rows` for `rows` rows: the GEMM's fp32 [rows, sum of 2 w], and each compressor's
+        (kv, logits) fp32 [rows, w] (for a caller that allocates on one stream and computes on another)."""
+        parts = [self, self.indexer] if hasattr(self, "indexer") else [self]
+        widths = [part.kv_proj.weight.shape[0] for part in parts]
+        def empty(w):
+            return torch.empty(rows, w, dtype=torch.float32, device=device)
+        return empty(2 * sum(widths)), [(empty(w), empty(w)) for w in widths]
+
+    def projected_rows(self, x: torch.Tensor, positions: torch.Tensor, buffers=None
+                       ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The kernel path's state rows (`rows`) of this compressor, then of its indexer's (CSA), from one GEMM of
         bf16 x with all their projections stacked, and one launch that splits it (`kernels.compressor_rows`).
 
@@ -157,7 +175,7 @@ class _MainCompressor(_Compressor):
         (`torch.mm(out_dtype=float32)`). The products of bf16 values are exact in fp32, as in `rows`' fp32 GEMM; only
         how the sums round differs (H200, docs/performance.md: 8192 rows 3,512 -> 230 us, one row 32.2 -> 15.1 us;
         mean relative error 4.1e-6 against fp32's 4.1e-7). Elsewhere an fp32 GEMM. The stacked copy of the weights
-        (21 MB for a V4-Flash CSA layer) is kept as `rows`' fp32 copies are."""
+        (21 MB for a V4-Flash CSA layer) is kept as `rows`' fp32 copies are. buffers: `row_buffers`' outputs."""
         from .kernels import compressor_rows
         parts = [self, self.indexer] if hasattr(self, "indexer") else [self]
         weights = tuple(w for part in parts for w in (part.kv_proj.weight, part.gate_proj.weight))
@@ -166,8 +184,12 @@ class _MainCompressor(_Compressor):
         dtype = torch.bfloat16 if tensor_cores else torch.float32
         stacked = _weight_copy(self, f"_stacked_{str(dtype)[6:]}", weights,
                                lambda ws: torch.cat([w.to(dtype) for w in ws]).t())  # [hidden, sum of widths]
-        y = torch.mm(x, stacked, out_dtype=torch.float32) if tensor_cores else torch.mm(x.float(), stacked)
-        return compressor_rows(y, positions, [part.position_bias for part in parts])
+        y, out = buffers if buffers is not None else self.row_buffers(x.shape[0], x.device)
+        if tensor_cores:
+            torch.mm(x, stacked, out_dtype=torch.float32, out=y)
+        else:
+            torch.mm(x.float(), stacked, out=y)
+        return compressor_rows(y, positions, [part.position_bias for part in parts], out=out)
 
 
 @dataclass
@@ -343,20 +365,31 @@ class DSV4Attention(nn.Module):
         compressors' rows from one GEMM with fp32 output, `_MainCompressor.projected_rows`): everything
         `attention_core` reads that is a function of x alone."""
         from .kernels import rms_norm_rows
-        g, spec = self.geometry, self.spec
+        from .streams import StepStreams
+        g, spec, n = self.geometry, self.spec, x.shape[0]
+        csa = spec.kind is LayerKind.CSA
+        streams = StepStreams(x.device, concurrent=PROJECT_BESIDE)
+        # what the side stream writes is allocated here, on the main stream, before the fork (streams.py)
+        kv_raw = torch.empty(n, g.head_dim, dtype=x.dtype, device=x.device)
+        kv = torch.empty_like(kv_raw)
+        buffers = self.compressor.row_buffers(n, x.device) if spec.compressed else None
+        weights = torch.empty(n, g.index_n_heads, dtype=x.dtype, device=x.device) if csa else None
+        state_rows = [None, None]
+        streams.fork()
+        with streams.on_side():  # what the query chain does not read
+            torch.mm(x, self.kv_proj.weight.t(), out=kv_raw)
+            rms_norm_rows(kv_raw, self.kv_norm.weight, self.kv_norm.eps, out=kv)
+            if spec.compressed:
+                state_rows = self.compressor.projected_rows(x, positions, buffers) + [None]
+            if csa:
+                torch.mm(x, self.compressor.indexer.scorer.weights_proj.weight.t(), out=weights)
         qr = rms_norm_rows(self.q_a_proj(x), self.q_a_norm.weight, self.q_a_norm.eps)
-        q = self.q_b_proj(qr).view(x.shape[0], g.num_heads, g.head_dim)
+        q = self.q_b_proj(qr).view(n, g.num_heads, g.head_dim)
         rms_norm_rows(q, None, g.rms_norm_eps, out=q)  # unweighted, in place
-        projected = Projected(q=q, kv=rms_norm_rows(self.kv_proj(x), self.kv_norm.weight, self.kv_norm.eps))
-        if spec.compressed:
-            state_rows = self.compressor.projected_rows(x, positions)
-            projected.state = state_rows[0]
-            if spec.kind is LayerKind.CSA:
-                idx = self.compressor.indexer
-                projected.index_state = state_rows[1]
-                projected.index_q = idx.q_b_proj(qr).view(x.shape[0], g.index_n_heads, g.index_head_dim)
-                projected.index_weights = idx.scorer.weights_proj(x)
-        return projected
+        index_q = self.compressor.indexer.q_b_proj(qr).view(n, g.index_n_heads, g.index_head_dim) if csa else None
+        streams.join()
+        return Projected(q=q, kv=kv, state=state_rows[0], index_state=state_rows[1], index_q=index_q,
+                         index_weights=weights)
 
     def indexer_takes_fp8(self, plan: StepPlan, cache: CacheManager) -> bool:
         """Whether this layer's indexer scores over `plan` take the FP8 MMA path in `attention_core` (the host's

@@ -35,8 +35,9 @@ def _side_stream(index: int) -> torch.cuda.Stream:
 class StepStreams:
     """The current stream ("main") and one side stream of `device`, with the few orderings a step needs."""
 
-    def __init__(self, device: torch.device):
-        self.enabled = CONCURRENT and device.type == "cuda"
+    def __init__(self, device: torch.device, concurrent: bool = True):
+        """concurrent=False: every call a no-op, as with CONCURRENT off (a caller's own switch)."""
+        self.enabled = CONCURRENT and concurrent and device.type == "cuda"
         if self.enabled:
             index = device.index if device.index is not None else torch.cuda.current_device()
             self.main = torch.cuda.current_stream(index)

@@ -69,8 +69,7 @@ def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor | None, eps: float, *,
     if out is None:
         out = torch.empty_like(x)
     check_tensor("out", out, dtype=torch.bfloat16, shape=shape, device=x.device)
-    x0, o0, size = x.data_ptr(), out.data_ptr(), x.numel() * x.element_size()
-    require(o0 == x0 or o0 >= x0 + size or x0 >= o0 + size, "out: overlaps x without being x")
+    require(out.data_ptr() == x.data_ptr() or not _overlaps(out, x), "out: overlaps x without being x")
     rows = x.numel() // max(dim, 1)
     if rows == 0 or dim == 0:
         return out
@@ -80,6 +79,11 @@ def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor | None, eps: float, *,
         x, weight if weight is not None else x, out, rows, float(eps), D=dim, BLOCK_D=block_d, BLOCK_R=block_r,
         WEIGHTED=weight is not None, num_warps=4, enable_fp_fusion=False, **launch_options(x.device))
     return out
+
+
+def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
 
 
 @triton.jit
@@ -109,11 +113,13 @@ def _compressor_rows_kernel(y_ptr, positions_ptr, bias0_ptr, kv0_ptr, logits0_pt
                     BLOCK)
 
 
-def compressor_rows(y: torch.Tensor, positions: torch.Tensor,
-                    biases: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def compressor_rows(y: torch.Tensor, positions: torch.Tensor, biases: list[torch.Tensor], *,
+                    out: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+                    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The compressors' state rows out of one GEMM: y fp32 [N, sum of 2 w_i] holds compressor i's [kv | gate] columns
     in turn; biases: its positional biases fp32 [m, w_i] (one or two compressors, one m). -> [(kv fp32 [N, w_i],
-    logits fp32 [N, w_i])], bit for bit `(kv_i, ops.append.compressor_logits(gate_i, bias_i, positions))`."""
+    logits fp32 [N, w_i])], bit for bit `(kv_i, ops.append.compressor_logits(gate_i, bias_i, positions))`; into `out`
+    when given (contiguous, apart from y)."""
     require(isinstance(biases, (list, tuple)) and len(biases) in (1, 2),
             f"biases: expected a list of one or two tensors, got {type(biases).__name__} of "
             f"{len(biases) if isinstance(biases, (list, tuple)) else '?'}")
@@ -130,8 +136,16 @@ def compressor_rows(y: torch.Tensor, positions: torch.Tensor,
                                            f"2 x {' + '.join(map(str, widths))}), got {y.shape[1]}")
     check_tensor("y", y, dtype=torch.float32, shape=(rows, 2 * sum(widths)), device=device)
     check_tensor("positions", positions, dtype=(torch.int32, torch.int64), shape=(rows,), device=device)
-    outs = [(torch.empty(rows, w, dtype=torch.float32, device=device),
-             torch.empty(rows, w, dtype=torch.float32, device=device)) for w in widths]
+    if out is None:
+        out = [(torch.empty(rows, w, dtype=torch.float32, device=device),
+                torch.empty(rows, w, dtype=torch.float32, device=device)) for w in widths]
+    require(isinstance(out, (list, tuple)) and len(out) == len(widths) and all(len(pair) == 2 for pair in out),
+            f"out: expected {len(widths)} (kv, logits) pairs")
+    for i, (pair, w) in enumerate(zip(out, widths)):
+        for name, t in zip(("kv", "logits"), pair):
+            check_tensor(f"out[{i}].{name}", t, dtype=torch.float32, shape=(rows, w), device=device)
+            require(not _overlaps(t, y), f"out[{i}].{name}: overlaps y")
+    outs = [tuple(pair) for pair in out]
     if rows == 0:
         return outs
     w1 = widths[1] if len(widths) > 1 else 0
