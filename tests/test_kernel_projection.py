@@ -135,6 +135,21 @@ def test_compressor_rows_bit_exact(widths, ratio, pos_dtype):
             assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())
 
 
+def test_compressor_rows_into_given_outputs():
+    y = torch.randn(5, 20, generator=gen(2)).to(DEVICE)
+    pos = torch.arange(5, dtype=torch.int32, device=DEVICE)
+    biases = [torch.randn(4, 6, generator=gen(3)).to(DEVICE), torch.randn(4, 4, generator=gen(4)).to(DEVICE)]
+    out = [(torch.full((5, w), NAN, device=DEVICE), torch.full((5, w), NAN, device=DEVICE)) for w in (6, 4)]
+    got = compressor_rows(y, pos, biases, out=out)
+    for (kv, logits), (kv_out, logits_out), (kv_want, logits_want) in zip(got, out, reference_rows(y, pos, biases)):
+        assert kv is kv_out and logits is logits_out
+        assert torch.equal(kv, kv_want) and torch.equal(logits, logits_want)
+    with pytest.raises(ValueError, match="overlaps y"):
+        compressor_rows(y, pos, biases, out=[(y[:, :6].contiguous(), y.view(-1)[:30].view(5, 6)), out[1]])
+    with pytest.raises(ValueError, match="pairs"):
+        compressor_rows(y, pos, biases, out=out[:1])
+
+
 def test_compressor_rows_refuses_bad_input():
     y = torch.zeros(3, 20, device=DEVICE)
     pos = torch.zeros(3, dtype=torch.int32, device=DEVICE)
