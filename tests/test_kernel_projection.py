@@ -196,6 +196,17 @@ def test_projected_rows_are_rows_from_one_gemm(rows):
     assert_rows_close(logits, comp.indexer.rows(x, positions)[1], x, comp.indexer.gate_proj.weight)
 
 
+def test_project_outside_no_grad():
+    """`project` called directly with autograd on (the bench does): its GEMMs write into given outputs, which autograd
+    refuses for parameters that require grad, so it runs under no_grad itself."""
+    g = ModelGeometry.preset("tiny")
+    layer = _csa_layer(g)
+    x = torch.randn(3, g.hidden_size, generator=gen(3)).to(torch.bfloat16).to(DEVICE)
+    assert torch.is_grad_enabled() and layer.q_a_proj.weight.requires_grad
+    p = layer.project(x, torch.arange(3, dtype=torch.int32, device=DEVICE))
+    assert not p.q.requires_grad and p.index_weights.shape == (3, g.index_n_heads)
+
+
 @needs_cuda
 def test_cuda_flash_projection_glue():
     """V4-Flash CSA layer on the GPU: the norms within one unit of the torch forms, the compressor rows within the

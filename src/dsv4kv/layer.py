@@ -360,6 +360,7 @@ class DSV4Attention(nn.Module):
         out = self.attention_core(self.project(x, plan.positions), plan, cache)
         return self.o_b_proj(self._grouped_o_a(out))[:given]
 
+    @torch.no_grad()  # an inference path, also when called directly (the GEMMs write into given outputs: out=)
     def project(self, x: torch.Tensor, positions: torch.Tensor) -> "Projected":
         """The input projections of the kernel path (bf16 GEMMs; the q_a, q and kv norms as `kernels.rms_norm_rows`; the
         compressors' rows from one GEMM with fp32 output, `_MainCompressor.projected_rows`): everything
