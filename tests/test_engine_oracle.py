@@ -300,8 +300,8 @@ def check_against_bf16_oracle(served, oracle, token_lists, outputs) -> dict:
     d is the bf16 forward's largest logit error over every request's positions, not at that position (measured on an
     H100, 2026-11-25: V4-Flash geometry, a token 0.73 below the fp32 best where transformers' bf16 error was 0.07),
     nor over one request's: a short request's few positions understate the scale. Measured on the H200
-    (2026-11-26, V4-Flash geometry, docs/device/2026-11-26-engine-oracle-gaps-h200.log): the projection kernels' rounding
-    (80c0a3e -> the projections beside the query chain: the same gaps on three requests) moved the 129-token
+    (2026-11-26, V4-Flash geometry, docs/device/2026-11-26-engine-oracle-gaps-h200.log): the projection kernels'
+    rounding (80c0a3e -> the projections beside the query chain: the same gaps on three requests) moved the 129-token
     request's trajectory to a token 0.274 below the fp32 best where transformers' error on that request was 0.074,
     and 2.95 over the others.
     And the engine may miss the fp32 argmax by more than MARGIN (a near tie) at most AGREEMENT_SLACK times more often

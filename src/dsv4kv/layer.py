@@ -157,7 +157,8 @@ class _MainCompressor(_Compressor):
         if csa:
             self.indexer = _Indexer(g, ratio, **kw)
 
-    def row_buffers(self, rows: int, device: torch.device) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+    def row_buffers(self, rows: int, device: torch.device
+                    ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
         """Empty outputs of `projected_rows` for `rows` rows: the GEMM's fp32 [rows, sum of 2 w], and each compressor's
         (kv, logits) fp32 [rows, w] (for a caller that allocates on one stream and computes on another)."""
         parts = [self, self.indexer] if hasattr(self, "indexer") else [self]
