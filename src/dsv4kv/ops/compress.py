@@ -21,6 +21,7 @@ from ..geometry import RopeSpec
 from ..layout import EntryLayout
 from ..plan import StepPlan
 from .common import StepRows, check_float, require, step_rows
+from .norm import rms_norm
 from .rope import apply_rope
 
 __all__ = ["pool_entries", "compress_and_insert"]
@@ -83,7 +84,7 @@ def compress_and_insert(state_kv: torch.Tensor, state_logits: torch.Tensor, plan
             f"compress_and_insert: entry width {pooled.shape[1]}, norm weight {list(norm_weight.shape)}, "
             f"layout {layout.dim}")
     writes = plan.entries[ratio]
-    normed = pooled * torch.rsqrt(pooled.pow(2).mean(-1, keepdim=True) + eps) * norm_weight.float()
+    normed = rms_norm(pooled, norm_weight, eps)  # fp32 pooled rows: the result stays fp32
     entries = apply_rope(normed, writes.index[:writes.count].long() * ratio, rope).to(out_dtype)
     layout.write(pool, page_tokens // ratio, writes.slots[:writes.count], entries)
     return entries
