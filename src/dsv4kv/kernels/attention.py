@@ -52,10 +52,10 @@ import triton.language as tl
 from ..layout import EntryLayout, MainFP8Layout
 from ..ops.common import require
 from ..plan import StepPlan
-from .common import check_pool, check_tensor, interpreted, padded_rows, sm_count
+from .common import check_pool, check_tensor, interpreted, overlaps, padded_rows, sm_count
 from .encode import round_bf16
 from .launch import launch_options, wait_for_prior_grids
-from .query import _check_cos_sin, _overlaps, _rope_pairs
+from .query import _check_cos_sin, _rope_pairs
 
 __all__ = ["sparse_attention_paged"]
 
@@ -577,13 +577,13 @@ def sparse_attention_paged(q: torch.Tensor, plan: StepPlan, *, sinks: torch.Tens
         require(isinstance(inverse_rope, tuple) and len(inverse_rope) == 2, "inverse_rope: expected (cos, sin)")
         rope_half = _check_cos_sin(*inverse_rope, rows, dim, device)
         cos, sin = inverse_rope
-    require(not _overlaps(out, q), "out: overlaps q")
+    require(not overlaps(out, q), "out: overlaps q")
     if q_rope_dims is not None:
         require(q.dtype == torch.bfloat16, f"q_rope_dims: q must be bf16, got {q.dtype}")
         check_tensor("q_rope_dims", q_rope_dims, dtype=torch.bfloat16, shape=(rows, heads, None), device=device)
         require(1 <= q_rope_dims.shape[2] < dim, f"q_rope_dims: expected 1..{dim - 1} dims a head, got "
                                                  f"{q_rope_dims.shape[2]}")
-        require(not _overlaps(out, q_rope_dims), "out: overlaps q_rope_dims")
+        require(not overlaps(out, q_rope_dims), "out: overlaps q_rope_dims")
     require(splits is None or (isinstance(splits, int) and not isinstance(splits, bool) and 1 <= splits <= 65535),
             f"splits: expected an int in 1..65535 (a grid dimension) or None, got {splits!r}")
     config = _config(rows, heads, max_keys, device)

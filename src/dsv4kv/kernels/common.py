@@ -18,7 +18,7 @@ from ..layout import EntryLayout
 from ..ops.common import require
 
 __all__ = ["interpreted", "kernels_can_run", "check_pool", "check_tensor", "check_plan", "padded_rows", "sm_count",
-           "hopper_or_later"]
+           "hopper_or_later", "overlaps"]
 
 
 def check_tensor(name: str, x, *, dtype: torch.dtype | tuple[torch.dtype, ...], shape: tuple[int | None, ...],
@@ -33,6 +33,12 @@ def check_tensor(name: str, x, *, dtype: torch.dtype | tuple[torch.dtype, ...], 
     require(not contiguous or x.is_contiguous(), f"{name}: must be contiguous (strides {x.stride()})")
     require(kernels_can_run(x.device), f"{name}: Triton kernels need a CUDA tensor (or TRITON_INTERPRET=1 on the "
                                        f"CPU), got one on {x.device}")
+
+
+def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the memory spans of a and b (from their first element, numel elements on) intersect."""
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
 
 
 def check_pool(name: str, pool, layout: EntryLayout, entries: int, device: torch.device) -> None:

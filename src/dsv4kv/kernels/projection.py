@@ -12,9 +12,9 @@ rarely, by one unit (tests/test_kernel_projection.py counts them). `compressor_r
 bit for bit.
 
 Work split: `rms_norm_rows`, max(1, 4096 // next_pow2(D)) rows of the flattened [rows, D] per program whatever the
-row count, so that
-one compilation per (D, weighted) serves every step (a step-dependent tile would compile anew on new step shapes,
-tests/test_engine_compiles.py); `compressor_rows`, one row and BLOCK columns of one compressor per program.
+row count, so that one compilation per (D, weighted) serves every step (a step-dependent tile would compile anew on
+new step shapes, tests/test_engine_compiles.py); `compressor_rows`, one row and BLOCK columns of one compressor per
+program.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from ..ops.common import require
-from .common import check_tensor
+from .common import check_tensor, overlaps
 from .encode import round_bf16
 from .launch import launch_options, wait_for_prior_grids
 
@@ -69,7 +69,7 @@ def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor | None, eps: float, *,
     if out is None:
         out = torch.empty_like(x)
     check_tensor("out", out, dtype=torch.bfloat16, shape=shape, device=x.device)
-    require(out.data_ptr() == x.data_ptr() or not _overlaps(out, x), "out: overlaps x without being x")
+    require(out.data_ptr() == x.data_ptr() or not overlaps(out, x), "out: overlaps x without being x")
     rows = x.numel() // max(dim, 1)
     if rows == 0 or dim == 0:
         return out
@@ -79,11 +79,6 @@ def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor | None, eps: float, *,
         x, weight if weight is not None else x, out, rows, float(eps), D=dim, BLOCK_D=block_d, BLOCK_R=block_r,
         WEIGHTED=weight is not None, num_warps=4, enable_fp_fusion=False, **launch_options(x.device))
     return out
-
-
-def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
-    a0, b0 = a.data_ptr(), b.data_ptr()
-    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
 
 
 @triton.jit
@@ -144,7 +139,7 @@ def compressor_rows(y: torch.Tensor, positions: torch.Tensor, biases: list[torch
     for i, (pair, w) in enumerate(zip(out, widths)):
         for name, t in zip(("kv", "logits"), pair):
             check_tensor(f"out[{i}].{name}", t, dtype=torch.float32, shape=(rows, w), device=device)
-            require(not _overlaps(t, y), f"out[{i}].{name}: overlaps y")
+            require(not overlaps(t, y), f"out[{i}].{name}: overlaps y")
     outs = [tuple(pair) for pair in out]
     if rows == 0:
         return outs

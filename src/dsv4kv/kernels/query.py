@@ -29,7 +29,7 @@ import triton.language as tl
 
 from ..layout import EntryLayout
 from ..ops.common import require
-from .common import check_tensor
+from .common import check_tensor, overlaps
 from .encode import e2m1_bits, e4m3_round, exp2_int, nan_amax, pow2_exponent, program_rows, rotate_keys, round_bf16
 from .indexer import _BF16, _MXFP4, fp8_query_operand
 from .indexer import _format as _layout_format
@@ -179,11 +179,6 @@ def _check_cos_sin(cos, sin, rows: int, dim: int, device: torch.device) -> int:
     return half
 
 
-def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
-    a0, b0 = a.data_ptr(), b.data_ptr()
-    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
-
-
 def rope_rows(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, inverse: bool = False,
               out: torch.Tensor | None = None, launch_next: bool = False) -> torch.Tensor:
     """Interleaved RoPE on the last rope_dim dims of every head, result bf16, bit for bit
@@ -206,7 +201,7 @@ def rope_rows(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, inverse:
     rope_only = isinstance(out, torch.Tensor) and out.dim() == 3 and out.shape[2] == 2 * half < dim
     check_tensor("out", out, dtype=torch.bfloat16, shape=(n, heads, 2 * half if rope_only else dim), device=x.device)
     in_place = not rope_only and out.data_ptr() == x.data_ptr() and out.dtype == x.dtype
-    require(in_place or not _overlaps(out, x), "out: overlaps x without being x (only out=x is allowed in place)")
+    require(in_place or not overlaps(out, x), "out: overlaps x without being x (only out=x is allowed in place)")
     if out.numel() == 0:
         return out
     dims_only = in_place or rope_only  # only the rope dims are read and written
@@ -233,7 +228,7 @@ def _indexer_query(q, cos, sin, layout, out, weights, scale, weights_out, fmt=No
     if out is None:
         out = torch.empty(q.shape, dtype=torch.float32, device=device)
     check_tensor("out", out, dtype=torch.float32, shape=(n, heads, dim), device=device)
-    require(not _overlaps(out, q), "out: overlaps q")
+    require(not overlaps(out, q), "out: overlaps q")
     if weights is not None:
         check_tensor("weights", weights, dtype=(torch.bfloat16, torch.float32), shape=(n, heads), device=device)
         require(isinstance(scale, (int, float)) and not isinstance(scale, bool),
@@ -241,9 +236,9 @@ def _indexer_query(q, cos, sin, layout, out, weights, scale, weights_out, fmt=No
         if weights_out is None:
             weights_out = torch.empty((n, heads), dtype=torch.float32, device=device)
         check_tensor("weights_out", weights_out, dtype=torch.float32, shape=(n, heads), device=device)
-        require(not _overlaps(weights_out, out) and not _overlaps(weights_out, q),
+        require(not overlaps(weights_out, out) and not overlaps(weights_out, q),
                 "weights_out: overlaps out or q")
-        require(weights_out.data_ptr() == weights.data_ptr() or not _overlaps(weights_out, weights),
+        require(weights_out.data_ptr() == weights.data_ptr() or not overlaps(weights_out, weights),
                 "weights_out: overlaps weights without being weights")
     if fp8_out is not None:
         require(fmt == _MXFP4, f"fp8_out: the FP8 MMA operand is made for MXFP4 keys only, not {layout.name!r}")
