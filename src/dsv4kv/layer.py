@@ -157,12 +157,15 @@ class _MainCompressor(_Compressor):
         if csa:
             self.indexer = _Indexer(g, ratio, **kw)
 
+    def _parts(self) -> list[_Compressor]:
+        """This compressor, then its indexer's (CSA): the order of `projected_rows`' GEMM columns and outputs."""
+        return [self, self.indexer] if hasattr(self, "indexer") else [self]
+
     def row_buffers(self, rows: int, device: torch.device
                     ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
         """Empty outputs of `projected_rows` for `rows` rows: the GEMM's fp32 [rows, sum of 2 w], and each compressor's
         (kv, logits) fp32 [rows, w] (for a caller that allocates on one stream and computes on another)."""
-        parts = [self, self.indexer] if hasattr(self, "indexer") else [self]
-        widths = [part.kv_proj.weight.shape[0] for part in parts]
+        widths = [part.kv_proj.weight.shape[0] for part in self._parts()]
         def empty(w):
             return torch.empty(rows, w, dtype=torch.float32, device=device)
         return empty(2 * sum(widths)), [(empty(w), empty(w)) for w in widths]
@@ -178,7 +181,7 @@ class _MainCompressor(_Compressor):
         mean relative error 4.1e-6 against fp32's 4.1e-7). Elsewhere an fp32 GEMM. The stacked copy of the weights
         (21 MB for a V4-Flash CSA layer) is kept as `rows`' fp32 copies are. buffers: `row_buffers`' outputs."""
         from .kernels import compressor_rows
-        parts = [self, self.indexer] if hasattr(self, "indexer") else [self]
+        parts = self._parts()
         weights = tuple(w for part in parts for w in (part.kv_proj.weight, part.gate_proj.weight))
         tensor_cores = (x.is_cuda and x.dtype == torch.bfloat16 and all(w.dtype == torch.bfloat16 for w in weights)
                         and _MM_OUT_DTYPE)
