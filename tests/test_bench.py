@@ -218,6 +218,21 @@ def test_source_digest_names_the_code_not_its_place(tmp_path):
     assert source_digest(str(copy)) != source_digest(package)
 
 
+def test_l2_flush_reads_and_writes_nothing(monkeypatch):
+    """time_cuda's L2 flush reads its whole buffer (into one scalar) and writes none of it: a written flush would
+    leave dirty lines for the timed kernels to write back (docs/device/2026-11-27-l2-flush-h100.log)."""
+    from dsv4kv.bench import timing
+    monkeypatch.setattr(timing, "_FLUSH_BYTES", 8 * 1001)
+    monkeypatch.setattr(timing, "_flush_buffers", {})
+    device = torch.device("cpu")
+    timing._flush_l2(device)
+    flush, total = timing._flush_buffers[device]
+    pattern = torch.arange(1001, dtype=torch.int64) * 7 - 3
+    flush.copy_(pattern)
+    timing._flush_l2(device)
+    assert torch.equal(flush, pattern) and total.item() == pattern.sum().item()
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_gpu_topk_workload_runs_and_checks(tmp_path):
     """The default device "cuda" (no index) through the whole bench path."""

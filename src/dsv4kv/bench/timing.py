@@ -1,8 +1,8 @@
 """How the benchmarks time GPU work, and the machine figures every result is compared with.
 
 Times are medians of many CUDA-event measurements after warm-up. Before each timed run the L2 cache is
-flushed (a 256 MiB write, larger than the H200's 50 MiB L2: a decode step of a real model meets its layer's
-cache cold) and a short spin kernel is queued, so the host's launch of the timed work overlaps the spin and
+flushed (a 256 MiB read, larger than the H100's 50 MB and the H200's 60 MB L2: a decode step of a real model meets
+its layer's cache cold; a read, so that no dirty line is left to write back) and a short spin kernel is queued, so the host's launch of the timed work overlaps the spin and
 the events measure the GPU's execution alone. `graph=True` captures the work once as a CUDA graph and times
 replays, as a serving step would run it; `graph=False` times eager calls, launch overhead included
 (transformers' eager module is measured that way: its cost is what a user of it pays).
@@ -39,13 +39,19 @@ class Timing:
         return {"median_us": self.median_us, "p10_us": self.p10_us, "p90_us": self.p90_us, "runs": self.runs}
 
 
-_flush_buffers: dict[torch.device, torch.Tensor] = {}
+_flush_buffers: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
 def _flush_l2(device: torch.device) -> None:
+    """Evict the timed work's data from the L2 by reading 256 MiB into one scalar. A flush by writing would leave
+    the L2 full of dirty lines, which the timed kernels would then write back as they evict them: work a real step
+    does not do (H100, docs/device/2026-11-27-l2-flush-h100.log: a 67 MB GEMV 37.1 us after a written flush, 28.9
+    after a read one and 28.8 with none; a CSA decode layer at batch 1 / 16K 150.8 / 141.0 / 141.8 us)."""
     if device not in _flush_buffers:
-        _flush_buffers[device] = torch.empty(_FLUSH_BYTES, dtype=torch.uint8, device=device)
-    _flush_buffers[device].zero_()
+        _flush_buffers[device] = (torch.zeros(_FLUSH_BYTES // 8, dtype=torch.int64, device=device),
+                                  torch.empty((), dtype=torch.int64, device=device))
+    flush, total = _flush_buffers[device]
+    torch.sum(flush, dim=0, out=total)
 
 
 def time_cuda(fn: Callable[[], object], *, device: torch.device, runs: int = 50, warmup: int = 3,
