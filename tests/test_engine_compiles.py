@@ -29,8 +29,9 @@ FORMATS = {"official": dict(kv_format="fp8", indexer_format="mxfp4"),
            "exact": dict(kv_format="bf16", indexer_format="bf16")}
 # one key per kernel and layer variant: attention and its launches per layer kind (window, CSA, HCA), the
 # compressor per (CSA main, CSA indexer, HCA), append_state per ring shape, top-k per phase, the q RoPE (whole
-# heads, rope dims only), the projection norms (q_a's, q's, kv's) and the compressor rows split (CSA, HCA)
-BOUND = 29
+# heads, rope dims only), the projection norms (q_a's, q's, kv's), the compressor rows split (CSA, HCA) and the
+# one-row projections (q_a, q_b, the indexer's q_b, o_a, o_b)
+BOUND = 34
 
 
 @functools.lru_cache(maxsize=None)

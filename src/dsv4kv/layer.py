@@ -83,6 +83,11 @@ Q_ROPE_DIMS_ONLY = frozenset({LayerKind.WINDOW, LayerKind.HCA})
 # within 2% either way. Read at each call.
 PROJECT_BESIDE = True
 
+# The kernel path's projections of up to `kernels.gemv.MAX_ROWS` rows (q_a, q_b, the indexer's q_b, the grouped o_a
+# and o_b) through `kernels.gemv_rows`; more rows, or False: torch's GEMMs. The kv, head-weight and compressor
+# projections stay torch's: they run on the side stream, beside these. Read at each call.
+SMALL_BATCH_GEMV = True
+
 # Geometry fields one layer's weights and computation depend on; the layer's own LayerSpec is compared too.
 _LAYER_FIELDS = ("hidden_size", "num_heads", "head_dim", "rope_dim", "q_lora_rank", "o_groups", "o_lora_rank",
                  "window", "index_n_heads", "index_head_dim", "index_topk", "rms_norm_eps")
@@ -131,6 +136,17 @@ class _Compressor(nn.Module):
 
 # torch.mm(..., out_dtype=) (bf16 in, fp32 out on CUDA): torch >= 2.8; older versions take the fp32 GEMM
 _MM_OUT_DTYPE = hasattr(torch.ops.aten.mm, "dtype")
+
+
+def _takes_gemv(x: torch.Tensor) -> bool:
+    from .kernels.gemv import MAX_ROWS
+    return SMALL_BATCH_GEMV and x.shape[0] <= MAX_ROWS
+
+
+def _project_rows(x: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
+    """linear(x) on the kernel path (no bias): `kernels.gemv_rows` for a few rows, else torch's GEMM."""
+    from .kernels import gemv_rows
+    return gemv_rows(x, linear.weight) if _takes_gemv(x) else linear(x)
 
 
 def _weight_copy(owner: nn.Module, name: str, weights: tuple[torch.Tensor, ...], make):
@@ -362,7 +378,16 @@ class DSV4Attention(nn.Module):
         if given < rows:  # an eager call on persistent buffers: run the padding rows too
             x = torch.cat((x, x.new_zeros(rows - given, x.shape[1])))
         out = self.attention_core(self.project(x, plan.positions), plan, cache)
-        return self.o_b_proj(self._grouped_o_a(out))[:given]
+        return self.output_projection(out)[:given]
+
+    @torch.no_grad()  # an inference path (the GEMMs write into given outputs: out=)
+    def output_projection(self, out: torch.Tensor) -> torch.Tensor:
+        """The kernel path's o_b(grouped o_a(out)): bf16 [N, heads, head_dim] -> [N, hidden]."""
+        from .kernels import gemv_rows
+        if not _takes_gemv(out):
+            return self.o_b_proj(self._grouped_o_a(out))
+        rows = gemv_rows(out.reshape(out.shape[0], -1), self.o_a_proj.weight, groups=self.geometry.o_groups)
+        return gemv_rows(rows, self.o_b_proj.weight)
 
     @torch.no_grad()  # an inference path, also when called directly (the GEMMs write into given outputs: out=)
     def project(self, x: torch.Tensor, positions: torch.Tensor) -> "Projected":
@@ -388,10 +413,11 @@ class DSV4Attention(nn.Module):
                 state_rows = self.compressor.projected_rows(x, positions, buffers) + [None]
             if csa:
                 torch.mm(x, self.compressor.indexer.scorer.weights_proj.weight.t(), out=weights)
-        qr = rms_norm_rows(self.q_a_proj(x), self.q_a_norm.weight, self.q_a_norm.eps)
-        q = self.q_b_proj(qr).view(n, g.num_heads, g.head_dim)
+        qr = rms_norm_rows(_project_rows(x, self.q_a_proj), self.q_a_norm.weight, self.q_a_norm.eps)
+        q = _project_rows(qr, self.q_b_proj).view(n, g.num_heads, g.head_dim)
         rms_norm_rows(q, None, g.rms_norm_eps, out=q)  # unweighted, in place
-        index_q = self.compressor.indexer.q_b_proj(qr).view(n, g.index_n_heads, g.index_head_dim) if csa else None
+        index_q = (_project_rows(qr, self.compressor.indexer.q_b_proj).view(n, g.index_n_heads, g.index_head_dim)
+                   if csa else None)
         streams.join()
         return Projected(q=q, kv=kv, state=state_rows[0], index_state=state_rows[1], index_q=index_q,
                          index_weights=weights)

@@ -8,6 +8,7 @@ the tolerance tables of their tests where they sum. `DSV4Attention` uses them on
 from .attention import sparse_attention_paged
 from ..backend import interpreted, kernels_can_run
 from .compress import append_state, compress_insert
+from .gemv import gemv_rows
 from .indexer import indexer_scores_paged
 from .projection import compressor_rows, rms_norm_rows
 from .query import indexer_query_and_weights, indexer_query_rows, rope_rows
@@ -17,5 +18,5 @@ from .window import append_window, kv_insert
 __all__ = [
     "kv_insert", "append_window", "compress_insert", "append_state", "indexer_scores_paged", "topk_indices",
     "sparse_attention_paged", "rope_rows", "indexer_query_rows", "indexer_query_and_weights", "interpreted",
-    "kernels_can_run", "rms_norm_rows", "compressor_rows",
+    "kernels_can_run", "rms_norm_rows", "compressor_rows", "gemv_rows",
 ]
