@@ -287,7 +287,7 @@ _STAGES = (("_kv_insert", "kv insert"), ("_compressor_rows", "compressor rows"),
            ("_sparse_attention", "attention"), ("_merge_kernel", "attention"), ("_copy_entries", "window append"),
            ("_append_state", "state append"), ("_rope_rows", "RoPE of q"),
            ("_indexer_query", "indexer query"), ("_q_fp8", "indexer query"),
-           ("_rms_norm", "projection norms"))
+           ("_rms_norm", "projection norms"), ("_gemv_kernel", "one-row projections"))
 
 
 def _stage(kernel: str) -> str:

@@ -1,8 +1,10 @@
 """The layer's bf16 projections of one row (decode at batch 1): `gemv_rows(x, weight)` = x @ weight.T.
 
 With one row a projection reads its weight once and does almost no arithmetic: its time is the weight's bytes over
-the rate at which one kernel reads them. cuBLAS's GEMMs for these shapes read slower than this kernel does (H100,
-docs/performance.md, section "The bench's L2 flush").
+the rate at which one kernel reads them. On these shapes cuBLAS reads slower than this kernel does (H100,
+docs/performance.md, section "The bench's L2 flush; one-row projections"): q_a's 8.4 MB 10.4 -> 9.4 us, the indexer's
+q_b 16.8 MB 11.2 -> 10.7, q_b, o_a and o_b 67 MB each 27.5 -> 27.1, 27.5 -> 27.2 and 29.3 -> 27.7, near what a plain
+read of 64 MiB takes (26.2 us).
 
 Work split. One program owns BLOCK_N weight rows (output columns) and walks K in BLOCK_K tiles; each lane keeps fp32
 partial sums of the exact products bf16 x * bf16 w, which `tl.sum` then adds across the tile. `groups` serves the
@@ -27,8 +29,9 @@ from .launch import launch_options, wait_for_prior_grids
 
 __all__ = ["gemv_rows", "MAX_ROWS"]
 
-# rows of x a launch takes. One: a tile of several rows (weights broadcast against [rows, K] in registers) took twice
-# the time of one row's kernel on the H100 (docs/performance.md), and batch-1 decode is the latency case
+# rows of x a launch takes. One: a tile of 4 rows (the weights broadcast against [4, K] in registers) took 1.1-1.6x
+# the time of a one-row tile in the same kernel (H100, docs/device/2026-11-27-gemv-rows-h100.log), and batch-1 decode
+# is the latency case
 MAX_ROWS = 1
 _BLOCK_K = 128
 
