@@ -29,20 +29,15 @@ for kv_format, indexer_format, fp8_from in (("fp8", "mxfp4", 0), ("fp8", "mxfp4"
             torch.cuda.synchronize()
             print(f"{kv_format}/{indexer_format}{path} layer {layer.layer_index} ({layer.spec.kind.short}) step {step}: "
                   f"finite={bool(torch.isfinite(out[:plan.num_tokens]).all())}", flush=True)
-    plan = cache.plan_step([(a, 1), (b, 1)])  # unpadded decode: attention's split-KV path and its merge
-    x = torch.randn(2, geometry.hidden_size, generator=gen, device="cuda").to(torch.bfloat16)
-    for layer in layers:
-        out = layer(x, plan, cache)
-        torch.cuda.synchronize()
-        print(f"{kv_format}/{indexer_format} layer {layer.layer_index} unpadded decode: "
-              f"finite={bool(torch.isfinite(out).all())}", flush=True)
-    plan = cache.plan_step([(a, 1)])  # one row: the projections through gemv_rows
-    x = torch.randn(1, geometry.hidden_size, generator=gen, device="cuda").to(torch.bfloat16)
-    for layer in layers:
-        out = layer(x, plan, cache)
-        torch.cuda.synchronize()
-        print(f"{kv_format}/{indexer_format} layer {layer.layer_index} one-row decode: "
-              f"finite={bool(torch.isfinite(out).all())}", flush=True)
+    # unpadded decode: attention's split-KV path and its merge; one row: the projections through gemv_rows
+    for step, what in (([(a, 1), (b, 1)], "unpadded decode"), ([(a, 1)], "one-row decode")):
+        plan = cache.plan_step(step)
+        x = torch.randn(len(step), geometry.hidden_size, generator=gen, device="cuda").to(torch.bfloat16)
+        for layer in layers:
+            out = layer(x, plan, cache)
+            torch.cuda.synchronize()
+            print(f"{kv_format}/{indexer_format} layer {layer.layer_index} {what}: "
+                  f"finite={bool(torch.isfinite(out).all())}", flush=True)
 # a CSA decode step past the top-k row kernel's 4096 candidates (20K tokens: 5000 columns): the indexer counts the
 # split top-k's first digit (`digit_counts`) and top-k runs its other three launches; random valid cache bytes
 from dsv4kv.bench.synthetic import fill_layer  # noqa: E402

@@ -80,7 +80,7 @@ def test_gemv_rows_edges_and_refusals():
     assert gemv_rows(bf16((0, 32), 1), w).shape == (0, 8)
     assert torch.equal(gemv_rows(bf16((1, 0), 1), bf16((8, 0), 0)), torch.zeros(1, 8, dtype=torch.bfloat16,
                                                                                   device=DEVICE))
-    with pytest.raises(ValueError, match="at most"):
+    with pytest.raises(ValueError, match="takes one"):
         gemv_rows(bf16((MAX_ROWS + 1, 32), 1), w)
     with pytest.raises(ValueError, match="x: expected"):
         gemv_rows(bf16((1, 33), 1), w)
@@ -118,6 +118,13 @@ def test_kernel_layer_takes_the_gemv_for_few_rows(monkeypatch):
     calls.clear()
     layer.project(bf16((MAX_ROWS + 1, g.hidden_size), 6), torch.arange(MAX_ROWS + 1, dtype=torch.int32,
                                                                         device=DEVICE))
+    # operands gemv_rows refuses (here not contiguous) keep torch's GEMMs instead of stopping the step
+    strided = bf16((MAX_ROWS, 2 * g.hidden_size), 6)[:, ::2]
+    assert torch.equal(layer.project(strided, positions).q, layer.project(strided.contiguous(), positions).q)
+    assert calls == [MAX_ROWS] * 5  # q_b and the indexer's q_b of the strided x (its q_a: torch), all three of the copy
+    calls.clear()
+    out = bf16((MAX_ROWS, g.num_heads, 2 * g.head_dim), 7)[..., ::2]
+    assert torch.equal(layer.output_projection(out), layer.o_b_proj(layer._grouped_o_a(out)))
     monkeypatch.setattr(layer_module, "SMALL_BATCH_GEMV", False)
     layer.project(x, positions)
     assert calls == []

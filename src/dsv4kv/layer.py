@@ -140,15 +140,18 @@ class _Compressor(nn.Module):
 _MM_OUT_DTYPE = hasattr(torch.ops.aten.mm, "dtype")
 
 
-def _takes_gemv(x: torch.Tensor) -> bool:
+def _takes_gemv(x: torch.Tensor, *weights: torch.Tensor) -> bool:
+    """Whether x's projections by `weights` go through `kernels.gemv_rows`: its row count, and the operands it takes
+    (contiguous bf16; anything else keeps torch's GEMM rather than being refused mid-step)."""
     from .kernels.gemv import MAX_ROWS
-    return SMALL_BATCH_GEMV and x.shape[0] <= MAX_ROWS
+    return (SMALL_BATCH_GEMV and x.shape[0] <= MAX_ROWS and
+            all(t.dtype == torch.bfloat16 and t.is_contiguous() for t in (x, *weights)))
 
 
 def _project_rows(x: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
-    """linear(x) on the kernel path (no bias): `kernels.gemv_rows` for a few rows, else torch's GEMM."""
+    """linear(x) on the kernel path (no bias): `kernels.gemv_rows` for one row, else torch's GEMM."""
     from .kernels import gemv_rows
-    return gemv_rows(x, linear.weight) if _takes_gemv(x) else linear(x)
+    return gemv_rows(x, linear.weight) if _takes_gemv(x, linear.weight) else linear(x)
 
 
 def _weight_copy(owner: nn.Module, name: str, weights: tuple[torch.Tensor, ...], make):
@@ -386,7 +389,7 @@ class DSV4Attention(nn.Module):
     def output_projection(self, out: torch.Tensor) -> torch.Tensor:
         """The kernel path's o_b(grouped o_a(out)): bf16 [N, heads, head_dim] -> [N, hidden]."""
         from .kernels import gemv_rows
-        if not _takes_gemv(out):
+        if not _takes_gemv(out, self.o_a_proj.weight, self.o_b_proj.weight):
             return self.o_b_proj(self._grouped_o_a(out))
         rows = gemv_rows(out.reshape(out.shape[0], -1), self.o_a_proj.weight, groups=self.geometry.o_groups)
         return gemv_rows(rows, self.o_b_proj.weight)

@@ -29,9 +29,9 @@ from .launch import launch_options, wait_for_prior_grids
 
 __all__ = ["gemv_rows", "MAX_ROWS"]
 
-# rows of x a launch takes. One: a tile of 4 rows (the weights broadcast against [4, K] in registers) took 1.1-1.6x
-# the time of a one-row tile in the same kernel (H100, docs/device/2026-11-27-gemv-rows-h100.log), and batch-1 decode
-# is the latency case
+# Steps of up to MAX_ROWS rows take this kernel; it computes one row. A tile of 4 rows (the weights broadcast against
+# [4, K] in registers) took 1.1-1.6x a one-row tile's time in a first, masked version of this kernel (H100,
+# docs/device/2026-11-27-gemv-rows-h100.log), and batch-1 decode is the latency case
 MAX_ROWS = 1
 _BLOCK_K = 128
 
@@ -47,7 +47,7 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, N, K, group_rows, BLOCK_N: tl.constexpr,
     p_x = x_ptr + (n0 // group_rows).to(tl.int64) * K  # this block's group of x
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k in range(0, K, BLOCK_K):
-        if EVEN_N and EVEN_K:  # unmasked: 16-byte loads
+        if EVEN_N and EVEN_K:  # unmasked loads
             b_w = tl.load(p_w + (k + o_k)[None, :])
             b_x = tl.load(p_x + k + o_k)
         else:
@@ -59,18 +59,19 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, N, K, group_rows, BLOCK_N: tl.constexpr,
     tl.store(out_ptr + o_n, round_bf16(tl.sum(acc, axis=1)).to(tl.bfloat16), mask=o_n < N)
 
 
-def _block_n(k: int, group_rows: int) -> int:
+def _block_n(k: int, groups: int, group_rows: int) -> int:
     """Weight rows per program: 8 for short rows (K <= 2048), 4 for long ones (H100: q_b and the indexer's q_b at 8,
-    q_a and o_b at 4 were the fastest of 4 / 8 / 16 / 32), halved until it divides a group."""
+    q_a and o_b at 4 were the fastest of 4 / 8 / 16 / 32); with groups, halved until it divides a group (a program's
+    rows read one group of x). Without groups a last partial block is masked."""
     block = 8 if k <= 2048 else 4
-    while group_rows % block:
+    while groups > 1 and group_rows % block:
         block //= 2
     return block
 
 
 def gemv_rows(x: torch.Tensor, weight: torch.Tensor, *, groups: int = 1,
               out: torch.Tensor | None = None) -> torch.Tensor:
-    """bf16 x [M, groups * K] (M <= MAX_ROWS) and bf16 weight [N, K] (N a multiple of groups), contiguous -> bf16
+    """bf16 x [M, groups * K] (M <= 1) and bf16 weight [N, K] (N a multiple of groups), contiguous -> bf16
     [M, N]: out[m, n] = sum_k x[m, g(n) * K + k] * weight[n, k], g(n) = n // (N / groups), in fp32
     (`torch.mm(x, weight.t())` for groups = 1; for more, torch's grouped o_a, `DSV4Attention._grouped_o_a`).
     out: bf16 [M, N], contiguous, overlapping neither input."""
@@ -80,7 +81,7 @@ def gemv_rows(x: torch.Tensor, weight: torch.Tensor, *, groups: int = 1,
     n, k = weight.shape
     require(isinstance(x, torch.Tensor) and x.dim() == 2, "x: expected a bf16 tensor [M, groups * K]")
     rows = x.shape[0]
-    require(rows <= MAX_ROWS, f"x: {rows} rows, gemv_rows takes at most {MAX_ROWS} (a GEMM serves more)")
+    require(rows <= 1, f"x: {rows} rows, gemv_rows takes one (a GEMM serves more)")
     require(n % groups == 0, f"weight: {n} rows do not split into {groups} groups")
     check_tensor("weight", weight, dtype=torch.bfloat16, shape=(n, k), device=weight.device)
     check_tensor("x", x, dtype=torch.bfloat16, shape=(rows, groups * k), device=weight.device)
@@ -93,7 +94,7 @@ def gemv_rows(x: torch.Tensor, weight: torch.Tensor, *, groups: int = 1,
     if k == 0:
         return out.zero_()
     group_rows = n // groups
-    block_n = _block_n(k, group_rows)
+    block_n = _block_n(k, groups, group_rows)
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, weight, out, n, k, group_rows, BLOCK_N=block_n, BLOCK_K=_BLOCK_K, EVEN_N=n % block_n == 0,
         EVEN_K=k % _BLOCK_K == 0, num_warps=8, **launch_options(x.device))
