@@ -396,9 +396,9 @@ class DSV4Attention(nn.Module):
 
     @torch.no_grad()  # an inference path, also when called directly (the GEMMs write into given outputs: out=)
     def project(self, x: torch.Tensor, positions: torch.Tensor) -> "Projected":
-        """The input projections of the kernel path (bf16 GEMMs; the q_a, q and kv norms as `kernels.rms_norm_rows`; the
-        compressors' rows from one GEMM with fp32 output, `_MainCompressor.projected_rows`): everything
-        `attention_core` reads that is a function of x alone."""
+        """The input projections of the kernel path (bf16 GEMMs, `kernels.gemv_rows` for q_a, q_b and the indexer's q_b
+        of one row; the q_a, q and kv norms as `kernels.rms_norm_rows`; the compressors' rows from one GEMM with fp32
+        output, `_MainCompressor.projected_rows`): everything `attention_core` reads that is a function of x alone."""
         from .kernels import rms_norm_rows
         from .streams import StepStreams
         g, spec, n = self.geometry, self.spec, x.shape[0]

@@ -4,9 +4,9 @@ Times are medians of many CUDA-event measurements after warm-up. Before each tim
 flushed (a 256 MiB read, larger than the H100's 50 MB L2 and the 60 MB torch reports on the H200: a decode step
 of a real model meets its layer's cache cold; a read, so that no dirty line is left to write back) and a short
 spin kernel is queued, so the host's launch of the timed work overlaps the spin and the events measure the GPU's
-execution alone. `graph=True` captures the work once as a CUDA graph and times
-replays, as a serving step would run it; `graph=False` times eager calls, launch overhead included
-(transformers' eager module is measured that way: its cost is what a user of it pays).
+execution alone. `graph=True` captures the work once as a CUDA graph and times replays, as a serving step would
+run it; `graph=False` times eager calls, launch overhead included (transformers' eager module is measured that
+way: its cost is what a user of it pays).
 """
 
 from __future__ import annotations
