@@ -1,6 +1,6 @@
-"""what time_cuda's L2 flush costs the timed work. The flush writes 256 MiB (`zero_`), which leaves
+"""What time_cuda's L2 flush costs the timed work. Until a72a366 the flush wrote 256 MiB (`zero_`), which leaves
 the L2 full of dirty lines that the timed kernels must write back as they evict them. Variants of the flush: that
-write (the bench's), a 256 MiB read (the L2 then holds clean lines), none. Median of 30 graph replays, median of 3
+write, a 256 MiB read (the L2 then holds clean lines; the bench's flush since), none. Median of 30 graph replays, median of 3
 rounds, variants alternating."""
 import statistics
 import torch

@@ -1,4 +1,4 @@
-"""(1) what one kernel can read: a Triton read probe (grid-stride or chunked, programs per SM, bytes
+"""(1) What one kernel can read: a Triton read probe (grid-stride or chunked, programs per SM, bytes
 per iteration) at 16 / 64 / 256 MiB against copy_; (2) one-row GEMVs of decode's projection shapes on CUDA cores
 (tl.sum, optional split-K) against torch.mm. time_cuda (graph, the read L2 flush, 30 replays), median of 3 rounds."""
 import statistics
