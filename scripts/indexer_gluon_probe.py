@@ -33,6 +33,7 @@ D = gl.constexpr(128)
 
 @gluon.jit
 def _e2m1_e4m3(byte):
+    """`kernels.indexer._e2m1_e4m3`'s bit moves (a Gluon kernel cannot call a triton.jit function)."""
     return gl.inline_asm_elementwise(
         asm="""{
         .reg .b32 t0, t1;
@@ -51,6 +52,7 @@ def _e2m1_e4m3(byte):
 
 @gluon.jit
 def _ue8m0_times_64(code):
+    """`kernels.indexer._ue8m0_times_64`: an e8m0 code -> 2^(code - 127) * 2^6 in fp32."""
     bits = gl.minimum(code + 6, 255) << 23
     return gl.where(code == 0xFF, 0x7FC00000, bits).to(gl.float32, bitcast=True)
 
@@ -232,11 +234,6 @@ def compile_only():
     print(f"tile loop: {count} SASS instructions;", ", ".join(f"{k} {v}" for k, v in ops.most_common(12)))
 
 
-if __name__ == "__main__":
-    if sys.argv[1] == "compile":
-        compile_only()
-
-
 def bench():
     sys.path.insert(0, "scripts")
     from bench_variants import csa_plan, G, CSA, DEVICE
@@ -294,10 +291,6 @@ def bench():
         torch.cuda.empty_cache()
 
 
-if __name__ == "__main__" and sys.argv[1] == "bench":
-    bench()
-
-
 def ncu_once():
     """Each kernel once at batch 64 / 128K (for ncu): the Triton FP8 path, then the Gluon kernel at 128 and 177
     registers (2 stages, 32 tiles a program)."""
@@ -320,10 +313,6 @@ def ncu_once():
     for maxnreg in (128, None):
         scores(q8, q8s, w, plan, pool, ratio=4, page_tokens=pt, out=out, chunk=64 * 32, stages=2, maxnreg=maxnreg)
     torch.cuda.synchronize()
-
-
-if __name__ == "__main__" and sys.argv[1] == "ncu":
-    ncu_once()
 
 
 def probe():
@@ -366,5 +355,5 @@ def probe():
         torch.cuda.empty_cache()
 
 
-if __name__ == "__main__" and sys.argv[1] == "probe":
-    probe()
+if __name__ == "__main__":
+    {"compile": compile_only, "bench": bench, "probe": probe, "ncu": ncu_once}[sys.argv[1]]()
