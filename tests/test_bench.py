@@ -53,6 +53,10 @@ def test_targets_met_and_missed():
     report.add(Result("topk", "t", {"rows": 1, "cols": 262144, "k": 512}, 16.5, bytes=1 << 20))
     report.add(Result("topk", "t", {"rows": 1, "cols": 1 << 20, "k": 512}, 24.0, bytes=4 << 20))
     report.add(Result("topk", "t", {"rows": 64, "cols": 32768, "k": 512}, 25.5, bytes=8 << 20))
+    # a core row over FP8 indexer keys, listed first: the core targets name MXFP4 keys and must not take it
+    fp8 = {"kind": "csa", "context": 131072, "batch": 64, "indexer_format": "fp8"}
+    report.add(Result("decode", "core", {**fp8, "context": 1 << 20, "batch": 1}, 1.0, bytes=18_000_000,
+                      extra={"stage": "core"}))
     report.add(Result("decode", "core", {"kind": "csa", "context": 1 << 20, "batch": 1}, 38.0, bytes=18_000_000,
                       extra={"stage": "core"}))
     report.add(Result("decode", "core", {"kind": "csa", "context": 131072, "batch": 64}, 90.0, bytes=170_000_000,
@@ -65,6 +69,8 @@ def test_targets_met_and_missed():
                       extra={"stage": "indexer scores"}))
     report.add(Result("decode", "idx", {"kind": "csa", "context": 16384, "batch": 1}, 5.0, bytes=278_528,
                       extra={"stage": "indexer scores"}))  # no target at 16K, batch 1
+    # FP8 keys: the indexer's targets over their own bytes
+    report.add(Result("decode", "idx", fp8, 100.0, bytes=276_000_000, extra={"stage": "indexer scores"}))
     report.add(Result("layer", "transformers csa", {"kind": "csa", "context": 16384, "batch": 1}, 2000.0))
     report.add(Result("layer", "dsv4kv csa", {"kind": "csa", "context": 16384, "batch": 1, "mode": "official"}, 80.0))
     targets = {t["target"]: t for t in evaluate_targets(report)}
@@ -79,6 +85,9 @@ def test_targets_met_and_missed():
     indexer = targets["indexer scores, batch 64, 128K context >= 60% of copy bandwidth"]
     assert indexer["measured"] == f"{100 * 142e6 / 80e-6 / 4e12:.0f}%" and not indexer["met"]  # 44%
     assert targets["indexer scores, batch 1, 1024K context >= 40% of copy bandwidth"]["met"]  # 44.5%
+    fp8_keys = targets["indexer scores (fp8 keys), batch 64, 128K context >= 60% of copy bandwidth"]
+    assert fp8_keys["measured"] == "69%" and fp8_keys["met"]  # 276 MB in 100 us at 4 TB/s
+    assert targets["CSA core decode, batch 1, 1M context <= 40 us"]["measured"].startswith("38.0 us")
     assert not any("16K context" in t for t in targets)
     assert targets["csa layer decode, batch 1, 16K: >= 20x transformers"]["met"]  # 25x
 

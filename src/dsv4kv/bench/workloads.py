@@ -9,7 +9,8 @@ compares outputs with transformers, which needs a real history.
     topk      top-k (k = 512) over one row of 16K .. 1M candidates and over batches
     insert    kv insert (RoPE, FP8 encode, write) and compress-and-insert at sizes that fill the GPU
     decode    a decode step of a layer: the attention core and the whole layer under CUDA graphs, per-kernel
-              times (profiler), against context length (batch 1) and batch (128K context)
+              times (profiler), against context length (batch 1) and batch (128K context); CSA with FP8 indexer
+              keys too at the indexer's target points
     layer     our layer against transformers' DeepseekV4Attention, decode, batch 1, 4K and 16K, each kind
     prefill   a CSA layer over a 64K-token prompt in 8K chunks, against the indexer's FLOP floor
     scale     one request at 2^20 tokens through all 43 layers; the most concurrent 128K requests that fit
@@ -249,13 +250,16 @@ def insert(ctx: Context) -> None:
 
 
 # --- decode --------------------------------------------------------------------------------------------------
-def _decode_grid(quick: bool) -> list[tuple[int, int, tuple[str, ...]]]:
-    """(context, batch, kinds) configurations."""
+def _decode_grid(quick: bool) -> list[tuple[int, int, tuple[str, ...], str]]:
+    """(context, batch, kinds, indexer key format) configurations: MXFP4 keys (the official format) everywhere, and
+    FP8 keys at the indexer's target points (issue 12: FP8 keys at the same fractions of their own bytes)."""
+    fp8 = [(1 << 20, 1, ("csa",), "fp8"), (131072, 64, ("csa",), "fp8")]
     if quick:
-        return [(16384, 1, ("csa",)), (1 << 20, 1, ("csa",)), (131072, 64, ("csa",))]
-    return [(4096, 1, ("window", "csa", "hca")), (16384, 1, ("window", "csa", "hca")), (65536, 1, ("csa",)),
+        return [(16384, 1, ("csa",), "mxfp4"), (1 << 20, 1, ("csa",), "mxfp4"), (131072, 64, ("csa",), "mxfp4")] + fp8
+    grid = [(4096, 1, ("window", "csa", "hca")), (16384, 1, ("window", "csa", "hca")), (65536, 1, ("csa",)),
             (131072, 1, ("csa", "hca")), (262144, 1, ("csa",)), (1 << 20, 1, ("csa", "hca")),
             (131072, 8, ("csa",)), (131072, 32, ("csa",)), (131072, 64, ("window", "csa", "hca"))]
+    return [(*config, "mxfp4") for config in grid] + fp8[:1] + [(131072, 8, ("csa",), "fp8")] + fp8[1:]
 
 
 def core_bytes(g: ModelGeometry, cache: CacheManager, layer_index: int, context: int, batch: int) -> dict[str, int]:
@@ -296,9 +300,10 @@ def _stage(kernel: str) -> str:
 
 def decode(ctx: Context) -> None:
     g = ctx.geometry
-    for context, batch, kinds in _decode_grid(ctx.quick):
-        ctx.log(f"decode: context {context}, batch {batch}, {'/'.join(kinds)}")
-        cache = CacheManager(g, max_requests=batch, max_tokens=batch * context, device=ctx.device)
+    for context, batch, kinds, indexer_format in _decode_grid(ctx.quick):
+        ctx.log(f"decode: context {context}, batch {batch}, {'/'.join(kinds)}, {indexer_format} indexer keys")
+        cache = CacheManager(g, max_requests=batch, max_tokens=batch * context, device=ctx.device,
+                             indexer_format=indexer_format)
         rids = [cache.admit() for _ in range(batch)]
         for rid in rids:
             cache.plan_step([(rid, context - 1)])  # the history: blocks allocated, contents filled below
@@ -325,7 +330,9 @@ def _decode_layer(ctx: Context, cache: CacheManager, layer: DSV4Attention, plan,
     g = ctx.geometry
     check, passed = check_layer(layer, x, plan, cache, "layer vs reference")
     projected = layer.project(x, plan.positions)
-    params = {"kind": kind, "context": context, "batch": batch}
+    keys = cache.spec.indexer_format.value  # MXFP4 (the official format) unless the grid asks for FP8 keys
+    params = {"kind": kind, "context": context, "batch": batch, "indexer_format": keys}
+    at = f"ctx {context}, batch {batch}" + ("" if keys == "mxfp4" or kind != "csa" else f", {keys} indexer keys")
     parts = core_bytes(g, cache, layer.layer_index, context, batch)
     fp8 = layer.indexer_takes_fp8(plan, cache)
     counted = layer.indexer_counts_topk_digit(plan, cache)
@@ -338,17 +345,17 @@ def _decode_layer(ctx: Context, cache: CacheManager, layer: DSV4Attention, plan,
     core = time_cuda(lambda: layer.attention_core(projected, plan, cache), device=ctx.device, runs=ctx.runs)
     first = time_cuda(cold, device=ctx.device, runs=ctx.runs)
     whole = time_cuda(lambda: layer._forward_kernels(x, plan, cache), device=ctx.device, runs=ctx.runs)
-    ctx.report.add(Result("decode", f"{kind} core, ctx {context}, batch {batch}", params, core.median_us,
+    ctx.report.add(Result("decode", f"{kind} core, {at}", params, core.median_us,
                           bytes=sum(parts.values()), check=check, passed=passed,
                           extra={"stage": "core", **core.as_dict(), "bytes_by_part": parts,
                                  "streams": 2 if streams.CONCURRENT else 1, "indexer_fp8": fp8,
                                  "indexer_counts_topk_digit": counted,
                                  "dependent_launch": bool(launch_options(ctx.device)),
                                  "with_step_tensors_us": first.median_us}))
-    ctx.report.add(Result("decode", f"{kind} core + the step's shared tensors, ctx {context}, batch {batch}", params,
+    ctx.report.add(Result("decode", f"{kind} core + the step's shared tensors, {at}", params,
                           first.median_us, bytes=sum(parts.values()), check=check, passed=passed,
                           extra={"stage": "core+step", **first.as_dict()}))
-    ctx.report.add(Result("decode", f"{kind} layer, ctx {context}, batch {batch}", params, whole.median_us,
+    ctx.report.add(Result("decode", f"{kind} layer, {at}", params, whole.median_us,
                           check=check, passed=passed, extra={"stage": "layer", **whole.as_dict()}))
     ctx.log(f"  {kind}: core {core.median_us:.1f} us ({first.median_us:.1f} us with the step's shared tensors), "
             f"layer {whole.median_us:.1f} us, {check}")
@@ -357,8 +364,8 @@ def _decode_layer(ctx: Context, cache: CacheManager, layer: DSV4Attention, plan,
     if not launch_options(ctx.device):
         ctx.log("    (kernels launched without programmatic dependent launch: kernels.launch.DEPENDENT_LAUNCH is off)")
     if kind == "csa":
-        ctx.log(f"    indexer scores on {'FP8' if fp8 else 'bf16'} MMAs (the host's choice; a row whose query fails the "
-                f"FP8 path's exactness check takes bf16)")
+        ctx.log(f"    indexer scores of {keys} keys on {'FP8' if fp8 else 'bf16'} MMAs (the host's choice: the FP8 "
+                f"path serves MXFP4 keys; a row whose query fails its exactness check takes bf16)")
         ctx.log("    top-k's first digit " + ("counted by the indexer scores kernel, which the indexer stage's time "
                                              "includes; top-k runs three launches" if counted else
                                              "counted by top-k itself"))
@@ -370,7 +377,7 @@ def _decode_layer(ctx: Context, cache: CacheManager, layer: DSV4Attention, plan,
                    + parts.get("picked entries", 0) + parts.get("entries", 0)}
     ctx.log("    kernels: " + ", ".join(f"{name[:16]} {us:.1f}" for name, us in kernels))
     for stage, times in by_stage.items():
-        ctx.report.add(Result("decode", f"  {kind} {stage} ({len(times)} kernels), ctx {context}, batch {batch}",
+        ctx.report.add(Result("decode", f"  {kind} {stage} ({len(times)} kernels), {at}",
                               params, sum(times), bytes=stage_bytes.get(stage) or None, check=check, passed=passed,
                               extra={"stage": stage, "kernels": len(times)}))
 
