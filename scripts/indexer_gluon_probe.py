@@ -1,13 +1,13 @@
 """A probe, not a kernel of the package: the MXFP4 indexer's decode (row) scores written in Gluon (Triton's lower-level
 language; GPU only, no interpreter), FP8 path only (D = 128, 64 heads, pages holding whole 64-entry tiles). The
-design the Triton kernel cannot express: a tile's key bytes go to shared memory by cp.async STAGES tiles ahead (no
+design the Triton kernel cannot express: a tile's key bytes go to shared memory by cp.async STAGES - 1 tiles ahead (no
 registers held), each scale block's 16 bytes are read straight into the MMA's A-fragment layout (the nibble split
 is a layout no-op, `convert_layout(assert_trivial=True)`), and the four per-block MMAs are asynchronous, two in
 flight, so one block's scaling runs while the next multiplies. The products and the fp32 sum order are those of
 `kernels.indexer`'s FP8 path: its scores are bit-equal at every shape run.
 
 Result (H100, docs/performance.md "What bounds the MXFP4 indexer", log docs/device/2026-11-27-indexer-gluon-h100.log):
-no faster than the Triton kernel (batch 64 / 128K 115.3 against 116.5 us at best, batch 1 / 1M 23.1 against 21.7),
+no faster than the Triton kernel (batch 64 / 128K 115.3 against 116.5 us at best, batch 1 / 1M 23.5 against 21.7),
 so it stays a probe.
 
     PYTHONPATH=/tmp/t36:src python scripts/indexer_gluon_probe.py compile   # sm_90a on a CPU (triton 3.6 as in
@@ -316,7 +316,8 @@ def ncu_once():
 
 
 def probe():
-    """The Gluon kernel (2 stages, 128 registers, 32 tiles a program) with parts of its work taken out (timing only):
+    """The Gluon kernel (2 stages, 128 registers, 32 tiles a program at batch 64, 16 at batch 1) with parts of its work
+    taken out (timing only):
     SCALE (the key scales), CONV (the e2m1 -> e4m3 moves), EPI (ReLU, weights, head sum and store per tile), and the
     keys from 8 pages (L2 hits) instead of the request's."""
     import dataclasses
