@@ -332,15 +332,23 @@ def test_input_check_gates_keys_and_query():
     assert InputCheck(0, 680, 0.9999).passed  # the q_a norm's rare one-unit roundings move ~1e-5 of the query
     assert not InputCheck(0, 680, 0.998).passed  # more than 0.1% of the query values differ
     assert not InputCheck(0, 680, 0.9999, 0.98).passed  # a row with more than 1% of its values differing
+    assert not InputCheck(0, 680, 1.0, query_exact=0.9999).passed  # the fused query off the reference of its input
+    assert not InputCheck(0, 680, 1.0, query_input_gap=0.05).passed  # an input row or head off by its own size
+    assert InputCheck(0, 680, 1.0, query_input_gap=2.0 ** -7).passed  # a bf16 unit or two of the head's largest
+    # FP8 keys: the two paths' quantized queries are reported, not gated; the fused query and its input still are
+    assert InputCheck(0, 680, 0.998, 0.96, fp8_keys=True).passed
+    assert not InputCheck(0, 680, 0.998, 0.96, query_exact=0.99, fp8_keys=True).passed
+    assert not InputCheck(0, 680, 1.0, query_input_gap=0.05, fp8_keys=True).passed
 
 
-def _tiny_csa_step(seed=0):
+def _tiny_csa_step(seed=0, indexer_format="mxfp4"):
     """A tiny CSA layer with two requests of history (reference path) and a mixed next step."""
     g = torch.Generator().manual_seed(seed)
     # the kernels run compiled where a GPU exists, under the interpreter otherwise
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     layer = init_random_weights(DSV4Attention(TINY, 1, device=device), seed)
-    cache = CacheManager(TINY, max_requests=2, max_tokens=400, page_tokens=128, device=device)
+    cache = CacheManager(TINY, max_requests=2, max_tokens=400, page_tokens=128, device=device,
+                         indexer_format=indexer_format)
     a, b = cache.admit(), cache.admit()
     x = torch.randn(159, TINY.hidden_size, generator=g).bfloat16().to(device)
     layer.backend = "torch"
@@ -358,7 +366,20 @@ def test_check_layer_captures_both_paths_and_refuses_real_errors(monkeypatch):
     layer, cache, x, plan = _tiny_csa_step()
     text, passed = check_layer(layer, x, plan, cache, "tiny")
     assert passed, text
-    assert "9/9 rows within" in text and "0 of 68 new key bytes differ" in text and "equal 1.00000" in text
+    assert "9/9 rows within" in text and "0 of 68 new key bytes differ" in text
+    assert "the fused query equals the reference on its own input in 1.00000" in text
+    assert "equal across the paths 1.00000 (>= 0.999" in text
+    query = kernels.indexer_query_and_weights
+
+    def wrong_head(*args, **kw):  # the fused query's head 1 doubled in every row (the buffer the scores read)
+        out = query(*args, **kw)
+        out[0][:, 1] *= 2
+        return out
+
+    monkeypatch.setattr(kernels, "indexer_query_and_weights", wrong_head)
+    text, passed = check_layer(layer, x, plan, cache, "tiny")
+    assert not passed and "the fused query equals the reference on its own input in 1.00000" not in text, text
+    monkeypatch.setattr(kernels, "indexer_query_and_weights", query)
     original = kernels.sparse_attention_paged
     monkeypatch.setattr(kernels, "sparse_attention_paged", lambda *a, **kw: original(*a, **kw) * 1.25)
     text, passed = check_layer(layer, x, plan, cache, "tiny")
@@ -374,6 +395,16 @@ def test_check_layer_captures_both_paths_and_refuses_real_errors(monkeypatch):
     monkeypatch.setattr(kernels, "topk_indices", worst_picks)
     text, passed = check_layer(layer, x, plan, cache, "tiny")
     assert not passed and "with a far pick" in text and "0 with a far pick" not in text
+
+
+def test_check_layer_over_fp8_indexer_keys():
+    """FP8 indexer keys: the fused query checked against the reference on its own input (exact) and its input against
+    the reference's; the two paths' quantized queries reported, not gated (`InputCheck`)."""
+    layer, cache, x, plan = _tiny_csa_step(seed=1, indexer_format="fp8")
+    text, passed = check_layer(layer, x, plan, cache, "tiny")
+    assert passed, text
+    assert "the fused query equals the reference on its own input in 1.00000" in text and "not gated for FP8" in text
+    assert "indexer inputs: 0 of 136 new key bytes differ" in text  # two entries of 68 B (TINY: D = 64)
 
 
 def test_transformers_indexer_hooks_give_its_last_row():

@@ -14,7 +14,7 @@ import torch
 
 from ..geometry import RopeSpec
 
-__all__ = ["inv_freq", "rope_cos_sin", "apply_rope"]
+__all__ = ["inv_freq", "rope_cos_sin", "apply_rope", "rotate_pairs"]
 
 
 @functools.lru_cache(maxsize=16)
@@ -64,11 +64,16 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, rope: RopeSpec, *, inve
         raise ValueError(f"apply_rope: expected x [N, ..., >={rope.dim}] and positions [N], "
                          f"got {list(x.shape)} and {list(positions.shape)}")
     cos, sin = rope_cos_sin(rope, positions)
-    if inverse:
-        sin = -sin
-    shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (rope.dim // 2,)  # broadcast over head dims
+    return rotate_pairs(x, cos, -sin if inverse else sin)
+
+
+def rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """`apply_rope` from its tables: the last 2 * R dims of x [N, ..., D] rotated pair by pair by cos, sin fp32
+    [N, R] (`rope_cos_sin`'s, or a kernel's own tables), in fp32, returned in x's dtype."""
+    half = cos.shape[-1]
+    shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (half,)  # broadcast over head dims
     cos, sin = cos.view(shape), sin.view(shape)
-    pairs = x[..., -rope.dim:].float().unflatten(-1, (rope.dim // 2, 2))
+    pairs = x[..., -2 * half:].float().unflatten(-1, (half, 2))
     even, odd = pairs[..., 0], pairs[..., 1]
     rotated = torch.stack((even * cos - odd * sin, odd * cos + even * sin), dim=-1).flatten(-2)
-    return torch.cat((x[..., :-rope.dim], rotated.to(x.dtype)), dim=-1)
+    return torch.cat((x[..., :-2 * half], rotated.to(x.dtype)), dim=-1)
