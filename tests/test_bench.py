@@ -332,13 +332,13 @@ def test_input_check_gates_keys_and_query():
     assert InputCheck(0, 680, 0.9999).passed  # the q_a norm's rare one-unit roundings move ~1e-5 of the query
     assert not InputCheck(0, 680, 0.998).passed  # more than 0.1% of the query values differ
     assert not InputCheck(0, 680, 0.9999, 0.98).passed  # a row with more than 1% of its values differing
-    assert not InputCheck(0, 680, 1.0, query_exact=0.9999).passed  # the fused query off the reference of its input
-    assert not InputCheck(0, 680, 1.0, query_input_gap=0.05).passed  # an input row or head off by its own size
-    assert InputCheck(0, 680, 1.0, query_input_gap=2.0 ** -7).passed  # a bf16 unit or two of the head's largest
-    # FP8 keys: the two paths' quantized queries are reported, not gated; the fused query and its input still are
+    assert not InputCheck(0, 680, 1.0, query_mismatches=1).passed  # one scored value off the reference of its input
+    assert not InputCheck(0, 680, 1.0, input_gap=0.05).passed  # an input row or head off by its own size
+    assert InputCheck(0, 680, 1.0, input_gap=2.0 ** -7).passed  # a bf16 unit or two of the head's largest
+    # FP8 keys: the two paths' quantized queries are reported, not gated; the scored query and its inputs still are
     assert InputCheck(0, 680, 0.998, 0.96, fp8_keys=True).passed
-    assert not InputCheck(0, 680, 0.998, 0.96, query_exact=0.99, fp8_keys=True).passed
-    assert not InputCheck(0, 680, 1.0, query_input_gap=0.05, fp8_keys=True).passed
+    assert not InputCheck(0, 680, 0.998, 0.96, query_mismatches=1, fp8_keys=True).passed
+    assert not InputCheck(0, 680, 1.0, input_gap=0.05, fp8_keys=True).passed
 
 
 def _tiny_csa_step(seed=0, indexer_format="mxfp4"):
@@ -367,19 +367,7 @@ def test_check_layer_captures_both_paths_and_refuses_real_errors(monkeypatch):
     text, passed = check_layer(layer, x, plan, cache, "tiny")
     assert passed, text
     assert "9/9 rows within" in text and "0 of 68 new key bytes differ" in text
-    assert "the fused query equals the reference on its own input in 1.00000" in text
-    assert "equal across the paths 1.00000 (>= 0.999" in text
-    query = kernels.indexer_query_and_weights
-
-    def wrong_head(*args, **kw):  # the fused query's head 1 doubled in every row (the buffer the scores read)
-        out = query(*args, **kw)
-        out[0][:, 1] *= 2
-        return out
-
-    monkeypatch.setattr(kernels, "indexer_query_and_weights", wrong_head)
-    text, passed = check_layer(layer, x, plan, cache, "tiny")
-    assert not passed and "the fused query equals the reference on its own input in 1.00000" not in text, text
-    monkeypatch.setattr(kernels, "indexer_query_and_weights", query)
+    assert "; 0 scored query and weight values differ" in text and "across the paths 1.00000" in text
     original = kernels.sparse_attention_paged
     monkeypatch.setattr(kernels, "sparse_attention_paged", lambda *a, **kw: original(*a, **kw) * 1.25)
     text, passed = check_layer(layer, x, plan, cache, "tiny")
@@ -397,14 +385,55 @@ def test_check_layer_captures_both_paths_and_refuses_real_errors(monkeypatch):
     assert not passed and "with a far pick" in text and "0 with a far pick" not in text
 
 
-def test_check_layer_over_fp8_indexer_keys():
-    """FP8 indexer keys: the fused query checked against the reference on its own input (exact) and its input against
-    the reference's; the two paths' quantized queries reported, not gated (`InputCheck`)."""
-    layer, cache, x, plan = _tiny_csa_step(seed=1, indexer_format="fp8")
+@pytest.mark.parametrize("indexer_format", ["mxfp4", "fp8"])
+def test_check_layer_gates_the_scored_query_and_its_inputs(indexer_format, monkeypatch):
+    """The query and head weights the scores kernel read must be the reference's on the fused kernel's own inputs,
+    bit for bit, and those inputs near the reference's (`InputCheck`); for FP8 keys the two paths' quantized queries
+    are reported, not gated, so these gates alone must refuse each corruption below."""
+    import dsv4kv.kernels as kernels
+
+    layer, cache, x, plan = _tiny_csa_step(seed=1, indexer_format=indexer_format)
     text, passed = check_layer(layer, x, plan, cache, "tiny")
     assert passed, text
-    assert "the fused query equals the reference on its own input in 1.00000" in text and "not gated for FP8" in text
-    assert "indexer inputs: 0 of 136 new key bytes differ" in text  # two entries of 68 B (TINY: D = 64)
+    assert "; 0 scored query and weight values differ" in text
+    assert ("not gated for FP8" in text) == (indexer_format == "fp8")
+    if indexer_format == "fp8":
+        assert "indexer inputs: 0 of 136 new key bytes differ" in text  # two entries of 68 B (TINY: D = 64)
+    query = kernels.indexer_query_and_weights
+
+    def doubled_head(*args, **kw):  # head 1 of the query the scores read, doubled
+        out = query(*args, **kw)
+        out[0][:, 1] *= 2
+        return out
+
+    def rolled_buffer(*args, **kw):  # a right query returned, the buffer the scores read holds its heads rolled
+        out = query(*args, **kw)
+        right = out[0].clone()
+        out[0].copy_(out[0].roll(1, dims=1))
+        return right, out[1]
+
+    def wrong_weights(*args, **kw):
+        out = query(*args, **kw)
+        out[1].copy_(out[1].flip(-1) * 3)
+        return out
+
+    for corrupt in (doubled_head, rolled_buffer, wrong_weights):
+        monkeypatch.setattr(kernels, "indexer_query_and_weights", corrupt)
+        text, passed = check_layer(layer, x, plan, cache, "tiny")
+        assert not passed and "; 0 scored query and weight values differ" not in text, (corrupt.__name__, text)
+    monkeypatch.setattr(kernels, "indexer_query_and_weights", query)
+    project = layer.project
+
+    def wrong_input(*args, **kw):  # the kernel path's indexer query input: head 1 doubled before the fused kernel
+        p = project(*args, **kw)
+        p.index_q[:, 1] *= 2
+        return p
+
+    monkeypatch.setattr(layer, "project", wrong_input)
+    text, passed = check_layer(layer, x, plan, cache, "tiny")
+    assert not passed and "; 0 scored query and weight values differ" in text, text  # exact on a wrong input
+    gap = float(text.split("those inputs within ")[1].split(" ")[0])
+    assert gap > 0.1, text
 
 
 def test_transformers_indexer_hooks_give_its_last_row():

@@ -131,44 +131,44 @@ class InputCheck:
 
     - The indexer keys this step wrote: bytes within the compressor's documented rounding (<= 1% of the new keys'
       bytes differ).
-    - The query, in two steps. The fused query kernel (RoPE, Hadamard rotation, quantization) must equal the
-      reference run on the kernel's own input bit for bit (`query_exact`: it is exact). Its input, roped, must be
-      within QUERY_INPUT_TOL of each head's largest value of the reference's (`query_input_gap`): the two paths'
-      projections and norms round one bf16 unit apart (`gemv_rows`, `kernels.rms_norm_rows`), a wrong row or head
-      is off by its own size.
+    - The query and head weights the scores kernel read, in two steps. Each must equal the reference run on the
+      fused query kernel's own inputs, bit for bit (`query_mismatches` == 0: RoPE, Hadamard rotation, quantization
+      and `weights.float() * scale` are exact). Those inputs (the query roped) must be within INPUT_TOL of each
+      head's (the weights: each row's) largest value of the reference's (`input_gap`): the two paths' projections
+      and norms round one bf16 unit apart (`gemv_rows`, `kernels.rms_norm_rows`), a wrong row, head or weight is
+      off by its own size. A NaN in either path's inputs fails.
     - The quantized queries of the two paths: >= 99.9% of the values equal bit for bit, and >= 99% in every row, for
-      MXFP4 and bf16 keys. Not gated for FP8 keys, only reported: the rotation spreads one input's rounding over a
-      head's 128 values, and FP8's 3-bit mantissa under one scale per head changes more codes than a rounding of
-      the input elsewhere would (H100, 2026-11-27: 99.854% at 1M / batch 1, one row of batch 8 at 96.29%); the two
-      checks above then bound it."""
+      MXFP4 and bf16 keys. Reported, not gated, for FP8 keys: the rotation spreads one input's rounding over a head's
+      128 values, and FP8's 3-bit mantissas under one scale per head change more codes than MXFP4's (H100,
+      2026-11-27: 99.854% at 1M / batch 1, one row of batch 8 at 96.29%); the two checks above then bound it."""
     key_bytes_differ: int
     new_key_bytes: int
     query_equal: float
     query_worst_row: float = 1.0  # the fewest equal values of one row, as a fraction of its values
-    query_exact: float = 1.0  # fused query values equal to the reference on the kernel's own input
-    query_input_gap: float = 0.0  # the largest |difference| of the roped inputs / its head's largest |value|
+    query_mismatches: int = 0  # scored query and weight values unequal to the reference on the kernel's own inputs
+    input_gap: float = 0.0  # the largest |difference| of the two paths' inputs / its head's or row's largest |value|
     fp8_keys: bool = False
 
     KEY_FRACTION = 0.01
     QUERY_FRACTION = 0.999
     QUERY_ROW_FRACTION = 0.99
-    QUERY_INPUT_TOL = 2.0 ** -6  # a few bf16 units of the head's largest value
+    INPUT_TOL = 2.0 ** -6  # a few bf16 units of the largest value
 
     @property
     def passed(self) -> bool:
         cross = self.fp8_keys or (self.query_equal >= self.QUERY_FRACTION
                                   and self.query_worst_row >= self.QUERY_ROW_FRACTION)
         return (self.key_bytes_differ <= self.KEY_FRACTION * self.new_key_bytes and cross
-                and self.query_exact == 1.0 and self.query_input_gap <= self.QUERY_INPUT_TOL)
+                and self.query_mismatches == 0 and self.input_gap <= self.INPUT_TOL)
 
     def text(self) -> str:
-        gate = ("not gated for FP8 keys" if self.fp8_keys else
-                f">= {self.QUERY_FRACTION}, in the worst row {self.query_worst_row:.4f} (>= {self.QUERY_ROW_FRACTION})")
+        gate = "reported, not gated for FP8 keys" if self.fp8_keys else \
+            f">= {self.QUERY_FRACTION}; the worst row >= {self.QUERY_ROW_FRACTION}"
         return (f"indexer inputs: {self.key_bytes_differ} of {self.new_key_bytes} new key bytes differ (<= "
-                f"{self.KEY_FRACTION:.0%}); the fused query equals the reference on its own input in "
-                f"{self.query_exact:.5f} of its values (1 required), its roped input is within "
-                f"{self.query_input_gap:.1e} of each head's largest (<= {self.QUERY_INPUT_TOL:.1e}); query values "
-                f"equal across the paths {self.query_equal:.5f} ({gate})")
+                f"{self.KEY_FRACTION:.0%}); {self.query_mismatches} scored query and weight values differ from the "
+                f"reference on the kernel's own inputs (0 allowed), those inputs within {self.input_gap:.1e} of the "
+                f"reference's (<= {self.INPUT_TOL:.1e}); query values equal across the paths {self.query_equal:.5f}, "
+                f"in the worst row {self.query_worst_row:.4f} ({gate})")
 
 
 class CSACapture:
@@ -192,10 +192,10 @@ class CSACapture:
         import dsv4kv.layer as layer_module
         import dsv4kv.ops.indexer as ops_indexer
 
-        self._stack = contextlib.ExitStack()
         from ..layout import IndexerFP8Layout
         from ..ops.rope import rotate_pairs
 
+        self._stack = contextlib.ExitStack()
         originals = {"topk": ops_indexer.topk_picks, "ref": layer_module.indexer_topk,
                      "scores": kernels.indexer_scores_paged, "select": kernels.topk_indices,
                      "query": kernels.indexer_query_and_weights}
@@ -215,14 +215,15 @@ class CSACapture:
                 ops_indexer.topk_picks = originals["topk"]
             rows_ = rows if rows is not None else _step_rows(plan)
             self.reference.update(picks=out, scores=_assemble(calls, rows_, ratio, q.device),
-                                  query=ops_indexer.indexer_query(q, layout), pool=key_pool.clone(), query_input=q)
+                                  query=ops_indexer.indexer_query(q, layout), pool=key_pool.clone(), query_input=q,
+                                  weights=weights)
             return out
 
-        def query(q, weights, cos, sin, layout, **kw):
-            out = originals["query"](q, weights, cos, sin, layout, **kw)
+        def query(q, weights, cos, sin, layout, *, scale, **kw):
+            out = originals["query"](q, weights, cos, sin, layout, scale=scale, **kw)
             roped = rotate_pairs(q, cos, sin)  # the kernel's own input, roped as the reference ropes
             self.kernels.update(query_input=roped, query_own=ops_indexer.indexer_query(roped, layout),
-                                query_fused=out[0].clone(), fp8_keys=isinstance(layout, IndexerFP8Layout))
+                                weights_own=weights.float() * scale, fp8_keys=isinstance(layout, IndexerFP8Layout))
             return out
 
         def scores(q, weights, plan, key_pool, layout, *, ratio, page_tokens, max_entries, **kw):
@@ -230,7 +231,8 @@ class CSACapture:
                                       max_entries=max_entries, **kw)
             rows_ = _step_rows(plan)
             n = rows_.num_tokens
-            self.kernels.update(query=q[:n].clone(), pool=key_pool.clone(), input_scores=_torch_scores(
+            self.kernels.update(query=q[:n].clone(), weights=weights[:n].clone(), pool=key_pool.clone(),
+                                input_scores=_torch_scores(
                 q[:n], weights[:n], plan, rows_, key_pool, layout, ratio, page_tokens))
             return out
 
@@ -257,7 +259,8 @@ class CSACapture:
     def verdict(self, errors: torch.Tensor, *, row_tol: float, tie_tol: float,
                 new_key_bytes: int) -> tuple[RowVerdict, InputCheck]:
         """Classify the rows (errors [n], kernels against the reference) and check the indexer's inputs
-        (new_key_bytes: the bytes of the indexer keys this step completes, the only ones that may differ)."""
+        (new_key_bytes: the bytes of the indexer keys this step completes, the only ones that may differ). Raises
+        RuntimeError where the kernel path never called `kernels.indexer_query_and_weights`."""
         ref, ker = self.reference, self.kernels
         n = errors.numel()
         width = max(ref["scores"].shape[1], ker["input_scores"].shape[1])
@@ -268,15 +271,15 @@ class CSACapture:
         equal = _bit_equal(ker["query"], ref["query"])
         if not equal.numel():
             return verdict, InputCheck(differ, new_key_bytes, 1.0)
-        if "query_fused" not in ker:
+        if "query_own" not in ker:
             raise RuntimeError("CSACapture: the kernel path never called kernels.indexer_query_and_weights")
-        exact = _bit_equal(ker["query_fused"][:m], ker["query_own"][:m])
-        want, got = ref["query_input"].float(), ker["query_input"][:m].float()
-        scale = want.abs().amax(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
-        gap = float(((got - want).abs() / scale).nan_to_num(nan=float("inf")).max())
+        # what the scores kernel read against the reference on the fused kernel's own inputs, value by value
+        mismatches = int((~_bit_equal(ker["query"], ker["query_own"][:m])).sum()
+                         + (~_bit_equal(ker["weights"], ker["weights_own"][:m])).sum())
+        gap = max(_gap(ker["query_input"][:m], ref["query_input"]), _gap(ker["weights_own"][:m], ref["weights"]))
         return verdict, InputCheck(differ, new_key_bytes, float(equal.float().mean()),
-                                   float(equal.float().mean(1).min()), query_exact=float(exact.float().mean()),
-                                   query_input_gap=gap, fp8_keys=ker["fp8_keys"])
+                                   float(equal.float().mean(1).min()), query_mismatches=mismatches,
+                                   input_gap=gap, fp8_keys=ker["fp8_keys"])
 
 
 def _bit_equal(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
@@ -284,6 +287,15 @@ def _bit_equal(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
     got, want = got.float(), want.float()
     same = (got.view(torch.int32) == want.view(torch.int32)) | (want.isnan() & got.isnan())
     return same.reshape(want.shape[0], -1)
+
+
+def _gap(got: torch.Tensor, want: torch.Tensor) -> float:
+    """max |got - want| / the largest |want| along the last dim (per head of a query, per row of weights); NaN or inf
+    anywhere gives inf."""
+    got, want = got.float(), want.float()
+    scale = want.abs().amax(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
+    gap = ((got - want).abs() / scale).nan_to_num(nan=float("inf"), posinf=float("inf"))
+    return float(gap.max()) if gap.numel() else 0.0
 
 
 def _step_rows(plan):

@@ -147,7 +147,8 @@ def plot_report(data: dict, out_dir: str) -> list[str]:
         import matplotlib.pyplot as plt
     except ImportError:
         return []
-    rows = [r for r in data["results"] if r["workload"] == "decode" and r["time_us"] and r["extra"].get("stage") == "core"
+    rows = [r for r in data["results"] if r["workload"] == "decode" and r["time_us"]
+            and r["extra"].get("stage") == "core"
             and r["params"].get("indexer_format", "mxfp4") == "mxfp4"]  # FP8 keys: extra points, not plotted
     written = []
     stamp = f"{data['meta'].get('gpu')}, torch {data['meta'].get('torch')}, triton {data['meta'].get('triton')}, " \
