@@ -10,6 +10,7 @@ from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4Rotar
 
 from dsv4kv import ModelGeometry
 from dsv4kv.ops import apply_rope, inv_freq
+from dsv4kv.ops.rope import rotate_pairs
 
 
 def hf_config(name):
@@ -45,6 +46,7 @@ def test_apply_rope_matches_transformers(preset, rope_kind):
     want = apply_rotary_pos_emb(x.transpose(0, 1)[None], cos, sin)[0].transpose(0, 1)
     got = apply_rope(x, positions, rope)
     assert torch.equal(got, want)
+    assert torch.equal(rotate_pairs(x, cos[0], sin[0]), want)  # from any caller's tables (the bench's own-input check)
     assert torch.equal(got[..., :-rope.dim], x[..., :-rope.dim]), "nope dims must pass through untouched"
     want_inverse = apply_rotary_pos_emb(x.transpose(0, 1)[None], cos, -sin)[0].transpose(0, 1)
     assert torch.equal(apply_rope(x, positions, rope, inverse=True), want_inverse)
