@@ -15,7 +15,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from .report import Report, Result, markdown, plot_report
+from .report import Report, Result, indexer_keys, markdown, plot_report
 from .timing import machine_info
 from .workloads import QUICK, WORKLOADS, Context
 
@@ -67,17 +67,12 @@ def bench_device(device: str | torch.device) -> torch.device:
     return torch.device("cuda", index)
 
 
-def _keys(r: Result) -> str:
-    """A decode row's indexer key format (rows from before the bench recorded it: MXFP4, the only one then)."""
-    return r.params.get("indexer_format", "mxfp4")
-
-
 def _find(report: Report, workload: str, **params) -> Result | None:
     """The first result of `workload` with these params; a decode row: the core stage over MXFP4 indexer keys (the
     official format, which the core targets name)."""
     return next((r for r in report.results if r.workload == workload
                  and all(r.params.get(k) == v for k, v in params.items())
-                 and (workload != "decode" or (r.extra.get("stage") == "core" and _keys(r) == "mxfp4"))), None)
+                 and (workload != "decode" or (r.extra.get("stage") == "core" and indexer_keys(r.params) == "mxfp4"))), None)
 
 
 def evaluate_targets(report: Report) -> list[dict]:
@@ -110,7 +105,7 @@ def evaluate_targets(report: Report) -> list[dict]:
             need = 60 if batch >= 8 and context >= 65536 else 40 if batch == 1 and context >= 1 << 20 else None
             if need is not None:
                 pct = 100 * r.bytes / (r.time_us * 1e-6) / report.copy_bw
-                keys = "" if _keys(r) == "mxfp4" else f" ({_keys(r)} keys)"
+                keys = "" if indexer_keys(r.params) == "mxfp4" else f" ({indexer_keys(r.params)} keys)"
                 add(f"indexer scores{keys}, batch {batch}, {context // 1024}K context >= {need}% of copy bandwidth",
                     f"{pct:.0f}%", pct >= need)
     for r in report.results:

@@ -11,7 +11,7 @@ import json
 import os
 from dataclasses import asdict, dataclass, field
 
-__all__ = ["Result", "Report", "plot_report", "markdown"]
+__all__ = ["Result", "Report", "plot_report", "markdown", "indexer_keys"]
 
 
 # timings a workload may keep in `extra`: dropped with the time when the check fails
@@ -114,6 +114,12 @@ class Report:
         return "\n".join(lines)
 
 
+def indexer_keys(params: dict) -> str:
+    """A decode result's indexer key format, from its params (rows from before the bench recorded it: MXFP4, the only
+    one then)."""
+    return params.get("indexer_format", "mxfp4")
+
+
 def markdown(data: dict) -> str:
     """A report's JSON as markdown tables (what docs/performance.md quotes)."""
     m = data["meta"]
@@ -149,7 +155,7 @@ def plot_report(data: dict, out_dir: str) -> list[str]:
         return []
     rows = [r for r in data["results"] if r["workload"] == "decode" and r["time_us"]
             and r["extra"].get("stage") == "core"
-            and r["params"].get("indexer_format", "mxfp4") == "mxfp4"]  # FP8 keys: extra points, not plotted
+            and indexer_keys(r["params"]) == "mxfp4"]  # FP8 keys: extra points, not plotted
     written = []
     stamp = f"{data['meta'].get('gpu')}, torch {data['meta'].get('torch')}, triton {data['meta'].get('triton')}, " \
             f"{data['meta'].get('date', '')[:10]}, {data['meta'].get('commit')}"

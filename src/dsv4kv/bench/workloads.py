@@ -253,13 +253,15 @@ def insert(ctx: Context) -> None:
 def _decode_grid(quick: bool) -> list[tuple[int, int, tuple[str, ...], str]]:
     """(context, batch, kinds, indexer key format) configurations: MXFP4 keys (the official format) everywhere, and
     FP8 keys at the indexer's target points (issue 12: FP8 keys at the same fractions of their own bytes)."""
-    fp8 = [(1 << 20, 1, ("csa",), "fp8"), (131072, 64, ("csa",), "fp8")]
     if quick:
-        return [(16384, 1, ("csa",), "mxfp4"), (1 << 20, 1, ("csa",), "mxfp4"), (131072, 64, ("csa",), "mxfp4")] + fp8
-    grid = [(4096, 1, ("window", "csa", "hca")), (16384, 1, ("window", "csa", "hca")), (65536, 1, ("csa",)),
-            (131072, 1, ("csa", "hca")), (262144, 1, ("csa",)), (1 << 20, 1, ("csa", "hca")),
-            (131072, 8, ("csa",)), (131072, 32, ("csa",)), (131072, 64, ("window", "csa", "hca"))]
-    return [(*config, "mxfp4") for config in grid] + fp8[:1] + [(131072, 8, ("csa",), "fp8")] + fp8[1:]
+        grid = [(16384, 1, ("csa",)), (1 << 20, 1, ("csa",)), (131072, 64, ("csa",))]
+        fp8 = [(1 << 20, 1), (131072, 64)]
+    else:
+        grid = [(4096, 1, ("window", "csa", "hca")), (16384, 1, ("window", "csa", "hca")), (65536, 1, ("csa",)),
+                (131072, 1, ("csa", "hca")), (262144, 1, ("csa",)), (1 << 20, 1, ("csa", "hca")),
+                (131072, 8, ("csa",)), (131072, 32, ("csa",)), (131072, 64, ("window", "csa", "hca"))]
+        fp8 = [(1 << 20, 1), (131072, 8), (131072, 64)]
+    return [(*config, "mxfp4") for config in grid] + [(context, batch, ("csa",), "fp8") for context, batch in fp8]
 
 
 def core_bytes(g: ModelGeometry, cache: CacheManager, layer_index: int, context: int, batch: int) -> dict[str, int]:
