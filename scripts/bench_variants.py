@@ -11,7 +11,9 @@ reported as such, never timed)."""
 
 from __future__ import annotations
 
+import dataclasses
 import sys
+from types import SimpleNamespace
 
 import torch
 
@@ -34,6 +36,32 @@ def csa_plan(batch: int, history: int, new: int):
     fill_layer(cache.pools.layers[CSA], window=G.window, seed=1)
     plan = cache.plan_step([(rid, new) for rid in rids])
     return cache, plan
+
+
+def indexer_decode_case(batch: int, history: int) -> SimpleNamespace:
+    """A CSA decode step of `batch` requests after `history` tokens each (`csa_plan`) and its indexer's inputs, as the
+    scores kernel takes them: cache, plan, layout, q (in the MXFP4 keys' numerics), w (head weights * H^-0.5), q_fp8
+    (the FP8 MMA operand of q, made once per row by the layer's query kernel, so not timed with the scores), out (fp32
+    scores [batch, entries]), pool (the CSA layer's key pool), page_tokens."""
+    import dsv4kv.kernels.indexer as K
+
+    cache, plan = csa_plan(batch, history, 1)
+    layout = cache.spec.layers[CSA].index
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    q = indexer_query(torch.randn(batch, G.index_n_heads, G.index_head_dim, generator=gen, device=DEVICE)
+                      .bfloat16(), layout).contiguous()
+    w = torch.randn(batch, G.index_n_heads, generator=gen, device=DEVICE) * G.index_n_heads ** -0.5
+    return SimpleNamespace(cache=cache, plan=plan, layout=layout, q=q, w=w, q_fp8=K.indexer_query_fp8(q),
+                           out=torch.empty(batch, (history + 1) // 4, device=DEVICE),
+                           pool=cache.pools.layers[CSA].index_keys, page_tokens=cache.spec.page_tokens)
+
+
+def hot_plan(plan, pages: int = 8):
+    """`plan` with every allocated block-table entry pointing at one of request 0's first `pages` pages: the same
+    tiles and addresses arithmetic, every key read from L2 (a timing probe: the scores are not the request's)."""
+    bt = plan.block_table
+    cycle = bt[0, :pages].repeat(bt.shape[1] // pages + 1)[: bt.shape[1]]
+    return dataclasses.replace(plan, block_table=torch.where(bt >= 0, cycle[None, :].expand_as(bt), bt).contiguous())
 
 
 def variants(name: str, run, settings, apply, reference=None, row_tolerance: float | None = None):
@@ -114,19 +142,12 @@ def indexer_waves():
 
     defaults = K._GRID_WAVES, K.FP8_MIN_PROGRAMS_PER_SM, dict(K._ROW_TILES), K.BF16_BITS
     for batch, history in ((1, (1 << 20) - 1), (8, 131071), (64, 131071)):
-        cache, plan = csa_plan(batch, history, 1)
-        ls = cache.spec.layers[CSA]
-        gen = torch.Generator(device=DEVICE).manual_seed(0)
-        q = indexer_query(torch.randn(batch, G.index_n_heads, G.index_head_dim, generator=gen, device=DEVICE)
-                          .bfloat16(), ls.index).contiguous()
-        w = torch.randn(batch, G.index_n_heads, generator=gen, device=DEVICE) * G.index_n_heads ** -0.5
-        out = torch.empty(batch, (history + 1) // 4, device=DEVICE)
-        pool = cache.pools.layers[CSA].index_keys
-        q_fp8 = K.indexer_query_fp8(q)  # made once per row by the layer's query kernel, so not timed here
+        c = indexer_decode_case(batch, history)
+        out = c.out
 
         def run():
-            return K.indexer_scores_paged(q, w, plan, pool, ls.index, ratio=4, page_tokens=cache.spec.page_tokens,
-                                          out=out, q_fp8=q_fp8)
+            return K.indexer_scores_paged(c.q, c.w, c.plan, c.pool, c.layout, ratio=4, page_tokens=c.page_tokens,
+                                          out=out, q_fp8=c.q_fp8)
 
         def apply(setting):
             waves, path, stages = setting
@@ -140,7 +161,7 @@ def indexer_waves():
         settings += [(3, "bits", 2), (4, "bits", 2)]
         variants(label, run, settings, apply)
         K._GRID_WAVES, K.FP8_MIN_PROGRAMS_PER_SM, K._ROW_TILES, K.BF16_BITS = defaults
-        del cache, plan, out
+        del c, out
         torch.cuda.empty_cache()
 
 

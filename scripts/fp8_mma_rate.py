@@ -40,23 +40,13 @@ def _mma_loop(out_ptr, niter, N: gl.constexpr, A_REG: gl.constexpr, SYNC_EACH: g
     acc = gl.zeros([64, N], gl.float32, MMA)
     for i in range(niter):
         if SYNC_EACH:  # as the indexer: four MMAs from zero, each waited and added
-            p = warpgroup_mma(a, b, acc, use_acc=False, is_async=True)
-            p = warpgroup_mma_wait(0, deps=[p])
-            acc = acc + p
-            p = warpgroup_mma(a, b, acc, use_acc=False, is_async=True)
-            p = warpgroup_mma_wait(0, deps=[p])
-            acc = acc + p
-            p = warpgroup_mma(a, b, acc, use_acc=False, is_async=True)
-            p = warpgroup_mma_wait(0, deps=[p])
-            acc = acc + p
-            p = warpgroup_mma(a, b, acc, use_acc=False, is_async=True)
-            p = warpgroup_mma_wait(0, deps=[p])
-            acc = acc + p
+            for _ in gl.static_range(4):
+                p = warpgroup_mma(a, b, acc, use_acc=False, is_async=True)
+                p = warpgroup_mma_wait(0, deps=[p])
+                acc = acc + p
         else:
-            acc = warpgroup_mma(a, b, acc, is_async=True)
-            acc = warpgroup_mma(a, b, acc, is_async=True)
-            acc = warpgroup_mma(a, b, acc, is_async=True)
-            acc = warpgroup_mma(a, b, acc, is_async=True)
+            for _ in gl.static_range(4):
+                acc = warpgroup_mma(a, b, acc, is_async=True)
             acc = warpgroup_mma_wait(0, deps=[acc])
     s = gl.sum(gl.sum(acc, axis=1), axis=0)
     gl.store(out_ptr + gl.program_id(0), s)

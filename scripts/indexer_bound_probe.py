@@ -7,7 +7,6 @@ noscale: each scale block's MMA result added without its key scale (Triton then 
 accumulator); noconv: the key bytes fed to the MMA without the e2m1 -> e4m3 bit moves; both. Each mode times the
 request's block table and a 'hot' one (every tile read from 8 pages, so from L2), at batch 1 / 1M, 8 / 128K and
 64 / 128K. Results: docs/performance.md, "What bounds the MXFP4 indexer" (nineteenth session)."""
-import dataclasses
 import sys
 
 import torch
@@ -15,10 +14,9 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, "scripts")
-from bench_variants import csa_plan, G, CSA, DEVICE  # noqa: E402
+from bench_variants import DEVICE, hot_plan, indexer_decode_case  # noqa: E402
 import dsv4kv.kernels.indexer as K  # noqa: E402
 from dsv4kv.bench.timing import time_cuda  # noqa: E402
-from dsv4kv.ops.indexer import indexer_query  # noqa: E402
 
 mode = sys.argv[1]
 
@@ -52,27 +50,16 @@ if mode != "base":
     K._mxfp4_block_mma = _mma
 
 for batch, history in ((1, (1 << 20) - 1), (8, 131071), (64, 131071)):
-    cache, plan = csa_plan(batch, history, 1)
-    ls = cache.spec.layers[CSA]
-    gen = torch.Generator(device=DEVICE).manual_seed(0)
-    q = indexer_query(torch.randn(batch, G.index_n_heads, G.index_head_dim, generator=gen, device=DEVICE)
-                      .bfloat16(), ls.index).contiguous()
-    w = torch.randn(batch, G.index_n_heads, generator=gen, device=DEVICE) * G.index_n_heads ** -0.5
-    out = torch.empty(batch, (history + 1) // 4, device=DEVICE)
-    pool = cache.pools.layers[CSA].index_keys
-    q_fp8 = K.indexer_query_fp8(q)
-    bt = plan.block_table
-    hot = torch.where(bt >= 0, bt[0, :8].repeat(bt.shape[1] // 8 + 1)[: bt.shape[1]][None, :].expand_as(bt), bt)
-    hot_plan = dataclasses.replace(plan, block_table=hot.contiguous())
-    for name, p in (("normal", plan), ("hot", hot_plan)):
+    c = indexer_decode_case(batch, history)
+    for name, p in (("normal", c.plan), ("hot", hot_plan(c.plan))):
         def run(p=p):
-            return K.indexer_scores_paged(q, w, p, pool, ls.index, ratio=4, page_tokens=cache.spec.page_tokens,
-                                          out=out, q_fp8=q_fp8)
+            return K.indexer_scores_paged(c.q, c.w, p, c.pool, c.layout, ratio=4, page_tokens=c.page_tokens,
+                                          out=c.out, q_fp8=c.q_fp8)
         run()
         torch.cuda.synchronize()
         ts = [time_cuda(run, device=DEVICE, runs=30).median_us for _ in range(3)]
-        mb = batch * out.shape[1] * 68 / 1e6
+        mb = batch * c.out.shape[1] * 68 / 1e6
         print(f"mode {mode:8s} batch {batch:3d} ctx {history + 1:8d} {name:6s}: {sorted(ts)[1]:7.1f} us "
               f"({min(ts):.1f}-{max(ts):.1f}; {mb:.1f} MB)", flush=True)
-    del cache, plan, out, hot_plan
+    del c
     torch.cuda.empty_cache()

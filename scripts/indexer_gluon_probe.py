@@ -26,6 +26,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
+from dsv4kv.kernels.indexer import _E2M1_E4M3_ASM
+
 BLOCK_J = gl.constexpr(64)
 H = gl.constexpr(64)
 D = gl.constexpr(128)
@@ -33,21 +35,9 @@ D = gl.constexpr(128)
 
 @gluon.jit
 def _e2m1_e4m3(byte):
-    """`kernels.indexer._e2m1_e4m3`'s bit moves (a Gluon kernel cannot call a triton.jit function)."""
-    return gl.inline_asm_elementwise(
-        asm="""{
-        .reg .b32 t0, t1;
-        shl.b32 t0, $2, 4;
-        and.b32 t0, t0, 0x80808080;
-        shl.b32 t1, $2, 2;
-        and.b32 t1, t1, 0x1C1C1C1C;
-        or.b32 $0, t0, t1;
-        shr.b32 t0, $2, 2;
-        and.b32 t0, t0, 0x1C1C1C1C;
-        and.b32 t1, $2, 0x80808080;
-        or.b32 $1, t0, t1;
-        }""",
-        constraints="=r,=r,r", args=[byte], dtype=(gl.uint8, gl.uint8), is_pure=True, pack=4)
+    """`kernels.indexer._e2m1_e4m3`'s bit moves, its PTX (a Gluon kernel cannot call a triton.jit function)."""
+    return gl.inline_asm_elementwise(asm=_E2M1_E4M3_ASM, constraints="=r,=r,r", args=[byte],
+                                     dtype=(gl.uint8, gl.uint8), is_pure=True, pack=4)
 
 
 @gluon.jit
@@ -236,29 +226,19 @@ def compile_only():
 
 def bench():
     sys.path.insert(0, "scripts")
-    from bench_variants import csa_plan, G, CSA, DEVICE
+    from bench_variants import DEVICE, indexer_decode_case
     import dsv4kv.kernels.indexer as K
     from dsv4kv.bench.timing import time_cuda
-    from dsv4kv.ops.indexer import indexer_query
     print(torch.cuda.get_device_name(), torch.__version__, triton.__version__, flush=True)
     for batch, history in ((1, (1 << 20) - 1), (8, 131071), (64, 131071)):
-        cache, plan = csa_plan(batch, history, 1)
-        ls = cache.spec.layers[CSA]
-        gen = torch.Generator(device=DEVICE).manual_seed(0)
-        q = indexer_query(torch.randn(batch, G.index_n_heads, G.index_head_dim, generator=gen, device=DEVICE)
-                          .bfloat16(), ls.index).contiguous()
-        w = torch.randn(batch, G.index_n_heads, generator=gen, device=DEVICE) * G.index_n_heads ** -0.5
-        entries = (history + 1) // 4
-        ref = torch.empty(batch, entries, device=DEVICE)
-        out = torch.empty(batch, entries, device=DEVICE)
-        pool = cache.pools.layers[CSA].index_keys
-        q8, q8s = K.indexer_query_fp8(q)
+        c = indexer_decode_case(batch, history)
+        (q8, q8s), entries, out = c.q_fp8, c.out.shape[1], c.out
         assert bool((q8s > 0).all())
-        pt = cache.spec.page_tokens
+        ref = torch.empty_like(out)
 
         def run_ref():
-            return K.indexer_scores_paged(q, w, plan, pool, ls.index, ratio=4, page_tokens=pt, out=ref,
-                                          q_fp8=(q8, q8s))
+            return K.indexer_scores_paged(c.q, c.w, c.plan, c.pool, c.layout, ratio=4, page_tokens=c.page_tokens,
+                                          out=ref, q_fp8=c.q_fp8)
         run_ref()
         _, iters, _ = K._config(batch, entries, DEVICE)
         mb = batch * entries * 68 / 1e6
@@ -272,8 +252,8 @@ def bench():
                     chunk = 64 * it
 
                     def run(stages=stages, maxnreg=maxnreg, chunk=chunk):
-                        return scores(q8, q8s, w, plan, pool, ratio=4, page_tokens=pt, out=out, chunk=chunk,
-                                      stages=stages, maxnreg=maxnreg)
+                        return scores(q8, q8s, c.w, c.plan, c.pool, ratio=4, page_tokens=c.page_tokens, out=out,
+                                      chunk=chunk, stages=stages, maxnreg=maxnreg)
                     out.fill_(float("nan"))
                     try:
                         run()
@@ -287,7 +267,7 @@ def bench():
                     ts = [time_cuda(run, device=DEVICE, runs=30).median_us for _ in range(3)]
                     print(f"  gluon stages {stages} maxnreg {maxnreg} iters {it}: {sorted(ts)[1]:.1f} us "
                           f"({min(ts):.1f}-{max(ts):.1f}) bit-equal {same} ({ndiff} differ)", flush=True)
-        del cache, plan, out, ref
+        del c, out, ref
         torch.cuda.empty_cache()
 
 
@@ -295,23 +275,14 @@ def ncu_once():
     """Each kernel once at batch 64 / 128K (for ncu): the Triton FP8 path, then the Gluon kernel at 128 and 177
     registers (2 stages, 32 tiles a program)."""
     sys.path.insert(0, "scripts")
-    from bench_variants import csa_plan, G, CSA, DEVICE
+    from bench_variants import indexer_decode_case
     import dsv4kv.kernels.indexer as K
-    from dsv4kv.ops.indexer import indexer_query
-    batch, history = 64, 131071
-    cache, plan = csa_plan(batch, history, 1)
-    ls = cache.spec.layers[CSA]
-    gen = torch.Generator(device=DEVICE).manual_seed(0)
-    q = indexer_query(torch.randn(batch, G.index_n_heads, G.index_head_dim, generator=gen, device=DEVICE)
-                      .bfloat16(), ls.index).contiguous()
-    w = torch.randn(batch, G.index_n_heads, generator=gen, device=DEVICE) * G.index_n_heads ** -0.5
-    out = torch.empty(batch, (history + 1) // 4, device=DEVICE)
-    pool = cache.pools.layers[CSA].index_keys
-    q8, q8s = K.indexer_query_fp8(q)
-    pt = cache.spec.page_tokens
-    K.indexer_scores_paged(q, w, plan, pool, ls.index, ratio=4, page_tokens=pt, out=out, q_fp8=(q8, q8s))
+    c = indexer_decode_case(64, 131071)
+    K.indexer_scores_paged(c.q, c.w, c.plan, c.pool, c.layout, ratio=4, page_tokens=c.page_tokens, out=c.out,
+                           q_fp8=c.q_fp8)
     for maxnreg in (128, None):
-        scores(q8, q8s, w, plan, pool, ratio=4, page_tokens=pt, out=out, chunk=64 * 32, stages=2, maxnreg=maxnreg)
+        scores(*c.q_fp8, c.w, c.plan, c.pool, ratio=4, page_tokens=c.page_tokens, out=c.out, chunk=64 * 32,
+               stages=2, maxnreg=maxnreg)
     torch.cuda.synchronize()
 
 
@@ -320,39 +291,24 @@ def probe():
     taken out (timing only):
     SCALE (the key scales), CONV (the e2m1 -> e4m3 moves), EPI (ReLU, weights, head sum and store per tile), and the
     keys from 8 pages (L2 hits) instead of the request's."""
-    import dataclasses
     sys.path.insert(0, "scripts")
-    from bench_variants import csa_plan, G, CSA, DEVICE
-    import dsv4kv.kernels.indexer as K
+    from bench_variants import DEVICE, hot_plan, indexer_decode_case
     from dsv4kv.bench.timing import time_cuda
-    from dsv4kv.ops.indexer import indexer_query
     for batch, history in ((1, (1 << 20) - 1), (64, 131071)):
-        cache, plan = csa_plan(batch, history, 1)
-        ls = cache.spec.layers[CSA]
-        gen = torch.Generator(device=DEVICE).manual_seed(0)
-        q = indexer_query(torch.randn(batch, G.index_n_heads, G.index_head_dim, generator=gen, device=DEVICE)
-                          .bfloat16(), ls.index).contiguous()
-        w = torch.randn(batch, G.index_n_heads, generator=gen, device=DEVICE) * G.index_n_heads ** -0.5
-        out = torch.empty(batch, (history + 1) // 4, device=DEVICE)
-        pool = cache.pools.layers[CSA].index_keys
-        q8, q8s = K.indexer_query_fp8(q)
-        pt = cache.spec.page_tokens
-        bt = plan.block_table
-        hot = torch.where(bt >= 0, bt[0, :8].repeat(bt.shape[1] // 8 + 1)[: bt.shape[1]][None, :].expand_as(bt), bt)
-        hot_plan = dataclasses.replace(plan, block_table=hot.contiguous())
+        c = indexer_decode_case(batch, history)
         iters = 32 if batch > 1 else 16
         for flags in ({}, {"SCALE": False}, {"CONV": False}, {"EPI": False}, {"SCALE": False, "CONV": False},
                       {"SCALE": False, "CONV": False, "EPI": False}):
-            for name, p in (("normal", plan), ("hot", hot_plan)):
+            for name, p in (("normal", c.plan), ("hot", hot_plan(c.plan))):
                 def run(p=p, flags=flags):
-                    return scores(q8, q8s, w, p, pool, ratio=4, page_tokens=pt, out=out, chunk=64 * iters,
-                                  stages=2, maxnreg=128, **flags)
+                    return scores(*c.q_fp8, c.w, p, c.pool, ratio=4, page_tokens=c.page_tokens, out=c.out,
+                                  chunk=64 * iters, stages=2, maxnreg=128, **flags)
                 run()
                 torch.cuda.synchronize()
                 ts = [time_cuda(run, device=DEVICE, runs=30).median_us for _ in range(3)]
                 print(f"batch {batch} ctx {history + 1} {name:6s} without {sorted(k for k in flags) or '-'}: "
                       f"{sorted(ts)[1]:.1f} us", flush=True)
-        del cache, plan, out, hot_plan
+        del c
         torch.cuda.empty_cache()
 
 

@@ -145,17 +145,9 @@ def _e2m1_pair(byte):
     return lo.to(tl.float32, bitcast=True) * _TWO_126, hi.to(tl.float32, bitcast=True) * _TWO_126
 
 
-@triton.jit
-def _e2m1_e4m3(byte, ASM: tl.constexpr):
-    """Packed MXFP4 bytes (uint8) -> (low nibble, high nibble) as e4m3 bytes (uint8) holding value * 2^-6, exactly.
-
-    A code's bits (s e1 e0 m) move to e4m3's sign, low exponent bits and top mantissa bit: exponent field e1e0 with
-    e4m3's bias 7 against e2m1's 1 is the 2^-6, and code 1 (0.5) lands on the subnormal 2^-7 as code 0 on zero.
-    ASM: four bytes per 32-bit register (five ALU ops per 8 values); else the same bit moves per element (the
-    interpreter runs no inline PTX)."""
-    if ASM:
-        return tl.inline_asm_elementwise(
-            asm="""{
+# `_e2m1_e4m3`'s PTX, four packed bytes per 32-bit register: sign (bit 3 -> 7) and magnitude (bits 0..2 -> 2..4) of
+# the low nibbles into $0, of the high nibbles into $1 (also read by scripts/indexer_gluon_probe.py)
+_E2M1_E4M3_ASM = tl.constexpr("""{
             .reg .b32 t0, t1;
             shl.b32 t0, $2, 4;
             and.b32 t0, t0, 0x80808080;
@@ -166,8 +158,20 @@ def _e2m1_e4m3(byte, ASM: tl.constexpr):
             and.b32 t0, t0, 0x1C1C1C1C;
             and.b32 t1, $2, 0x80808080;
             or.b32 $1, t0, t1;
-            }""",
-            constraints="=r,=r,r", args=[byte], dtype=(tl.uint8, tl.uint8), is_pure=True, pack=4)
+            }""")
+
+
+@triton.jit
+def _e2m1_e4m3(byte, ASM: tl.constexpr):
+    """Packed MXFP4 bytes (uint8) -> (low nibble, high nibble) as e4m3 bytes (uint8) holding value * 2^-6, exactly.
+
+    A code's bits (s e1 e0 m) move to e4m3's sign, low exponent bits and top mantissa bit: exponent field e1e0 with
+    e4m3's bias 7 against e2m1's 1 is the 2^-6, and code 1 (0.5) lands on the subnormal 2^-7 as code 0 on zero.
+    ASM: four bytes per 32-bit register (five ALU ops per 8 values); else the same bit moves per element (the
+    interpreter runs no inline PTX)."""
+    if ASM:
+        return tl.inline_asm_elementwise(asm=_E2M1_E4M3_ASM, constraints="=r,=r,r", args=[byte],
+                                         dtype=(tl.uint8, tl.uint8), is_pure=True, pack=4)
     else:
         b = byte.to(tl.int32)
         return (((b & 0x08) << 4) | ((b & 0x07) << 2)).to(tl.uint8), ((b & 0x80) | ((b & 0x70) >> 2)).to(tl.uint8)
