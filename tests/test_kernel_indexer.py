@@ -713,6 +713,104 @@ def test_fp8_path_tiles_within_pages(dim, block_j, page, monkeypatch):
     plan.block_table[slot, 1] = kept
 
 
+@pytest.mark.parametrize("dim,block_j,page,ahead", [(64, 32, 256, False), (64, 32, 256, True), (128, 64, 256, True),
+                                                    (64, 32, 384, True), (64, 64, 384, False)],
+                         ids=["D64-page-tiles", "D64-page-tiles-ahead", "D128-page-tiles-ahead",
+                              "D64-chunks-from-mid-page-ahead", "D64-per-entry"])
+def test_fp8_keys_on_fp16_mmas(dim, block_j, page, ahead, monkeypatch):
+    """FP8 keys in the row kernel take fp16 MMAs (`_fp8_key_scores`: each head of q shifted into fp16, the key's
+    scale applied after the sum over heads), with tiles addressed from their page where pages hold whole tiles
+    (96-entry pages: chunks start mid-page; 64-key tiles there: per-entry addressing), and the next tile loaded ahead
+    or not. Three requests at odd lengths decode and prefill in small steps, keys over 24 binades: the scores equal
+    the bf16 path's (`FP8_KEYS_F16` off) bit for bit, and the reference's within tolerance. A page unallocated
+    mid-row scores 0 on both paths and leaves every other score as it was."""
+    geometry = dataclasses.replace(TINY, index_head_dim=dim)
+    per_page = page // M
+    monkeypatch.setattr(kernel_mod, "FP8_KEYS_AHEAD", ahead)
+    monkeypatch.setattr(kernel_mod, "_GRID_WAVES", 0)  # 128-entry chunks on the GPU too: tiles cross pages
+    monkeypatch.setattr(kernel_mod, "_ROW_TILES", {**kernel_mod._ROW_TILES, "block_j": block_j,
+                                                   "max_iters": 128 // block_j})
+    cache, layout, pool = make_cache(geometry, "fp8", page_tokens=page, max_requests=4, max_tokens=2400)
+    rids = admit(cache, 3)
+    g = gen(81)
+    for rid, n in zip(rids, (1017, 298, 700)):
+        cache.plan_step([(rid, n)])
+    bank = [torch.randn(1040 // M, dim, generator=g) * 2.0 ** torch.randint(-12, 13, (1040 // M, 1), generator=g)
+            for _ in rids]
+    entries = 270
+    calls = []
+    if interpreted():
+        fp16_loop = kernel_mod._fp8_key_scores
+        monkeypatch.setattr(kernel_mod, "_fp8_key_scores", lambda *a, **k: calls.append(1) or fp16_loop(*a, **k))
+
+    def scores(plan, q, w, fp16):
+        monkeypatch.setattr(kernel_mod, "FP8_KEYS_F16", fp16)
+        return indexer_scores_paged(q, w, plan, pool, layout, ratio=M, page_tokens=page, max_entries=entries,
+                                    stack_rows=False, fill=True)
+
+    for k, step in enumerate([[(0, 3), (1, 1), (2, 2)], [(0, 1), (2, 5)], [(0, 2), (1, 4)]]):
+        plan = cache.plan_step([(rids[i], n) for i, n in step])
+        for rid, keys in zip(rids, bank):
+            write_all_keys(cache, rid, layout, pool, keys.to(DEVICE), M, page)
+        q, w = make_query(layout, plan.positions.shape[0], geometry.index_n_heads, seed=210 + k)
+        calls.clear()
+        got = scores(plan, q, w, True)
+        assert not interpreted() or len(calls) > 0
+        assert torch.equal(got, scores(plan, q, w, False))
+        assert_close_scores(got, reference(plan, pool, layout, q, w, entries, ratio=M, page_tokens=page))
+    slot = int(plan.request_slots[plan.token_request[0]])
+    kept = plan.block_table[slot, 1].item()
+    plan.block_table[slot, 1] = -1
+    hole = scores(plan, q, w, True)
+    assert torch.equal(hole, scores(plan, q, w, False))
+    page_cols = torch.zeros_like(got, dtype=torch.bool)
+    page_cols[plan.token_request == plan.token_request[0], per_page:2 * per_page] = True
+    in_hole = page_cols & torch.isfinite(got)
+    assert in_hole.sum() >= per_page and torch.equal(hole[in_hole], torch.zeros_like(hole[in_hole]))
+    assert torch.equal(hole[~in_hole], got[~in_hole])
+    plan.block_table[slot, 1] = kept
+
+
+def test_fp8_keys_fp16_path_and_its_fallback(monkeypatch):
+    """FP8 keys: a row whose query is exact in fp16 after each head's shift takes the fp16 MMAs; a row with a head
+    that is not (a bf16 value 2^-26 below its head's largest, which fp16 would round) takes the bf16 path, and so
+    do rows with a NaN or an infinite head. Every row gives the reference's scores (NaN rows: NaN wherever visible),
+    and a bf16-valued query that fits fp16 only after the shift (a head at 2^-100) takes the fp16 MMAs exactly.
+    Under the interpreter the path is observed by counting calls of the fp16 loop."""
+    cache, layout, pool = make_cache(TINY, "fp8", page_tokens=PAGE, max_requests=2, max_tokens=256)
+    rid = cache.admit()
+    plan = cache.plan_step([(rid, 150)])
+    write_all_keys(cache, rid, layout, pool, torch.randn(40, layout.dim, generator=gen(91)).to(DEVICE), M, PAGE)
+    calls = []
+    if interpreted():
+        fp16_loop = kernel_mod._fp8_key_scores
+        monkeypatch.setattr(kernel_mod, "_fp8_key_scores", lambda *a, **k: calls.append(1) or fp16_loop(*a, **k))
+    q, w = make_query(layout, 150, TINY.index_n_heads, seed=92)
+    tiny = q.clone()
+    tiny[:, 1] *= 2.0 ** -100  # a whole head far below 1: fp16 after its shift
+    odd = q.clone()
+    top = torch.floor(torch.log2(odd[:, 2].abs().amax(-1)))
+    odd[:, 2, 5] = (1 + 2.0 ** -7) * 2.0 ** (top - 26)  # a bf16 value of 8 significant bits, below fp16's reach
+    for query, fp16 in ((q, True), (tiny, True), (odd, False)):
+        calls.clear()
+        got = indexer_scores_paged(query, w, plan, pool, layout, ratio=M, page_tokens=PAGE, stack_rows=False,
+                                   fill=True)
+        assert_close_scores(got, reference(plan, pool, layout, query, w, got.shape[1], ratio=M, page_tokens=PAGE))
+        if interpreted():
+            assert (len(calls) > 0) == fp16, (fp16, len(calls))
+    for bad in (float("nan"), float("inf")):
+        query = q.clone()
+        query[7, 3, 0] = bad
+        got = indexer_scores_paged(query, w, plan, pool, layout, ratio=M, page_tokens=PAGE, stack_rows=False,
+                                   fill=True)
+        seen = torch.arange(got.shape[1], device=DEVICE) < (plan.positions[7] + 1) // M
+        assert bool(torch.isnan(got[7, seen]).all()) or bad == float("inf")
+        want = reference(plan, pool, layout, query, w, got.shape[1], ratio=M, page_tokens=PAGE)
+        rows = torch.arange(got.shape[0], device=DEVICE) != 7
+        assert_close_scores(got[rows], (want[0][rows], want[1][rows]))
+        assert torch.equal(torch.isnan(got[7]), torch.isnan(want[0][7]))
+
+
 def test_fp8_mma_path_and_its_fallback(monkeypatch):
     """MXFP4 keys take the FP8 MMA path when every head of the row's query passes `fp8_query_operand`'s check, and
     the bf16 path when one does not (two blocks of a head 2^22 apart): both give the reference's scores. Under the
