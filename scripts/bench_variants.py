@@ -27,9 +27,8 @@ G = ModelGeometry.from_hf_config("flash")
 CSA = next(i for i, layer in enumerate(G.layers) if layer.kind.short == "CSA")
 
 
-def csa_plan(batch: int, history: int, new: int, indexer_format: str = "mxfp4"):
-    cache = CacheManager(G, max_requests=batch, max_tokens=batch * (history + new), device=DEVICE,
-                         indexer_format=indexer_format)
+def csa_plan(batch: int, history: int, new: int):
+    cache = CacheManager(G, max_requests=batch, max_tokens=batch * (history + new), device=DEVICE)
     rids = [cache.admit() for _ in range(batch)]
     for rid in rids:
         if history:
@@ -39,21 +38,20 @@ def csa_plan(batch: int, history: int, new: int, indexer_format: str = "mxfp4"):
     return cache, plan
 
 
-def indexer_decode_case(batch: int, history: int, indexer_format: str = "mxfp4") -> SimpleNamespace:
+def indexer_decode_case(batch: int, history: int) -> SimpleNamespace:
     """A CSA decode step of `batch` requests after `history` tokens each (`csa_plan`) and its indexer's inputs, as the
-    scores kernel takes them: cache, plan, layout, q (in the keys' numerics), w (head weights * H^-0.5), q_fp8 (MXFP4
-    keys: the FP8 MMA operand of q, made once per row by the layer's query kernel, so not timed with the scores; else
-    None), out (fp32 scores [batch, entries]), pool (the CSA layer's key pool), page_tokens."""
+    scores kernel takes them: cache, plan, layout, q (in the MXFP4 keys' numerics), w (head weights * H^-0.5), q_fp8
+    (the FP8 MMA operand of q, made once per row by the layer's query kernel, so not timed with the scores), out (fp32
+    scores [batch, entries]), pool (the CSA layer's key pool), page_tokens."""
     import dsv4kv.kernels.indexer as K
 
-    cache, plan = csa_plan(batch, history, 1, indexer_format)
+    cache, plan = csa_plan(batch, history, 1)
     layout = cache.spec.layers[CSA].index
     gen = torch.Generator(device=DEVICE).manual_seed(0)
     q = indexer_query(torch.randn(batch, G.index_n_heads, G.index_head_dim, generator=gen, device=DEVICE)
                       .bfloat16(), layout).contiguous()
     w = torch.randn(batch, G.index_n_heads, generator=gen, device=DEVICE) * G.index_n_heads ** -0.5
-    return SimpleNamespace(cache=cache, plan=plan, layout=layout, q=q, w=w,
-                           q_fp8=K.indexer_query_fp8(q) if indexer_format == "mxfp4" else None,
+    return SimpleNamespace(cache=cache, plan=plan, layout=layout, q=q, w=w, q_fp8=K.indexer_query_fp8(q),
                            out=torch.empty(batch, (history + 1) // 4, device=DEVICE),
                            pool=cache.pools.layers[CSA].index_keys, page_tokens=cache.spec.page_tokens)
 
@@ -164,41 +162,6 @@ def indexer_waves():
         variants(label, run, settings, apply)
         K._GRID_WAVES, K.FP8_MIN_PROGRAMS_PER_SM, K._ROW_TILES, K.BF16_BITS = defaults
         del c, out
-        torch.cuda.empty_cache()
-
-
-def indexer_fp8_keys():
-    """FP8 indexer keys (132 B a key) in the row (decode) kernel: the bf16 path (`FP8_KEYS_F16` off) against fp16
-    MMAs, with the next tile loaded ahead or not (`FP8_KEYS_AHEAD`), under a register cap of 128 or none
-    (`FP8_KEYS_MAX_REGISTERS`), and 128-key tiles over 8 warps, at batch 1 / 1M, 8 / 128K and 64 / 128K. Each variant's
-    scores are compared with the bf16 path's bit for bit (the count of differing scores is printed), then timed."""
-    import dsv4kv.kernels.indexer as K
-
-    defaults = K.FP8_KEYS_F16, K.FP8_KEYS_AHEAD, K.FP8_KEYS_MAX_REGISTERS, dict(K._ROW_TILES)
-    wide = {**defaults[3], "block_j": 128, "max_iters": 8, "num_warps": 8}
-    settings = [("bf16", False, None, defaults[3]), ("fp16", False, None, defaults[3]),
-                ("fp16", False, 128, defaults[3]), ("fp16", True, None, defaults[3]), ("fp16", True, 128, defaults[3]),
-                ("fp16", False, None, wide)]
-    for batch, history in ((1, (1 << 20) - 1), (8, 131071), (64, 131071)):
-        c = indexer_decode_case(batch, history, "fp8")
-        mb = batch * c.out.shape[1] * c.layout.entry_bytes / 1e6
-        base = None
-        for path, ahead, cap, tiles in settings:
-            K.FP8_KEYS_F16, K.FP8_KEYS_AHEAD, K.FP8_KEYS_MAX_REGISTERS, K._ROW_TILES = path == "fp16", ahead, cap, tiles
-
-            def run():
-                return K.indexer_scores_paged(c.q, c.w, c.plan, c.pool, c.layout, ratio=4,
-                                              page_tokens=c.page_tokens, out=c.out)
-            got = run().clone()
-            base = got if base is None else base
-            differ = int((got.view(torch.int32) != base.view(torch.int32)).sum())
-            t = time_cuda(run, device=DEVICE, runs=30)
-            print(f"fp8 keys batch {batch} ctx {history + 1} ({mb:.1f} MB) {path} ahead={ahead} cap={cap} "
-                  f"block_j={tiles['block_j']} warps={tiles['num_warps']}: {t.median_us:.1f} us "
-                  f"(p10 {t.p10_us:.1f}, p90 {t.p90_us:.1f}), {mb / t.median_us:.2f} TB/s, "
-                  f"scores differing from bf16's: {differ}", flush=True)
-        K.FP8_KEYS_F16, K.FP8_KEYS_AHEAD, K.FP8_KEYS_MAX_REGISTERS, K._ROW_TILES = defaults
-        del c
         torch.cuda.empty_cache()
 
 

@@ -112,12 +112,7 @@ _STACK_TILES = {"block_t": 4, "block_j": 128, "max_iters": 32, "num_warps": 8, "
 # 3.9 programs per SM; 142.6 against 171.8 us at batch 64 / 128K). While each program checked and converted q itself
 # it lost at 3.9 programs per SM (30.4 against 29.9 us; 1.12-1.14x in an earlier run).
 FP8_MIN_PROGRAMS_PER_SM = 0
-PAGE_TILES = True  # the FP8 paths address a tile from its page and read ahead where tiles lie within pages
-# FP8 keys in the row kernel on fp16 MMAs (`_fp8_key_scores`; a row whose query is not exact in fp16 after its
-# per-head shift takes the bf16 path), and whether that loop loads the next tile before this tile's MMA
-FP8_KEYS_F16 = True
-FP8_KEYS_AHEAD = False
-FP8_KEYS_MAX_REGISTERS = 128  # that loop's register cap: 142 uncapped (3 programs of 4 warps per SM), 128 no spills
+PAGE_TILES = True  # the FP8 path addresses a tile from its page and reads ahead where tiles lie within pages
 BF16_BITS = True  # the row kernel's bf16 path decodes MXFP4 by bit moves (`_e2m1_bf16`, Hopper) rather than via fp32
 FP8_MAX_REGISTERS = 128  # the FP8 path's register cap: 4 programs of 4 warps per SM (see the launch)
 # The top-k digit counts (`digit_counts`) of score rows wider than this many columns (a host fact: the rows' capacity,
@@ -434,87 +429,6 @@ def _mxfp4_fp8_scores(pool_ptr, p_table, p_out, chunk_lo, hi, visible, num_entri
 
 
 @triton.jit
-def _f16_query(p_q, m_h, D: tl.constexpr):
-    """q [D] per head at head pointers p_q [1, BLOCK_H], rounded to bf16 as the bf16 path rounds it, each head shifted
-    by its own power of two 2^-c so that its largest |value| lies in [256, 512) -> (q^T * 2^-c as fp16, halves
-    [D/2, BLOCK_H] of dims 0.. and D/2.. (`_q_dims`), 2^c [BLOCK_H] fp32, whether every value is exact in fp16 after
-    its shift). Exact values make fp16 MMAs form the bf16 path's products (an FP8 key's 4 significant bits times q's
-    8 fit fp32); where one is not, the caller takes the bf16 path. Zero heads shift by 2^0; heads whose largest value
-    is below 2^-118 or not finite are not exact."""
-    o_d = tl.arange(0, D // 2)
-    b_q0 = round_bf16(tl.load(p_q + o_d[:, None], mask=m_h[None, :], other=0.0).to(tl.float32))
-    b_q1 = round_bf16(tl.load(p_q + D // 2 + o_d[:, None], mask=m_h[None, :], other=0.0).to(tl.float32))
-    amax = tl.maximum(tl.max(tl.abs(b_q0), axis=0), tl.max(tl.abs(b_q1), axis=0))
-    e = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF  # amax = 1.m x 2^(e - 127)
-    m_ok = (amax == 0.0) | ((e >= 9) & (e <= 254))
-    e = tl.where(m_ok & (amax != 0.0), e, 135)  # 135: a shift of 2^0
-    shift = ((262 - e) << 23).to(tl.float32, bitcast=True)[None, :]  # 2^(135 - e): amax -> [256, 512)
-    two_c = ((e - 8) << 23).to(tl.float32, bitcast=True)  # 2^(e - 135)
-    b_y0 = (b_q0 * shift).to(tl.float16)
-    b_y1 = (b_q1 * shift).to(tl.float16)
-    m_exact = m_ok[None, :] & (b_y0.to(tl.float32) * two_c[None, :] == b_q0)  # NaN fails here
-    m_exact &= b_y1.to(tl.float32) * two_c[None, :] == b_q1
-    return b_y0, b_y1, two_c, tl.min(m_exact.to(tl.int32)) > 0
-
-
-@triton.jit
-def _fp8_keys(pool_ptr, p_table, o_j, m_j, block, D: tl.constexpr, P: tl.constexpr, PAGE_BYTES: tl.constexpr,
-              DATA_BYTES: tl.constexpr, PAGE_TILES: tl.constexpr):
-    """FP8 keys of entries o_j: (e4m3 bytes of dims 0.. and D/2.. [BLOCK_J, D/2] uint8 each, scales [BLOCK_J] fp32),
-    read from page `block` (a scalar, PAGE_TILES: the tile lies within one page) or each entry's own block id. Masked
-    or unallocated entries: zero bytes and scale 0, never loaded."""
-    if PAGE_TILES:
-        o_row = o_j % P
-        m_j = _page_tile_mask(block, o_row, m_j)
-        p_page = _page_base(pool_ptr, block, PAGE_BYTES)
-    else:
-        m_j, p_page, o_row = _entry_addresses(pool_ptr, p_table, o_j, m_j, P, PAGE_BYTES)
-    p_k = (p_page + o_row * DATA_BYTES)[:, None] + tl.arange(0, D // 2)[None, :]
-    b_k0 = tl.load(p_k, mask=m_j[:, None], other=0)
-    b_k1 = tl.load(p_k + D // 2, mask=m_j[:, None], other=0)
-    b_ks = tl.load((p_page + P * DATA_BYTES).to(tl.pointer_type(tl.float32)) + o_row, mask=m_j, other=0.0)
-    return b_k0, b_k1, b_ks
-
-
-@triton.jit
-def _fp8_key_scores(pool_ptr, p_table, p_out, chunk_lo, hi, visible, num_entries, b_w, b_q0, b_q1,
-                    D: tl.constexpr, P: tl.constexpr, PAGE_BYTES: tl.constexpr, DATA_BYTES: tl.constexpr,
-                    BLOCK_J: tl.constexpr, DOT: tl.constexpr, PAGE_TILES: tl.constexpr, AHEAD: tl.constexpr):
-    """Scores of entries chunk_lo..hi-1 of one row against FP8 keys: the e4m3 keys as DOT (fp16 on the GPU: e4m3 ->
-    fp16 is one conversion per two values, where bf16 takes three per two) times q's fp16 operand (`_f16_query`), two
-    K = D/2 MMAs as on the bf16 path; ReLU and the head weights (times 2^c); then the key's scale, a power of two,
-    times the sum over heads. That is the bf16 path's value (it scales each head's product before ReLU) with one
-    multiply per key instead of one per key and head. PAGE_TILES: a tile is addressed from its page, the page's block
-    id read a tile ahead. AHEAD: the next tile's bytes and scales are loaded before this tile's MMA."""
-    o_b = tl.arange(0, BLOCK_J)
-    block = chunk_lo * 0
-    block_next = block
-    if PAGE_TILES:
-        block = tl.load(p_table + chunk_lo // P)
-        block_next = tl.load(p_table + tl.minimum(chunk_lo + BLOCK_J, hi - 1) // P)
-    if AHEAD:
-        b_k0, b_k1, b_ks = _fp8_keys(pool_ptr, p_table, chunk_lo + o_b, chunk_lo + o_b < hi, block, D, P, PAGE_BYTES,
-                                     DATA_BYTES, PAGE_TILES)
-    for j0 in range(chunk_lo, hi, BLOCK_J):
-        o_j = j0 + o_b
-        j1 = j0 + BLOCK_J
-        if AHEAD:
-            b_c0, b_c1, b_cs = b_k0, b_k1, b_ks
-            b_k0, b_k1, b_ks = _fp8_keys(pool_ptr, p_table, j1 + o_b, j1 + o_b < hi, block_next, D, P, PAGE_BYTES,
-                                         DATA_BYTES, PAGE_TILES)
-        else:
-            b_c0, b_c1, b_cs = _fp8_keys(pool_ptr, p_table, o_j, o_j < hi, block, D, P, PAGE_BYTES, DATA_BYTES,
-                                         PAGE_TILES)
-            block = block_next
-        if PAGE_TILES:
-            block_next = tl.load(p_table + tl.minimum(j1 + BLOCK_J, hi - 1) // P)
-        b_dot = tl.dot(b_c0.to(tl.float8e4nv, bitcast=True).to(DOT), b_q0)
-        b_dot = tl.dot(b_c1.to(tl.float8e4nv, bitcast=True).to(DOT), b_q1, b_dot)
-        b_s = tl.sum(_relu(b_dot) * b_w[None, :], axis=1) * b_cs
-        tl.store(p_out + o_j, tl.where(o_j < visible, b_s, float("-inf")), mask=o_j < num_entries)
-
-
-@triton.jit
 def _key_dot(pool_ptr, p_table, o_j, m_j, b_q0, b_q1,
              FORMAT: tl.constexpr, D: tl.constexpr, P: tl.constexpr, PAGE_BYTES: tl.constexpr,
              DATA_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr, BLOCK_J: tl.constexpr, DOT: tl.constexpr,
@@ -591,8 +505,7 @@ def _indexer_scores_kernel(
     DATA_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_J: tl.constexpr, FILL_J: tl.constexpr, DOT: tl.constexpr,
     FILL: tl.constexpr, MMA8: tl.constexpr, ASM: tl.constexpr, BITS: tl.constexpr, PAGE_TILES: tl.constexpr,
-    COUNT: tl.constexpr, SCRATCH: tl.constexpr, FP8_KEYS: tl.constexpr = False, KEY_DOT: tl.constexpr = tl.float16,
-    AHEAD: tl.constexpr = False,
+    COUNT: tl.constexpr, SCRATCH: tl.constexpr,
 ):
     """The row kernel: one token row, one chunk of `chunk` entries (a multiple of BLOCK_J). MMA8: MXFP4 keys on FP8
     MMAs (`_mxfp4_fp8_scores`) when every head of the row's query passed `fp8_query_operand`'s check, else the bf16
@@ -627,12 +540,6 @@ def _indexer_scores_kernel(
                 _mxfp4_fp8_scores(pool_ptr, p_table, p_out, chunk_lo, tl.minimum(chunk_hi, visible), visible,
                                   num_entries, b_w * q_scale, b_q8_0, b_q8_1, b_q8_2, b_q8_3, D, P, PAGE_BYTES,
                                   DATA_BYTES, SCALE_BYTES, BLOCK_J, BLOCK_H, ASM, PAGE_TILES)
-        if FP8_KEYS:
-            b_q16_0, b_q16_1, two_c, exact = _f16_query(p_q, m_h, D)
-            if exact:
-                _fp8_key_scores(pool_ptr, p_table, p_out, chunk_lo, tl.minimum(chunk_hi, visible), visible,
-                                num_entries, b_w * two_c, b_q16_0.to(KEY_DOT), b_q16_1.to(KEY_DOT), D, P, PAGE_BYTES,
-                                DATA_BYTES, BLOCK_J, KEY_DOT, PAGE_TILES, AHEAD)
         if not exact:
             o_d0, o_d1 = _q_dims(FORMAT, D)
             # [D/2, BLOCK_H]
@@ -958,9 +865,6 @@ def indexer_scores_paged(q: torch.Tensor, weights: torch.Tensor, plan, key_pool:
         # the FP8 build takes 163 registers uncapped (sm_90a, scripts/indexer_sass.py), 3 programs per SM; capped at
         # 128 it takes 127 with no spills and 4 programs fit
         cap = {"maxnreg": FP8_MAX_REGISTERS} if mma8 and not interpreted() else {}
-        fp8_keys = fmt == _FP8 and FP8_KEYS_F16
-        if fp8_keys and FP8_KEYS_MAX_REGISTERS and not interpreted():
-            cap = {"maxnreg": FP8_KEYS_MAX_REGISTERS}
         bits = BF16_BITS and device.type == "cuda" and hopper_or_later(device) and not interpreted()  # bf16x2: sm_90
         require(digit_counts is None or _COUNT_BLOCK.value >= 32 * num_warps,
                 f"digit_counts: a {_COUNT_BLOCK.value}-score tile over {num_warps} warps would replicate lanes, "
@@ -974,9 +878,8 @@ def indexer_scores_paged(q: torch.Tensor, weights: torch.Tensor, plan, key_pool:
                                      dim ** -0.5, chunk,
                                      **common, BLOCK_J=block_j, FILL_J=chunk if fill else block_j, MMA8=mma8,
                                      ASM=not interpreted(), BITS=bits,
-                                     PAGE_TILES=(mma8 or fp8_keys) and PAGE_TILES and per_page % block_j == 0,
-                                     COUNT=count, SCRATCH=scratch, FP8_KEYS=fp8_keys,
-                                     KEY_DOT=tl.float32 if interpreted() else tl.float16, AHEAD=FP8_KEYS_AHEAD,
+                                     PAGE_TILES=mma8 and PAGE_TILES and per_page % block_j == 0,
+                                     COUNT=count, SCRATCH=scratch,
                                      num_warps=num_warps,
                                      num_stages=_ROW_TILES["num_stages"],
                                      **cap, **launch_options(device))
