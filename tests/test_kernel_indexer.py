@@ -607,16 +607,33 @@ def test_pre_hopper_gpus_take_the_plain_paths(monkeypatch):
 
 def test_fp8_query_wanted(monkeypatch):
     """`fp8_query_wanted` (whether a caller should make q's FP8 operand) follows the wrapper's own choice: decode
-    rows with MXFP4 keys take the FP8 path; a prefill step (the stacked kernel), FP8 keys, an empty score row or a
-    threshold above the grid do not. The wrapper reads the operand exactly then: a poisoned one (e4m3 NaN codes)
-    turns the scores NaN where it is wanted and changes nothing where it is not."""
+    rows with MXFP4 keys take the row kernel's FP8 path, a prefill step the stacked kernel's (`STACK_FP8`); FP8 keys,
+    an empty score row, a threshold above the grid or the stacked path turned off do not. The wrapper reads the
+    operand exactly then: a poisoned one (e4m3 NaN codes) turns the scores NaN where it is wanted and changes
+    nothing where it is not."""
     skip_unless_fp8_path()
     cache, layout, pool = make_cache(TINY, "mxfp4", page_tokens=PAGE, max_requests=2, max_tokens=256)
     rid = cache.admit()
     prefill = cache.plan_step([(rid, 150)])
     write_all_keys(cache, rid, layout, pool, torch.randn(40, layout.dim, generator=gen(65)).to(DEVICE), M, PAGE)
     decode = cache.plan_step([(rid, 1)])
+    assert kernel_mod.fp8_query_wanted(prefill, layout, 48)
+    monkeypatch.setattr(kernel_mod, "STACK_FP8", False)
     assert not kernel_mod.fp8_query_wanted(prefill, layout, 48)
+    q_pre, w_pre = make_query(layout, 150, TINY.index_n_heads, seed=67)
+    pre_poisoned = (torch.full(q_pre.shape, 0x7F, dtype=torch.uint8, device=DEVICE), torch.ones(q_pre.shape[:2],
+                                                                                              device=DEVICE))
+    plain = indexer_scores_paged(q_pre, w_pre, prefill, pool, layout, ratio=M, page_tokens=PAGE, fill=True)
+    assert torch.equal(indexer_scores_paged(q_pre, w_pre, prefill, pool, layout, ratio=M, page_tokens=PAGE, fill=True,
+                                            q_fp8=pre_poisoned), plain)
+    monkeypatch.setattr(kernel_mod, "STACK_FP8", True)
+    read = indexer_scores_paged(q_pre, w_pre, prefill, pool, layout, ratio=M, page_tokens=PAGE, fill=True,
+                                q_fp8=pre_poisoned)
+    seen = torch.arange(read.shape[1], device=DEVICE) < (prefill.positions[:, None] + 1) // M
+    if interpreted():
+        assert not torch.equal(read, plain)
+    else:
+        assert torch.isnan(read[seen]).all()
     assert kernel_mod.fp8_query_wanted(decode, layout, 48)
     assert not kernel_mod.fp8_query_wanted(decode, indexer_layout("fp8", layout.dim), 48)
     assert not kernel_mod.fp8_query_wanted(decode, layout, 0)
@@ -711,6 +728,54 @@ def test_fp8_path_tiles_within_pages(dim, block_j, page, monkeypatch):
     assert in_hole.sum() >= per_page and torch.equal(hole[in_hole], torch.zeros_like(hole[in_hole]))
     assert torch.equal(hole[~in_hole], got[~in_hole])
     plan.block_table[slot, 1] = kept
+
+
+@pytest.mark.parametrize("stack_fp8", [True, False], ids=["fp8", "bf16"])
+def test_stacked_kernel_fp8_segments_and_fallback(stack_fp8, monkeypatch):
+    """The stacked kernel's FP8 path (`STACK_FP8`) over three requests prefilling and decoding at odd lengths, with
+    blocks of 4 rows that hold two requests' segments: its scores equal the bf16 path's bit for bit (MXFP4 dot
+    products sum exactly in fp32 at these sizes) and the reference's within tolerance. A request whose query has a
+    head beyond the FP8 check (a block 2^-22 below its head's largest) takes the bf16 path for its segments while the
+    others stay on FP8 MMAs, all within tolerance. Under the interpreter the path is observed by counting calls of
+    the per-block MMA."""
+    skip_unless_fp8_path()
+    small_stack_tiles(monkeypatch)
+    monkeypatch.setattr(kernel_mod, "_STACK_FP8_TILES", {**SMALL_STACK, "block_t": 4})
+    cache, layout, pool = make_cache(TINY, "mxfp4", page_tokens=PAGE, max_requests=4, max_tokens=1200)
+    rids = admit(cache, 3)
+    g = gen(97)
+    for rid, n in zip(rids, (301, 97, 250)):
+        cache.plan_step([(rid, n)])
+    bank = [torch.randn(320 // M, layout.dim, generator=g) * 2.0 ** torch.randint(-8, 9, (320 // M, 1), generator=g)
+            for _ in rids]
+    calls = []
+    if interpreted():
+        block_mma = kernel_mod._mxfp4_block_mma
+        monkeypatch.setattr(kernel_mod, "_mxfp4_block_mma", lambda *a, **k: calls.append(1) or block_mma(*a, **k))
+
+    def scores(plan, q, w, fp8):
+        monkeypatch.setattr(kernel_mod, "STACK_FP8", fp8)
+        return indexer_scores_paged(q, w, plan, pool, layout, ratio=M, page_tokens=PAGE, max_entries=80,
+                                    stack_rows=True, fill=True)
+
+    plan = cache.plan_step([(rids[0], 3), (rids[1], 6), (rids[2], 2)])
+    for rid, keys in zip(rids, bank):
+        write_all_keys(cache, rid, layout, pool, keys.to(DEVICE), M, PAGE)
+    q, w = make_query(layout, plan.positions.shape[0], TINY.index_n_heads, seed=98)
+    want = reference(plan, pool, layout, q, w, 80, ratio=M, page_tokens=PAGE)
+    calls.clear()
+    got = scores(plan, q, w, stack_fp8)
+    assert not interpreted() or (len(calls) > 0) == stack_fp8
+    assert_close_scores(got, want)
+    assert torch.equal(got, scores(plan, q, w, not stack_fp8))
+    odd = q.clone()
+    rows = plan.token_request == plan.token_request[3]  # the second request's rows
+    odd[rows, 1, 32:] *= 2.0 ** -22
+    assert bool((indexer_query_fp8(odd)[1][rows] == 0).any(dim=1).all())
+    calls.clear()
+    got = scores(plan, odd, w, stack_fp8)
+    assert_close_scores(got, reference(plan, pool, layout, odd, w, 80, ratio=M, page_tokens=PAGE))
+    assert not interpreted() or (len(calls) > 0) == stack_fp8  # the other requests' segments
 
 
 def test_fp8_mma_path_and_its_fallback(monkeypatch):

@@ -428,9 +428,9 @@ class DSV4Attention(nn.Module):
                          index_weights=weights)
 
     def indexer_takes_fp8(self, plan: StepPlan, cache: CacheManager) -> bool:
-        """Whether this layer's indexer scores over `plan` take the FP8 MMA path in `attention_core` (the host's
-        choice: CSA, MXFP4 keys, decode rows; a row whose query fails the path's exactness check still takes the
-        bf16 path)."""
+        """Whether this layer's indexer scores over `plan` take an FP8 MMA path in `attention_core` (the host's
+        choice: CSA, MXFP4 keys, the row kernel's path for decode rows or the stacked kernel's for prefill; a row
+        whose query fails the path's exactness check still takes the bf16 path)."""
         from .kernels.indexer import fp8_query_wanted
         return self.spec.kind is LayerKind.CSA and fp8_query_wanted(
             plan, cache.spec.layers[self.layer_index].index, _score_columns(plan, self.spec.ratio))
@@ -491,8 +491,8 @@ class DSV4Attention(nn.Module):
             state_rows.append((layer_cache.index_state_kv, layer_cache.index_state_score, *p.index_state))
             q_index = torch.empty(p.index_q.shape, dtype=torch.float32, device=device)
             weights = torch.empty(p.index_weights.shape, dtype=torch.float32, device=device)
-            # MXFP4 decode rows: the query's FP8 MMA operand too, made once per row by the query kernel for the
-            # scores kernel (a host decision, the scores wrapper's own)
+            # MXFP4 keys: the query's FP8 MMA operand too, made once per row by the query kernel for the scores
+            # kernel (a host decision, the scores wrapper's own)
             q_fp8 = (torch.empty(p.index_q.shape, dtype=torch.uint8, device=device),
                      torch.empty(p.index_weights.shape, dtype=torch.float32, device=device)
                      ) if self.indexer_takes_fp8(plan, cache) else None

@@ -57,7 +57,10 @@ range only under the shifts rounds differently. The quantizers write keys that l
 limits.
 
 Stacked kernel (prefill: many consecutive rows of a request). Grid (block of BLOCK_T consecutive rows,
-chunk of entries). A block's rows of one request (a segment) share every decoded key tile: q of the
+chunk of entries). MXFP4 keys there take FP8 MMAs too (`STACK_FP8`, per segment whose rows' queries all pass
+`fp8_query_operand`'s check, else bf16): the row kernel's per-block MMAs and scalings, over q's operands stacked
+in N. Each (key, row, head) then costs four scaled fp32 adds on the CUDA cores where the bf16 path has none, about
+what the halved MMA time saves: 5-7% faster on the H100, bit-equal scores. A block's rows of one request (a segment) share every decoded key tile: q of the
 segment's rows is stacked in the MMA's N dimension, [BLOCK_J, D] x [D, BLOCK_T * H] (other rows' columns
 are zero), and ReLU, the head weights and the sum over heads are applied per row on a [BLOCK_J, BLOCK_T, H]
 view of the accumulator. Rows are in request order, so a block holds one request except at a chunk
@@ -106,6 +109,12 @@ _COUNT_BLOCK = tl.constexpr(1024)  # scores per tile of the digit count (`digit_
 # the fastest measured: on the H200, and the row kernel's single stage on the H100; docs/performance.md).
 _ROW_TILES = {"block_j": 64, "max_iters": 16, "num_warps": 4, "num_stages": 1}
 _STACK_TILES = {"block_t": 4, "block_j": 128, "max_iters": 32, "num_warps": 8, "num_stages": 3}
+# The stacked kernel's FP8 MMA path (`STACK_FP8`) and its tiles: each scale block's MMA result and the running sum
+# are both [BLOCK_J, BLOCK_T * BLOCK_H] fp32, so 2 rows of 64 heads over 4 warps (255 registers, no spills on the
+# sm_90a proxy). H100, 8192 rows after 56K tokens (docs/performance.md): 5.59-5.69 ms against the bf16 path's
+# 5.96-6.08, scores bit-equal; 4 rows over 8 warps (spills) 6.06-6.27, 2 rows of 128-key tiles over 8 warps 8.4
+STACK_FP8 = True
+_STACK_FP8_TILES = {"block_t": 2, "block_j": 64, "max_iters": 64, "num_warps": 4, "num_stages": 2}
 # MXFP4 keys on FP8 MMAs in the row kernel (`_mxfp4_fp8_scores`) from this many programs per SM up (the
 # interpreter counts as one SM; tests raise it to force the bf16 path). 0 since the query's FP8 operand is made once
 # per row: the FP8 path is the faster at every grid timed (H100, 2026-11-25: 26.5 against 29.9 us at batch 1 / 1M,
@@ -564,6 +573,18 @@ def _indexer_scores_kernel(
                  mask=(o_f >= fill_lo) & (o_f < chunk_hi), cache_modifier=".cs")
 
 
+@triton.jit
+def _store_stacked(b_dot, b_w, o_j, visible, p_out, seg, num_entries, BLOCK_J: tl.constexpr, BLOCK_T: tl.constexpr,
+                   BLOCK_H: tl.constexpr):
+    """The stacked kernel's epilogue: ReLU of the dots [BLOCK_J, BLOCK_T * BLOCK_H], the head weights b_w
+    [BLOCK_T, BLOCK_H] (D^-0.5 folded in), the sum over heads, -inf past each row's visible count; stored for the
+    segment's rows."""
+    b_dot = tl.reshape(_relu(b_dot), (BLOCK_J, BLOCK_T, BLOCK_H))
+    b_s = tl.sum(b_dot * b_w[None, :, :], axis=2)  # [BLOCK_J, BLOCK_T]
+    b_s = tl.where(o_j[:, None] < visible[None, :], b_s, float("-inf"))
+    tl.store(p_out[None, :] + o_j[:, None], b_s, mask=seg[None, :] & (o_j < num_entries)[:, None])
+
+
 @triton.jit(do_not_specialize=["num_rows"])  # a step's token count: one compilation for all
 def _indexer_scores_stacked_kernel(
     q_ptr,  # fp32 or bf16 [R, H, D]
@@ -572,13 +593,16 @@ def _indexer_scores_stacked_kernel(
     block_table_ptr,  # int32 [max_requests, table_stride]
     pool_ptr,  # uint8 [pages, PAGE_BYTES]
     out_ptr,  # fp32 [R, num_entries]
+    q8_ptr, q8_scale_ptr,  # MMA8: uint8 [R, H, D], fp32 [R, H] (`fp8_query_operand`); unread otherwise
     num_rows, num_heads, num_entries, table_stride, score_scale, chunk,
     FORMAT: tl.constexpr, RATIO: tl.constexpr, D: tl.constexpr, P: tl.constexpr, PAGE_BYTES: tl.constexpr,
     DATA_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr, BLOCK_T: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_J: tl.constexpr, FILL_J: tl.constexpr, DOT: tl.constexpr,
-    FILL: tl.constexpr,
+    FILL: tl.constexpr, MMA8: tl.constexpr = False, ASM: tl.constexpr = False,
 ):
-    """The stacked kernel: BLOCK_T consecutive token rows, one chunk of `chunk` entries (a multiple of BLOCK_J)."""
+    """The stacked kernel: BLOCK_T consecutive token rows, one chunk of `chunk` entries (a multiple of BLOCK_J).
+    MMA8: a segment whose rows' queries all passed `fp8_query_operand`'s check runs MXFP4 keys on FP8 MMAs
+    (`_mxfp4_block_mma`, q's operand stacked in N as on the bf16 path); any other segment takes the bf16 path."""
     wait_for_prior_grids()
     i_b, i_c = tl.program_id(0), tl.program_id(1)
     o_t = i_b * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -612,28 +636,48 @@ def _indexer_scores_stacked_kernel(
         seg_slot = tl.max(tl.where(seg, slot, -1), axis=0)
         seg_hi = tl.minimum(tl.max(tl.where(seg, visible, 0), axis=0), chunk_hi)
 
-        # q^T of the segment's rows stacked in N: column t * BLOCK_H + h; other rows and padded heads are zero
-        m_q = seg[None, :, None] & m_h[None, None, :]
-        o_d0, o_d1 = _q_dims(FORMAT, D)
-        # [D/2, BLOCK_T, BLOCK_H]
-        b_q0 = round_bf16(tl.load(p_q + o_d0[:, None, None], mask=m_q, other=0.0).to(tl.float32))
-        b_q0 = tl.reshape(b_q0, (D // 2, BLOCK_T * BLOCK_H)).to(DOT)
-        b_q1 = round_bf16(tl.load(p_q + o_d1[:, None, None], mask=m_q, other=0.0).to(tl.float32))
-        b_q1 = tl.reshape(b_q1, (D // 2, BLOCK_T * BLOCK_H)).to(DOT)
         m_w = seg[:, None] & m_h[None, :]
         p_table = block_table_ptr + seg_slot.to(tl.int64) * table_stride
-
-        for j0 in range(chunk_lo, seg_hi, BLOCK_J):
-            o_j = j0 + tl.arange(0, BLOCK_J)
-            b_dot = _key_dot(pool_ptr, p_table, o_j, o_j < seg_hi, b_q0, b_q1, FORMAT, D, P, PAGE_BYTES,
-                             DATA_BYTES, SCALE_BYTES, BLOCK_J, DOT)  # [BLOCK_J, BLOCK_T * BLOCK_H]
-            b_dot = tl.reshape(_relu(b_dot), (BLOCK_J, BLOCK_T, BLOCK_H))
-            # the head weights are (re)loaded per tile (L1 hits): held across the loop they would take 64 registers
-            # per thread at N = 256, as many as half the accumulator; D^-0.5 folded in
-            b_w = tl.load(p_w, mask=m_w, other=0.0) * score_scale  # [BLOCK_T, BLOCK_H]
-            b_s = tl.sum(b_dot * b_w[None, :, :], axis=2)  # [BLOCK_J, BLOCK_T]
-            b_s = tl.where(o_j[:, None] < visible[None, :], b_s, float("-inf"))
-            tl.store(p_out[None, :] + o_j[:, None], b_s, mask=seg[None, :] & (o_j < num_entries)[:, None])
+        exact = False
+        if MMA8:
+            # q's FP8 operand (`fp8_query_operand`, made per row before the launch); 2^c per (row, head) goes into
+            # the head weights. A row whose scale is 0 failed the check: the segment takes the bf16 path
+            p_q8s = q8_scale_ptr + o_t.to(tl.int64)[:, None] * num_heads + o_h[None, :]  # [BLOCK_T, BLOCK_H]
+            exact = tl.min(tl.min(tl.load(p_q8s, mask=m_w, other=1.0), axis=1), axis=0) > 0
+            if exact:
+                o_n = tl.reshape(o_t.to(tl.int64)[:, None] * (num_heads * D) + o_h[None, :] * D,
+                                 (1, BLOCK_T * BLOCK_H))
+                b_q8_0, b_q8_1, b_q8_2, b_q8_3 = _q8_blocks(q8_ptr + o_n, tl.reshape(m_w, (BLOCK_T * BLOCK_H,)), D)
+                for j0 in range(chunk_lo, seg_hi, BLOCK_J):
+                    o_j = j0 + tl.arange(0, BLOCK_J)
+                    k0, k1, k2, k3, s0, s1, s2, s3 = _mxfp4_tile(pool_ptr, p_table, o_j, o_j < seg_hi, D, P,
+                                                                 PAGE_BYTES, DATA_BYTES, SCALE_BYTES)
+                    acc = _mxfp4_block_mma(k0, s0, b_q8_0,
+                                           tl.zeros((BLOCK_J, BLOCK_T * BLOCK_H), dtype=tl.float32), BLOCK_J, ASM)
+                    if D >= 64:
+                        acc = _mxfp4_block_mma(k1, s1, b_q8_1, acc, BLOCK_J, ASM)
+                    if D >= 128:
+                        acc = _mxfp4_block_mma(k2, s2, b_q8_2, acc, BLOCK_J, ASM)
+                        acc = _mxfp4_block_mma(k3, s3, b_q8_3, acc, BLOCK_J, ASM)
+                    b_w = tl.load(p_w, mask=m_w, other=0.0) * score_scale * tl.load(p_q8s, mask=m_w, other=0.0)
+                    _store_stacked(acc, b_w, o_j, visible, p_out, seg, num_entries, BLOCK_J, BLOCK_T, BLOCK_H)
+        if not exact:
+            # q^T of the segment's rows stacked in N: column t * BLOCK_H + h; other rows and padded heads are zero
+            m_q = seg[None, :, None] & m_h[None, None, :]
+            o_d0, o_d1 = _q_dims(FORMAT, D)
+            # [D/2, BLOCK_T, BLOCK_H]
+            b_q0 = round_bf16(tl.load(p_q + o_d0[:, None, None], mask=m_q, other=0.0).to(tl.float32))
+            b_q0 = tl.reshape(b_q0, (D // 2, BLOCK_T * BLOCK_H)).to(DOT)
+            b_q1 = round_bf16(tl.load(p_q + o_d1[:, None, None], mask=m_q, other=0.0).to(tl.float32))
+            b_q1 = tl.reshape(b_q1, (D // 2, BLOCK_T * BLOCK_H)).to(DOT)
+            for j0 in range(chunk_lo, seg_hi, BLOCK_J):
+                o_j = j0 + tl.arange(0, BLOCK_J)
+                b_dot = _key_dot(pool_ptr, p_table, o_j, o_j < seg_hi, b_q0, b_q1, FORMAT, D, P, PAGE_BYTES,
+                                 DATA_BYTES, SCALE_BYTES, BLOCK_J, DOT)  # [BLOCK_J, BLOCK_T * BLOCK_H]
+                # the head weights are (re)loaded per tile (L1 hits): held across the loop they would take 64
+                # registers per thread at N = 256, as many as half the accumulator; D^-0.5 folded in
+                b_w = tl.load(p_w, mask=m_w, other=0.0) * score_scale  # [BLOCK_T, BLOCK_H]
+                _store_stacked(b_dot, b_w, o_j, visible, p_out, seg, num_entries, BLOCK_J, BLOCK_T, BLOCK_H)
 
     if FILL:
         # -inf for the rest of each row's chunk (16-B vector stores when J is a multiple of 4: the masks change
@@ -676,7 +720,14 @@ def _config(rows: int, entries: int, device: torch.device) -> tuple[int, int, in
     return t["block_j"], _iters(rows, triton.cdiv(entries, t["block_j"]), device, t["max_iters"]), t["num_warps"]
 
 
-def _stack_config(rows: int, entries: int, block_h: int, device: torch.device) -> tuple[int, int, int, int, int]:
+def _stack_takes_fp8(fmt: int, dim: int, device: torch.device) -> bool:
+    """The stacked kernel's host choice of the FP8 MMA path (`STACK_FP8`): MXFP4 keys, D <= 128, a Hopper or later
+    GPU or the interpreter."""
+    return STACK_FP8 and fmt == _MXFP4 and dim <= 128 and (device.type != "cuda" or hopper_or_later(device))
+
+
+def _stack_config(rows: int, entries: int, block_h: int, device: torch.device,
+                  fp8: bool = False) -> tuple[int, int, int, int, int]:
     """Stacked kernel tiles: (BLOCK_T, BLOCK_J, ITERS, num_warps, num_stages); BLOCK_T * block_h <= 256.
 
     BLOCK_T = 4 rows of 64 heads make N = 256, the widest wgmma, so the decode (~6 CUDA-core ops per key value)
@@ -684,7 +735,7 @@ def _stack_config(rows: int, entries: int, block_h: int, device: torch.device) -
     the H200 (8192 rows after 56K tokens, MXFP4): 128-key tiles over 8 warps 6.18 ms (333 TFLOP/s), 64-key
     tiles over 4 warps 6.45 ms, 2 rows 7.16 ms, 64 keys over 8 warps at 2 stages 12.8 ms. Up to 32 tiles per
     program (4096 entries) amortise the 128 KB fp32 q of 4 rows; fewer when the grid would not fill the GPU."""
-    t = _STACK_TILES
+    t = _STACK_FP8_TILES if fp8 else _STACK_TILES
     block_t, block_j = min(t["block_t"], max(1, 256 // block_h)), t["block_j"]
     iters = _iters(triton.cdiv(rows, block_t), triton.cdiv(entries, block_j), device, t["max_iters"])
     return block_t, block_j, iters, t["num_warps"], t["num_stages"]
@@ -717,11 +768,12 @@ def counts_digits(plan: StepPlan) -> bool:
 
 def fp8_query_wanted(plan: StepPlan, layout: EntryLayout, entries: int) -> bool:
     """Whether `indexer_scores_paged` over `plan` with `entries` score columns (the automatic kernel choice) runs
-    the row kernel's FP8 MMA path, which reads q's FP8 operand (`q_fp8=`). Host facts only, as the wrapper's own
-    choice, so a caller makes the operand only where it is read (not for prefill steps, which take the stacked
-    kernel)."""
-    if not isinstance(layout, IndexerMXFP4Layout) or _stacked(plan) or entries <= 0:
+    an FP8 MMA path (the row kernel's, or the stacked kernel's for prefill steps), which reads q's FP8 operand
+    (`q_fp8=`). Host facts only, as the wrapper's own choice, so a caller makes the operand only where it is read."""
+    if not isinstance(layout, IndexerMXFP4Layout) or entries <= 0:
         return False
+    if _stacked(plan):
+        return _stack_takes_fp8(_MXFP4, layout.dim, plan.positions.device)
     return _row_takes_fp8(_MXFP4, layout.dim, padded_rows(plan), entries, plan.positions.device)
 
 
@@ -782,8 +834,8 @@ def indexer_scores_paged(q: torch.Tensor, weights: torch.Tensor, plan, key_pool:
             (allocated here).
 
     MXFP4 keys run on FP8 MMAs in the row kernel when its grid has at least FP8_MIN_PROGRAMS_PER_SM programs per SM
-    and every head of the row's q is MXFP4-valued (`fp8_query_operand`); the scores are those of the bf16 path up to
-    summation order.
+    and every head of the row's q is MXFP4-valued (`fp8_query_operand`), and in the stacked kernel (`STACK_FP8`) for
+    each segment whose rows all are; the scores are those of the bf16 path up to summation order.
 
     Returns `out`: scores for j < visible(t); -inf elsewhere with fill=True, else unspecified there.
     """
@@ -847,13 +899,18 @@ def indexer_scores_paged(q: torch.Tensor, weights: torch.Tensor, plan, key_pool:
               "DOT": tl.float32 if interpreted() else tl.bfloat16, "FILL": fill}
     args = (q, weights, plan.positions, plan.token_request, plan.request_slots, plan.block_table, key_pool, out)
     if stacked:
-        block_t, block_j, iters, num_warps, num_stages = _stack_config(rows, entries, block_h, device)
+        mma8 = _stack_takes_fp8(fmt, dim, device)
+        block_t, block_j, iters, num_warps, num_stages = _stack_config(rows, entries, block_h, device, mma8)
         chunk = block_j * iters  # a runtime int (a multiple of 16 for Triton): no compilation per chunk size
         grid = (triton.cdiv(rows, block_t), triton.cdiv(entries, chunk))
+        if mma8 and q_fp8 is None:
+            q_fp8 = indexer_query_fp8(q)
+        q8, q8_scale = q_fp8 if mma8 else (q, q)  # unread without MMA8
         _indexer_scores_stacked_kernel[grid](
-            *args, rows, heads, entries, plan.block_table.stride(0), dim ** -0.5, chunk, **common, BLOCK_T=block_t,
-            BLOCK_J=block_j, FILL_J=min(chunk, max(block_j, _FILL_ELEMS // block_t)) if fill else block_j,
-            num_warps=num_warps, num_stages=num_stages, **launch_options(device))
+            *args, q8, q8_scale, rows, heads, entries, plan.block_table.stride(0), dim ** -0.5, chunk, **common,
+            BLOCK_T=block_t, BLOCK_J=block_j,
+            FILL_J=min(chunk, max(block_j, _FILL_ELEMS // block_t)) if fill else block_j, MMA8=mma8,
+            ASM=not interpreted(), num_warps=num_warps, num_stages=num_stages, **launch_options(device))
     else:
         block_j, iters, num_warps = _config(rows, entries, device)
         chunk = block_j * iters
