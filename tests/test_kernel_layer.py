@@ -232,16 +232,20 @@ def test_side_stream_is_off_without_cuda():
     streams.join()
 
 
-def test_indexer_takes_fp8_is_the_scores_choice():
+def test_indexer_takes_fp8_is_the_scores_choice(monkeypatch):
     """`indexer_takes_fp8` (what the bench reports, and when the layer makes the query's FP8 operand): CSA layers
-    with MXFP4 keys on decode steps; not prefill steps (the stacked kernel), FP8 keys, or layers without an
-    indexer."""
+    with MXFP4 keys on decode steps (the row kernel) and prefill steps (the stacked kernel, unless `STACK_FP8` is
+    off); not FP8 keys, or layers without an indexer."""
+    from dsv4kv.kernels import indexer as indexer_module
     window, csa = DSV4Attention(TINY, 0), DSV4Attention(TINY, 1)
     for indexer_format, want in (("mxfp4", True), ("fp8", False)):
         cache = make_cache("fp8", indexer_format)
         rid = cache.admit()
         prefill = cache.plan_step([(rid, 40)])
+        assert csa.indexer_takes_fp8(prefill, cache) == want and not window.indexer_takes_fp8(prefill, cache)
+        monkeypatch.setattr(indexer_module, "STACK_FP8", False)
         assert not csa.indexer_takes_fp8(prefill, cache)
+        monkeypatch.setattr(indexer_module, "STACK_FP8", True)
         decode = cache.plan_step([(rid, 1)])
         assert csa.indexer_takes_fp8(decode, cache) == want and not window.indexer_takes_fp8(decode, cache)
 

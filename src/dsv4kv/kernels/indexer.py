@@ -60,7 +60,7 @@ Stacked kernel (prefill: many consecutive rows of a request). Grid (block of BLO
 chunk of entries). MXFP4 keys there take FP8 MMAs too (`STACK_FP8`, per segment whose rows' queries all pass
 `fp8_query_operand`'s check, else bf16): the row kernel's per-block MMAs and scalings, over q's operands stacked
 in N. Each (key, row, head) then costs four scaled fp32 adds on the CUDA cores where the bf16 path has none, about
-what the halved MMA time saves: 5-7% faster on the H100, bit-equal scores. A block's rows of one request (a segment) share every decoded key tile: q of the
+what the halved MMA time saves: about 6% faster on the H100, bit-equal scores. A block's rows of one request (a segment) share every decoded key tile: q of the
 segment's rows is stacked in the MMA's N dimension, [BLOCK_J, D] x [D, BLOCK_T * H] (other rows' columns
 are zero), and ReLU, the head weights and the sum over heads are applied per row on a [BLOCK_J, BLOCK_T, H]
 view of the accumulator. Rows are in request order, so a block holds one request except at a chunk
