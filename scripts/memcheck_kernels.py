@@ -10,12 +10,15 @@ from dsv4kv.layer import DSV4Attention, init_random_weights
 geometry = ModelGeometry.preset("flash")
 layers = [init_random_weights(DSV4Attention(geometry, i, device="cuda", backend="triton"), i) for i in (0, 2, 3)]
 gen = torch.Generator(device="cuda").manual_seed(0)
-# MXFP4 twice: the indexer's row kernel on its FP8 MMA path (the default), then forced onto its bf16 path
+# MXFP4 twice: the indexer's row and stacked kernels on their FP8 MMA paths (the defaults), then both forced onto
+# their bf16 paths
 default_fp8_from = indexer_kernels.FP8_MIN_PROGRAMS_PER_SM
 for kv_format, indexer_format, fp8_from in (("fp8", "mxfp4", 0), ("fp8", "mxfp4", 1 << 30),
                                             ("fp8", "fp8", default_fp8_from), ("bf16", "bf16", default_fp8_from)):
     indexer_kernels.FP8_MIN_PROGRAMS_PER_SM = fp8_from
-    path = f" (FP8 MMA from {fp8_from} programs per SM)" if indexer_format == "mxfp4" else ""
+    indexer_kernels.STACK_FP8 = fp8_from == 0
+    path = (f" (FP8 MMA from {fp8_from} programs per SM, stacked FP8 {indexer_kernels.STACK_FP8})"
+            if indexer_format == "mxfp4" else "")
     cache = CacheManager(geometry, max_requests=3, max_tokens=3 * 2560, kv_format=kv_format,
                          indexer_format=indexer_format, page_tokens=256, poison=True, device="cuda",
                          max_seq_len=2560)
@@ -43,6 +46,7 @@ for kv_format, indexer_format, fp8_from in (("fp8", "mxfp4", 0), ("fp8", "mxfp4"
 from dsv4kv.bench.synthetic import fill_layer  # noqa: E402
 
 indexer_kernels.FP8_MIN_PROGRAMS_PER_SM = default_fp8_from
+indexer_kernels.STACK_FP8 = True
 cache = CacheManager(geometry, max_requests=2, max_tokens=2 * 20480, page_tokens=256, device="cuda", max_seq_len=20480)
 rid = cache.admit()
 cache.plan_step([(rid, 20000)])

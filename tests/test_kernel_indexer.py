@@ -147,6 +147,16 @@ def assert_paths_agree(got, other, reference_and_size):
     return by_terms
 
 
+def count_calls(monkeypatch, name):
+    """Under Triton's interpreter, a list that grows by one at each call of the jitted helper kernel_mod.<name> (a
+    path's observable trace there); on a GPU the helper is compiled in and the list stays empty."""
+    calls = []
+    if interpreted():
+        helper = getattr(kernel_mod, name)
+        monkeypatch.setattr(kernel_mod, name, lambda *a, **k: calls.append(1) or helper(*a, **k))
+    return calls
+
+
 def small_stack_tiles(monkeypatch):
     monkeypatch.setattr(kernel_mod, "_STACK_TILES", SMALL_STACK)
     monkeypatch.setattr(kernel_mod, "_FILL_ELEMS", 64)
@@ -593,8 +603,9 @@ def test_fp8_query_check():
 
 
 def test_pre_hopper_gpus_take_the_plain_paths(monkeypatch):
-    """On a GPU older than sm_90 (faked through the device properties' cache) the row kernel never takes the FP8 path
-    and kernels launch without PDL; on sm_90 both are on. Host decisions only: nothing runs on the fake device."""
+    """On a GPU older than sm_90 (faked through the device properties' cache) neither the row kernel nor the stacked
+    kernel takes its FP8 path and kernels launch without PDL; on sm_90 all are on. Host decisions only: nothing runs
+    on the fake device."""
     from dsv4kv.kernels import common, launch
 
     cuda = torch.device("cuda", 0)
@@ -602,6 +613,7 @@ def test_pre_hopper_gpus_take_the_plain_paths(monkeypatch):
         monkeypatch.setattr(common, "_properties", lambda index, major=major: (132, major))
         assert common.hopper_or_later(cuda) is hopper and common.sm_count(cuda) == 132
         assert kernel_mod._row_takes_fp8(kernel_mod._MXFP4, 128, 1, 65536, cuda) is hopper
+        assert kernel_mod._stack_takes_fp8(kernel_mod._MXFP4, 128, cuda) is hopper
         assert bool(launch.launch_options(cuda)) is (hopper and launch.DEPENDENT_LAUNCH)
 
 
@@ -730,14 +742,14 @@ def test_fp8_path_tiles_within_pages(dim, block_j, page, monkeypatch):
     plan.block_table[slot, 1] = kept
 
 
-@pytest.mark.parametrize("stack_fp8", [True, False], ids=["fp8", "bf16"])
-def test_stacked_kernel_fp8_segments_and_fallback(stack_fp8, monkeypatch):
-    """The stacked kernel's FP8 path (`STACK_FP8`) over three requests prefilling and decoding at odd lengths, with
-    blocks of 4 rows that hold two requests' segments: its scores equal the bf16 path's bit for bit (MXFP4 dot
-    products sum exactly in fp32 at these sizes) and the reference's within tolerance. A request whose query has a
-    head beyond the FP8 check (a block 2^-22 below its head's largest) takes the bf16 path for its segments while the
-    others stay on FP8 MMAs, all within tolerance. Under the interpreter the path is observed by counting calls of
-    the per-block MMA."""
+def test_stacked_kernel_fp8_segments_and_fallback(monkeypatch):
+    """The stacked kernel's FP8 path (`STACK_FP8`) over three requests prefilling and decoding at odd lengths, blocks
+    of 4 rows holding two requests' segments, each (row, head) of q at its own power of two (so each has its own
+    shift 2^c): the scores equal the bf16 path's bit for bit (MXFP4 dot products sum exactly in fp32 at these sizes)
+    and the reference's within tolerance. A request whose query has a head beyond the FP8 check (a block 2^-22 below
+    its head's largest) takes the bf16 path for its segments while the others stay on FP8 MMAs. Which path ran is
+    observed on every device: given an operand of e4m3 NaN codes, the FP8 segments score NaN (the interpreter decodes
+    those bytes as +-480: wrong, not NaN) and the bf16 ones the reference's scores."""
     skip_unless_fp8_path()
     small_stack_tiles(monkeypatch)
     monkeypatch.setattr(kernel_mod, "_STACK_FP8_TILES", {**SMALL_STACK, "block_t": 4})
@@ -748,34 +760,38 @@ def test_stacked_kernel_fp8_segments_and_fallback(stack_fp8, monkeypatch):
         cache.plan_step([(rid, n)])
     bank = [torch.randn(320 // M, layout.dim, generator=g) * 2.0 ** torch.randint(-8, 9, (320 // M, 1), generator=g)
             for _ in rids]
-    calls = []
-    if interpreted():
-        block_mma = kernel_mod._mxfp4_block_mma
-        monkeypatch.setattr(kernel_mod, "_mxfp4_block_mma", lambda *a, **k: calls.append(1) or block_mma(*a, **k))
+    calls = count_calls(monkeypatch, "_mxfp4_block_mma")
 
-    def scores(plan, q, w, fp8):
+    def scores(plan, q, w, fp8, q_fp8=None):
         monkeypatch.setattr(kernel_mod, "STACK_FP8", fp8)
         return indexer_scores_paged(q, w, plan, pool, layout, ratio=M, page_tokens=PAGE, max_entries=80,
-                                    stack_rows=True, fill=True)
+                                    stack_rows=True, fill=True, q_fp8=q_fp8)
 
     plan = cache.plan_step([(rids[0], 3), (rids[1], 6), (rids[2], 2)])
     for rid, keys in zip(rids, bank):
         write_all_keys(cache, rid, layout, pool, keys.to(DEVICE), M, PAGE)
     q, w = make_query(layout, plan.positions.shape[0], TINY.index_n_heads, seed=98)
-    want = reference(plan, pool, layout, q, w, 80, ratio=M, page_tokens=PAGE)
-    calls.clear()
-    got = scores(plan, q, w, stack_fp8)
-    assert not interpreted() or (len(calls) > 0) == stack_fp8
-    assert_close_scores(got, want)
-    assert torch.equal(got, scores(plan, q, w, not stack_fp8))
+    q = q * 2.0 ** torch.randint(-20, 21, q.shape[:2], generator=gen(99)).to(DEVICE)[:, :, None]
+    got = scores(plan, q, w, True)
+    assert not interpreted() or len(calls) > 0
+    assert_close_scores(got, reference(plan, pool, layout, q, w, 80, ratio=M, page_tokens=PAGE))
+    assert torch.equal(got, scores(plan, q, w, False))
+
     odd = q.clone()
-    rows = plan.token_request == plan.token_request[3]  # the second request's rows
-    odd[rows, 1, 32:] *= 2.0 ** -22
-    assert bool((indexer_query_fp8(odd)[1][rows] == 0).any(dim=1).all())
-    calls.clear()
-    got = scores(plan, odd, w, stack_fp8)
-    assert_close_scores(got, reference(plan, pool, layout, odd, w, 80, ratio=M, page_tokens=PAGE))
-    assert not interpreted() or (len(calls) > 0) == stack_fp8  # the other requests' segments
+    failing = plan.token_request == plan.token_request[3]  # the second request's rows
+    odd[failing, 1, 32:] *= 2.0 ** -22
+    codes, scales = indexer_query_fp8(odd)
+    assert bool((scales[failing] == 0).any(dim=1).all()) and bool((scales[~failing] > 0).all())
+    want = reference(plan, pool, layout, odd, w, 80, ratio=M, page_tokens=PAGE)
+    got = scores(plan, odd, w, True)
+    assert_close_scores(got, want)
+    poisoned = scores(plan, odd, w, True, (torch.full_like(codes, 0x7F), scales))
+    assert torch.equal(poisoned[failing], got[failing])  # bf16 segments: the operand is never read
+    seen = torch.isfinite(want[0]) & ~failing[:, None]
+    if interpreted():
+        assert not torch.equal(poisoned[seen], got[seen])
+    else:
+        assert bool(torch.isnan(poisoned[seen]).all())
 
 
 def test_fp8_mma_path_and_its_fallback(monkeypatch):
@@ -786,10 +802,7 @@ def test_fp8_mma_path_and_its_fallback(monkeypatch):
     rid = cache.admit()
     plan = cache.plan_step([(rid, 150)])
     write_all_keys(cache, rid, layout, pool, torch.randn(40, layout.dim, generator=gen(61)).to(DEVICE), M, PAGE)
-    calls = []
-    if interpreted():
-        block_mma = kernel_mod._mxfp4_block_mma
-        monkeypatch.setattr(kernel_mod, "_mxfp4_block_mma", lambda *a, **k: calls.append(1) or block_mma(*a, **k))
+    calls = count_calls(monkeypatch, "_mxfp4_block_mma")
     monkeypatch.setattr(kernel_mod, "FP8_MIN_PROGRAMS_PER_SM", 0)  # every grid on the FP8 path where q allows
     q, w = make_query(layout, 150, TINY.index_n_heads, seed=62)
     for tiny_head, path_calls in ((False, lambda n: n > 0), (True, lambda n: n == 0)):

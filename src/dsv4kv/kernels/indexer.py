@@ -35,7 +35,8 @@ loads q[t] ([H, D] = [64, 128] for V4, as bf16 q^T) and the head weights once, t
 [BLOCK_J, D] keys in registers and runs a [BLOCK_J, D] x [D, H] MMA (the keys are the A operand so the
 decoded registers feed it directly). Decode (R small, J up to 2^18) gets its parallelism from the chunks.
 
-MXFP4 keys on FP8 MMAs (row kernel, D <= 128; `FP8_MIN_PROGRAMS_PER_SM` can keep small grids on the bf16 path).
+MXFP4 keys on FP8 MMAs (row kernel and, below, stacked kernel; D <= 128; `FP8_MIN_PROGRAMS_PER_SM` can keep small
+row-kernel grids on the bf16 path).
 A packed byte becomes two e4m3 bytes by moving bits (`_e2m1_e4m3`: e2m1 * 2^-6 exactly, five ALU ops per eight
 values instead of ~6 per value). The query's operand is made once per row, not per program (`fp8_query_operand`:
 by the layer's query kernel, or by `indexer_query_fp8` here): each head of q is shifted by its own power of two 2^-c
@@ -57,10 +58,7 @@ range only under the shifts rounds differently. The quantizers write keys that l
 limits.
 
 Stacked kernel (prefill: many consecutive rows of a request). Grid (block of BLOCK_T consecutive rows,
-chunk of entries). MXFP4 keys there take FP8 MMAs too (`STACK_FP8`, per segment whose rows' queries all pass
-`fp8_query_operand`'s check, else bf16): the row kernel's per-block MMAs and scalings, over q's operands stacked
-in N. Each (key, row, head) then costs four scaled fp32 adds on the CUDA cores where the bf16 path has none, about
-what the halved MMA time saves: about 6% faster on the H100, bit-equal scores. A block's rows of one request (a segment) share every decoded key tile: q of the
+chunk of entries). A block's rows of one request (a segment) share every decoded key tile: q of the
 segment's rows is stacked in the MMA's N dimension, [BLOCK_J, D] x [D, BLOCK_T * H] (other rows' columns
 are zero), and ReLU, the head weights and the sum over heads are applied per row on a [BLOCK_J, BLOCK_T, H]
 view of the accumulator. Rows are in request order, so a block holds one request except at a chunk
@@ -68,7 +66,11 @@ boundary; a block holding k requests runs k segments in a device-side loop (no h
 works), each over the entries its rows see. Per key value the decode (~6 CUDA-core ops) is shared by
 BLOCK_T * H MMA columns instead of H, and q is loaded once per segment for up to BLOCK_T x BLOCK_J * iters
 (row, entry) pairs. The products and their fp32 accumulation are those of the row kernel (equal results
-up to summation order: bit-identical in most scores under the interpreter).
+up to summation order: bit-identical in most scores under the interpreter). MXFP4 keys take FP8 MMAs there too
+(`STACK_FP8`, per segment whose rows' queries all pass `fp8_query_operand`'s check, else bf16): the row kernel's
+per-block MMAs and scalings (`_mxfp4_fp8_dot`) over q's operands stacked in N, 2 rows of 64 heads. Each (key, row,
+head) then costs four scaled fp32 adds on the CUDA cores where the bf16 path has none, about what the halved MMA
+time saves: about 6% faster on the H100, bit-equal scores.
 
 Top-k's first digit (`digit_counts`, decode). After its tiles a row-kernel program reads back the scores it stored
 (after a CTA barrier, 1024 a tile so no lane is replicated) and counts their top-k digit 1 by warp into the row's
@@ -110,9 +112,10 @@ _COUNT_BLOCK = tl.constexpr(1024)  # scores per tile of the digit count (`digit_
 _ROW_TILES = {"block_j": 64, "max_iters": 16, "num_warps": 4, "num_stages": 1}
 _STACK_TILES = {"block_t": 4, "block_j": 128, "max_iters": 32, "num_warps": 8, "num_stages": 3}
 # The stacked kernel's FP8 MMA path (`STACK_FP8`) and its tiles: each scale block's MMA result and the running sum
-# are both [BLOCK_J, BLOCK_T * BLOCK_H] fp32, so 2 rows of 64 heads over 4 warps (255 registers, no spills on the
-# sm_90a proxy). H100, 8192 rows after 56K tokens (docs/performance.md): 5.59-5.69 ms against the bf16 path's
-# 5.96-6.08, scores bit-equal; 4 rows over 8 warps (spills) 6.06-6.27, 2 rows of 128-key tiles over 8 warps 8.4
+# are both [BLOCK_J, BLOCK_T * BLOCK_H] fp32, so 2 rows of 64 heads over 4 warps (255 registers; 36 B of spills at 2
+# stages on the sm_90a proxy, none at 1). H100, 8192 rows after 56K tokens (docs/performance.md): 5.59-5.69 ms against
+# the bf16 path's 5.96-6.08 (1 stage: 5.71-5.79), scores bit-equal; 4 rows over 8 warps 6.06-6.27, 2 rows of 128-key
+# tiles over 8 warps 8.4
 STACK_FP8 = True
 _STACK_FP8_TILES = {"block_t": 2, "block_j": 64, "max_iters": 64, "num_warps": 4, "num_stages": 2}
 # MXFP4 keys on FP8 MMAs in the row kernel (`_mxfp4_fp8_scores`) from this many programs per SM up (the
@@ -397,6 +400,20 @@ def _mxfp4_block_mma(b_byte, code, b_q8, acc, BLOCK_J: tl.constexpr, ASM: tl.con
 
 
 @triton.jit
+def _mxfp4_fp8_dot(k0, k1, k2, k3, s0, s1, s2, s3, b_q0, b_q1, b_q2, b_q3, N: tl.constexpr, D: tl.constexpr,
+                   BLOCK_J: tl.constexpr, ASM: tl.constexpr):
+    """A tile's MXFP4 keys (`_mxfp4_tile`'s bytes and codes per scale block) times q's FP8 operand [32, N] per block
+    -> fp32 [BLOCK_J, N]: the sum over scale blocks, in block order, of exact per-block MMAs (`_mxfp4_block_mma`)."""
+    acc = _mxfp4_block_mma(k0, s0, b_q0, tl.zeros((BLOCK_J, N), dtype=tl.float32), BLOCK_J, ASM)
+    if D >= 64:
+        acc = _mxfp4_block_mma(k1, s1, b_q1, acc, BLOCK_J, ASM)
+    if D >= 128:
+        acc = _mxfp4_block_mma(k2, s2, b_q2, acc, BLOCK_J, ASM)
+        acc = _mxfp4_block_mma(k3, s3, b_q3, acc, BLOCK_J, ASM)
+    return acc
+
+
+@triton.jit
 def _mxfp4_fp8_scores(pool_ptr, p_table, p_out, chunk_lo, hi, visible, num_entries, b_w, b_q0, b_q1, b_q2, b_q3,
                       D: tl.constexpr, P: tl.constexpr, PAGE_BYTES: tl.constexpr, DATA_BYTES: tl.constexpr,
                       SCALE_BYTES: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_H: tl.constexpr, ASM: tl.constexpr,
@@ -427,12 +444,7 @@ def _mxfp4_fp8_scores(pool_ptr, p_table, p_out, chunk_lo, hi, visible, num_entri
         else:
             k0, k1, k2, k3, s0, s1, s2, s3 = _mxfp4_tile(pool_ptr, p_table, o_j, o_j < hi, D, P, PAGE_BYTES,
                                                          DATA_BYTES, SCALE_BYTES)
-        acc = _mxfp4_block_mma(k0, s0, b_q0, tl.zeros((BLOCK_J, BLOCK_H), dtype=tl.float32), BLOCK_J, ASM)
-        if D >= 64:
-            acc = _mxfp4_block_mma(k1, s1, b_q1, acc, BLOCK_J, ASM)
-        if D >= 128:
-            acc = _mxfp4_block_mma(k2, s2, b_q2, acc, BLOCK_J, ASM)
-            acc = _mxfp4_block_mma(k3, s3, b_q3, acc, BLOCK_J, ASM)
+        acc = _mxfp4_fp8_dot(k0, k1, k2, k3, s0, s1, s2, s3, b_q0, b_q1, b_q2, b_q3, BLOCK_H, D, BLOCK_J, ASM)
         b_s = tl.sum(_relu(acc) * b_w[None, :], axis=1)
         tl.store(p_out + o_j, tl.where(o_j < visible, b_s, float("-inf")), mask=o_j < num_entries)
 
@@ -652,13 +664,8 @@ def _indexer_scores_stacked_kernel(
                     o_j = j0 + tl.arange(0, BLOCK_J)
                     k0, k1, k2, k3, s0, s1, s2, s3 = _mxfp4_tile(pool_ptr, p_table, o_j, o_j < seg_hi, D, P,
                                                                  PAGE_BYTES, DATA_BYTES, SCALE_BYTES)
-                    acc = _mxfp4_block_mma(k0, s0, b_q8_0,
-                                           tl.zeros((BLOCK_J, BLOCK_T * BLOCK_H), dtype=tl.float32), BLOCK_J, ASM)
-                    if D >= 64:
-                        acc = _mxfp4_block_mma(k1, s1, b_q8_1, acc, BLOCK_J, ASM)
-                    if D >= 128:
-                        acc = _mxfp4_block_mma(k2, s2, b_q8_2, acc, BLOCK_J, ASM)
-                        acc = _mxfp4_block_mma(k3, s3, b_q8_3, acc, BLOCK_J, ASM)
+                    acc = _mxfp4_fp8_dot(k0, k1, k2, k3, s0, s1, s2, s3, b_q8_0, b_q8_1, b_q8_2, b_q8_3,
+                                         BLOCK_T * BLOCK_H, D, BLOCK_J, ASM)
                     b_w = tl.load(p_w, mask=m_w, other=0.0) * score_scale * tl.load(p_q8s, mask=m_w, other=0.0)
                     _store_stacked(acc, b_w, o_j, visible, p_out, seg, num_entries, BLOCK_J, BLOCK_T, BLOCK_H)
         if not exact:
@@ -696,11 +703,8 @@ def _row_takes_fp8(fmt: int, dim: int, rows: int, entries: int, device: torch.de
     wrapper's launch and `fp8_query_wanted` both ask here."""
     block_j, iters, _ = _config(rows, entries, device)
     programs = rows * triton.cdiv(entries, block_j * iters)
-    if fmt != _MXFP4 or dim > 128:
-        return False
-    if device.type != "cuda":
-        return programs >= FP8_MIN_PROGRAMS_PER_SM
-    return hopper_or_later(device) and programs >= FP8_MIN_PROGRAMS_PER_SM * sm_count(device)
+    sms = sm_count(device) if device.type == "cuda" else 1
+    return _fp8_mma_keys(fmt, dim, device) and programs >= FP8_MIN_PROGRAMS_PER_SM * sms
 
 
 def _iters(programs_per_chunk: int, tiles: int, device: torch.device, max_iters: int) -> int:
@@ -720,15 +724,21 @@ def _config(rows: int, entries: int, device: torch.device) -> tuple[int, int, in
     return t["block_j"], _iters(rows, triton.cdiv(entries, t["block_j"]), device, t["max_iters"]), t["num_warps"]
 
 
+def _fp8_mma_keys(fmt: int, dim: int, device: torch.device) -> bool:
+    """Keys the FP8 MMA paths serve: MXFP4 with D <= 128, on a Hopper or later GPU (the tested target) or under the
+    interpreter."""
+    return fmt == _MXFP4 and dim <= 128 and (device.type != "cuda" or hopper_or_later(device))
+
+
 def _stack_takes_fp8(fmt: int, dim: int, device: torch.device) -> bool:
-    """The stacked kernel's host choice of the FP8 MMA path (`STACK_FP8`): MXFP4 keys, D <= 128, a Hopper or later
-    GPU or the interpreter."""
-    return STACK_FP8 and fmt == _MXFP4 and dim <= 128 and (device.type != "cuda" or hopper_or_later(device))
+    """The stacked kernel's host choice of the FP8 MMA path (`STACK_FP8`)."""
+    return STACK_FP8 and _fp8_mma_keys(fmt, dim, device)
 
 
 def _stack_config(rows: int, entries: int, block_h: int, device: torch.device,
                   fp8: bool = False) -> tuple[int, int, int, int, int]:
-    """Stacked kernel tiles: (BLOCK_T, BLOCK_J, ITERS, num_warps, num_stages); BLOCK_T * block_h <= 256.
+    """Stacked kernel tiles: (BLOCK_T, BLOCK_J, ITERS, num_warps, num_stages); BLOCK_T * block_h <= 256. The bf16
+    path's below; the FP8 path's (fp8: `_STACK_FP8_TILES`) at their definition.
 
     BLOCK_T = 4 rows of 64 heads make N = 256, the widest wgmma, so the decode (~6 CUDA-core ops per key value)
     is shared by 256 MMA columns; what is left per (row, entry, head) is the epilogue's max + FMA. Measured on
@@ -775,6 +785,15 @@ def fp8_query_wanted(plan: StepPlan, layout: EntryLayout, entries: int) -> bool:
     if _stacked(plan):
         return _stack_takes_fp8(_MXFP4, layout.dim, plan.positions.device)
     return _row_takes_fp8(_MXFP4, layout.dim, padded_rows(plan), entries, plan.positions.device)
+
+
+def _q8_args(q: torch.Tensor, q_fp8: tuple[torch.Tensor, torch.Tensor] | None, mma8: bool
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (codes, scales) an FP8 path reads: the caller's, else made here (one more launch); without the path, q twice
+    as unread stand-ins."""
+    if not mma8:
+        return q, q
+    return q_fp8 if q_fp8 is not None else indexer_query_fp8(q)
 
 
 def indexer_query_fp8(q: torch.Tensor, *, out: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -903,9 +922,7 @@ def indexer_scores_paged(q: torch.Tensor, weights: torch.Tensor, plan, key_pool:
         block_t, block_j, iters, num_warps, num_stages = _stack_config(rows, entries, block_h, device, mma8)
         chunk = block_j * iters  # a runtime int (a multiple of 16 for Triton): no compilation per chunk size
         grid = (triton.cdiv(rows, block_t), triton.cdiv(entries, chunk))
-        if mma8 and q_fp8 is None:
-            q_fp8 = indexer_query_fp8(q)
-        q8, q8_scale = q_fp8 if mma8 else (q, q)  # unread without MMA8
+        q8, q8_scale = _q8_args(q, q_fp8, mma8)
         _indexer_scores_stacked_kernel[grid](
             *args, q8, q8_scale, rows, heads, entries, plan.block_table.stride(0), dim ** -0.5, chunk, **common,
             BLOCK_T=block_t, BLOCK_J=block_j,
@@ -916,9 +933,7 @@ def indexer_scores_paged(q: torch.Tensor, weights: torch.Tensor, plan, key_pool:
         chunk = block_j * iters
         grid = (rows, triton.cdiv(entries, chunk))
         mma8 = _row_takes_fp8(fmt, dim, rows, entries, device)
-        if mma8 and q_fp8 is None:
-            q_fp8 = indexer_query_fp8(q)
-        q8, q8_scale = q_fp8 if mma8 else (q, q)  # unread without MMA8
+        q8, q8_scale = _q8_args(q, q_fp8, mma8)
         # the FP8 build takes 163 registers uncapped (sm_90a, scripts/indexer_sass.py), 3 programs per SM; capped at
         # 128 it takes 127 with no spills and 4 programs fit
         cap = {"maxnreg": FP8_MAX_REGISTERS} if mma8 and not interpreted() else {}
