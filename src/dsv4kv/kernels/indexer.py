@@ -934,8 +934,8 @@ def indexer_scores_paged(q: torch.Tensor, weights: torch.Tensor, plan, key_pool:
         grid = (rows, triton.cdiv(entries, chunk))
         mma8 = _row_takes_fp8(fmt, dim, rows, entries, device)
         q8, q8_scale = _q8_args(q, q_fp8, mma8)
-        # the FP8 build takes 163 registers uncapped (sm_90a, scripts/indexer_sass.py), 3 programs per SM; capped at
-        # 128 it takes 127 with no spills and 4 programs fit
+        # the FP8 build takes 167 registers uncapped (sm_90a, scripts/indexer_sass.py), 3 programs per SM; capped at
+        # 128 it has no spills and 4 programs fit
         cap = {"maxnreg": FP8_MAX_REGISTERS} if mma8 and not interpreted() else {}
         bits = BF16_BITS and device.type == "cuda" and hopper_or_later(device) and not interpreted()  # bf16x2: sm_90
         require(digit_counts is None or _COUNT_BLOCK.value >= 32 * num_warps,
