@@ -147,6 +147,13 @@ def assert_paths_agree(got, other, reference_and_size):
     return by_terms
 
 
+def nan_operand(q, scales=None):
+    """An FP8 query operand (`q_fp8=`) of e4m3 NaN codes for q [R, H, D], with `scales` [R, H] (default 1): where a
+    kernel reads it, its scores turn NaN on a GPU (the interpreter decodes the bytes as +-480: wrong, not NaN)."""
+    return (torch.full(q.shape, 0x7F, dtype=torch.uint8, device=q.device),
+            torch.ones(q.shape[:2], device=q.device) if scales is None else scales)
+
+
 def count_calls(monkeypatch, name):
     """Under Triton's interpreter, a list that grows by one at each call of the jitted helper kernel_mod.<name> (a
     path's observable trace there); on a GPU the helper is compiled in and the list stays empty."""
@@ -633,8 +640,7 @@ def test_fp8_query_wanted(monkeypatch):
     monkeypatch.setattr(kernel_mod, "STACK_FP8", False)
     assert not kernel_mod.fp8_query_wanted(prefill, layout, 48)
     q_pre, w_pre = make_query(layout, 150, TINY.index_n_heads, seed=67)
-    pre_poisoned = (torch.full(q_pre.shape, 0x7F, dtype=torch.uint8, device=DEVICE), torch.ones(q_pre.shape[:2],
-                                                                                              device=DEVICE))
+    pre_poisoned = nan_operand(q_pre)
     plain = indexer_scores_paged(q_pre, w_pre, prefill, pool, layout, ratio=M, page_tokens=PAGE, fill=True)
     assert torch.equal(indexer_scores_paged(q_pre, w_pre, prefill, pool, layout, ratio=M, page_tokens=PAGE, fill=True,
                                             q_fp8=pre_poisoned), plain)
@@ -650,8 +656,7 @@ def test_fp8_query_wanted(monkeypatch):
     assert not kernel_mod.fp8_query_wanted(decode, indexer_layout("fp8", layout.dim), 48)
     assert not kernel_mod.fp8_query_wanted(decode, layout, 0)
     q, w = make_query(layout, 1, TINY.index_n_heads, seed=66)
-    poisoned = (torch.full(q.shape, 0x7F, dtype=torch.uint8, device=DEVICE),  # e4m3 NaN codes
-                torch.ones(q.shape[:2], device=DEVICE))
+    poisoned = nan_operand(q)
     visible = (int(decode.positions[0]) + 1) // M
     read = indexer_scores_paged(q, w, decode, pool, layout, ratio=M, page_tokens=PAGE, fill=True, q_fp8=poisoned)
     if interpreted():  # the interpreter decodes an e4m3 NaN byte as +-480 (kernels/indexer.py): wrong, not NaN
@@ -780,12 +785,12 @@ def test_stacked_kernel_fp8_segments_and_fallback(monkeypatch):
     odd = q.clone()
     failing = plan.token_request == plan.token_request[3]  # the second request's rows
     odd[failing, 1, 32:] *= 2.0 ** -22
-    codes, scales = indexer_query_fp8(odd)
+    _, scales = indexer_query_fp8(odd)
     assert bool((scales[failing] == 0).any(dim=1).all()) and bool((scales[~failing] > 0).all())
     want = reference(plan, pool, layout, odd, w, 80, ratio=M, page_tokens=PAGE)
     got = scores(plan, odd, w, True)
     assert_close_scores(got, want)
-    poisoned = scores(plan, odd, w, True, (torch.full_like(codes, 0x7F), scales))
+    poisoned = scores(plan, odd, w, True, nan_operand(odd, scales))
     assert torch.equal(poisoned[failing], got[failing])  # bf16 segments: the operand is never read
     seen = torch.isfinite(want[0]) & ~failing[:, None]
     if interpreted():
