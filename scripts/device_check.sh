@@ -5,4 +5,4 @@ nvidia-smi --query-gpu=name --format=csv,noheader | tee $OUT/gpu.txt
 python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)" | tee -a $OUT/gpu.txt
 git log -1 --format=%h | tee -a $OUT/gpu.txt
 timeout 250 python3 -m pytest tests -o addopts="" -q -rs -p no:cacheprovider 2>&1 | tail -25 | tee $OUT/pytest.log
-timeout 300 python3 -m dsv4kv.cli demo 2>&1 | tee $OUT/demo.log
+timeout 300 python3 -m dsv4kv demo 2>&1 | tee $OUT/demo.log

@@ -83,7 +83,7 @@ def _hook_name(kw) -> str:
 
 def cached_kernels() -> int:
     """Compiled variants held by dsv4kv's kernels (every device): the fallback count."""
-    from dsv4kv.kernels.specialization import jit_kernels
+    from dsv4kv.ops.shared.specialization import jit_kernels
 
     total = 0
     for kernel in jit_kernels().values():
@@ -155,7 +155,7 @@ def main(argv=None) -> int:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type != "cuda" and not os.environ.get("TRITON_INTERPRET"):
         print("no CUDA device: the tiny model on the PyTorch reference path (no Triton kernels run)", file=sys.stderr)
-    from dsv4kv.demo import build, default_workload, serve
+    from dsv4kv.tools.demo import build, default_workload, serve
     from dsv4kv.engine import SamplingParams
 
     out_dir = Path(args.out)

@@ -1,11 +1,11 @@
 """Every Triton kernel once (prefill chunk and decode step, every cache format) on V4-Flash-shaped layers, for
-`compute-sanitizer --tool memcheck` (scripts/device_kernels.sh). Prints each call so the log shows coverage."""
+`compute-sanitizer --tool memcheck` (run on the GPU: `compute-sanitizer --tool memcheck python scripts/memcheck_kernels.py`). Prints each call so the log shows coverage."""
 
 import torch
 
-import dsv4kv.kernels.indexer as indexer_kernels
+import dsv4kv.ops.indexer.kernel as indexer_kernels
 from dsv4kv import CacheManager, ModelGeometry
-from dsv4kv.layer import DSV4Attention, init_random_weights
+from dsv4kv.model.layer import DSV4Attention, init_random_weights
 
 geometry = ModelGeometry.preset("flash")
 layers = [init_random_weights(DSV4Attention(geometry, i, device="cuda", backend="triton"), i) for i in (0, 2, 3)]
@@ -43,7 +43,7 @@ for kv_format, indexer_format, fp8_from in (("fp8", "mxfp4", 0), ("fp8", "mxfp4"
                   f"finite={bool(torch.isfinite(out).all())}", flush=True)
 # a CSA decode step past the top-k row kernel's 4096 candidates (20K tokens: 5000 columns): the indexer counts the
 # split top-k's first digit (`digit_counts`) and top-k runs its other three launches; random valid cache bytes
-from dsv4kv.bench.synthetic import fill_layer  # noqa: E402
+from dsv4kv.tools.bench.synthetic import fill_layer  # noqa: E402
 
 indexer_kernels.FP8_MIN_PROGRAMS_PER_SM = default_fp8_from
 indexer_kernels.STACK_FP8 = True
@@ -64,8 +64,8 @@ for scratch_above in (indexer_kernels.DIGIT_COUNT_SCRATCH_ABOVE, 0):  # straight
 # launches and in one; many rows with phase D's select in registers, looped over its buffer (integer scores: a full
 # row buffers ~1300 keys, past SELECT = 1024), and over the row when the buffer overflows), the row kernel; NaN past
 # each row's length. Each checked against a stable sort of the length-masked scores.
-import dsv4kv.kernels.topk as topk_kernels  # noqa: E402
-from dsv4kv.ops.indexer import topk_picks  # noqa: E402
+import dsv4kv.ops.topk.kernel as topk_kernels  # noqa: E402
+from dsv4kv.ops.topk.reference import topk_picks  # noqa: E402
 
 TOPK_CASES = ((1, 262144, 512, False, None, 0), (1, 262144, 512, True, None, 0), (64, 32768, 512, False, None, 0),
               (64, 32768, 512, False, 4096, 2), (64, 32768, 512, False, 0, 2), (64, 16384, 512, False, None, 0))

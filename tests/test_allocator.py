@@ -1,6 +1,6 @@
 import pytest
 
-from dsv4kv.memory.allocator import AllocatorError, BlockAllocator
+from dsv4kv.cache.allocator import AllocatorError, BlockAllocator
 
 
 def state(alloc: BlockAllocator):

@@ -12,14 +12,14 @@ import subprocess
 import pytest
 import torch
 
-from dsv4kv.bench import Report, Result, bench_device, evaluate_targets, plot_report, run_bench
-from dsv4kv.bench.picks import InputCheck, explain_rows, pick_gaps
-from dsv4kv.bench.timing import source_commit, source_digest
-from dsv4kv.bench.workloads import check_layer, core_bytes
-from dsv4kv.cli import main
+from dsv4kv.tools.bench import Report, Result, bench_device, evaluate_targets, plot_report, run_bench
+from dsv4kv.tools.bench.picks import InputCheck, explain_rows, pick_gaps
+from dsv4kv.tools.bench.timing import source_commit, source_digest
+from dsv4kv.tools.bench.workloads import check_layer, core_bytes
+from dsv4kv.tools.cli import main
 from dsv4kv import CacheManager, ModelGeometry
-from dsv4kv.layer import DSV4Attention, init_random_weights
-from dsv4kv.ops.indexer import topk_picks
+from dsv4kv.model.layer import DSV4Attention, init_random_weights
+from dsv4kv.ops.topk.reference import topk_picks
 
 TINY = ModelGeometry.preset("tiny")  # layer 1: CSA, m = 4, top-8 of a 4 x 64 indexer
 
@@ -131,11 +131,11 @@ def test_every_step_kernel_has_a_stage():
     import importlib
     import pkgutil
 
-    import dsv4kv.kernels
-    from dsv4kv.bench.workloads import _stage
+    import dsv4kv.ops
+    from dsv4kv.tools.bench.workloads import _stage
 
-    kernels = {name for info in pkgutil.iter_modules(dsv4kv.kernels.__path__)
-               for name, value in vars(importlib.import_module(f"dsv4kv.kernels.{info.name}")).items()
+    kernels = {name for info in pkgutil.walk_packages(dsv4kv.ops.__path__, "dsv4kv.ops.")
+               for name, value in vars(importlib.import_module(info.name)).items()
                if hasattr(value, "arg_names") and name.endswith("_kernel")}  # jit functions (or interpreted)
     assert {"_pool_kernel", "_compress_kernel", "_topk_kernel", "_indexer_scores_kernel"} <= kernels
     assert {name for name in kernels if _stage(name) == "torch kernels"} == set()
@@ -214,15 +214,15 @@ def test_source_digest_names_the_code_not_its_place(tmp_path):
     shutil.copytree(package, copy, ignore=shutil.ignore_patterns("__pycache__"))
     (copy / "notes.txt").write_text("not a source")
     assert source_digest(str(copy)) == source_digest(package)
-    target = copy / "kernels" / "topk.py"
+    target = copy / "ops" / "topk" / "kernel.py"
     text = target.read_bytes()
     target.write_bytes(text.replace(b"MAX_K = 2048", b"MAX_K = 2049"))
     assert source_digest(str(copy)) != source_digest(package)
     target.write_bytes(text)
     assert source_digest(str(copy)) == source_digest(package)
-    target.rename(copy / "kernels" / "topk2.py")
+    target.rename(copy / "ops" / "topk" / "kernel2.py")
     assert source_digest(str(copy)) != source_digest(package)
-    (copy / "kernels" / "topk2.py").rename(target)
+    (copy / "ops" / "topk" / "kernel2.py").rename(target)
     (copy / "extra.py").write_text("")
     assert source_digest(str(copy)) != source_digest(package)
 
@@ -230,7 +230,7 @@ def test_source_digest_names_the_code_not_its_place(tmp_path):
 def test_l2_flush_reads_and_writes_nothing(monkeypatch):
     """time_cuda's L2 flush reads its whole buffer (into one scalar) and writes none of it: a written flush would
     leave dirty lines for the timed kernels to write back (docs/device/2026-11-27-l2-flush-h100.log)."""
-    from dsv4kv.bench import timing
+    from dsv4kv.tools.bench import timing
     monkeypatch.setattr(timing, "_FLUSH_BYTES", 8 * 1001)
     monkeypatch.setattr(timing, "_flush_buffers", {})
     device = torch.device("cpu")
@@ -361,7 +361,7 @@ def _tiny_csa_step(seed=0, indexer_format="mxfp4"):
 def test_check_layer_captures_both_paths_and_refuses_real_errors(monkeypatch):
     """check_layer on a tiny CSA layer (kernels under the interpreter on a CPU): both paths' picks are captured and
     agree; a wrong attention output or wrong picks are refused."""
-    import dsv4kv.kernels as kernels
+    import dsv4kv.ops.kernels as kernels
 
     layer, cache, x, plan = _tiny_csa_step()
     text, passed = check_layer(layer, x, plan, cache, "tiny")
@@ -390,7 +390,7 @@ def test_check_layer_gates_the_scored_query_and_its_inputs(indexer_format, monke
     """The query and head weights the scores kernel read must be the reference's on the fused kernel's own inputs,
     bit for bit, and those inputs near the reference's (`InputCheck`); for FP8 keys the two paths' quantized queries
     are reported, not gated, so these gates alone must refuse each corruption below."""
-    import dsv4kv.kernels as kernels
+    import dsv4kv.ops.kernels as kernels
 
     layer, cache, x, plan = _tiny_csa_step(seed=1, indexer_format=indexer_format)
     text, passed = check_layer(layer, x, plan, cache, "tiny")
@@ -444,7 +444,7 @@ def test_transformers_indexer_hooks_give_its_last_row():
     from transformers import DeepseekV4Config
     from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4Attention, DeepseekV4RotaryEmbedding
 
-    from dsv4kv.bench.workloads import _hook_indexer
+    from dsv4kv.tools.bench.workloads import _hook_indexer
 
     config = DeepseekV4Config(**json.loads(resources.files("dsv4kv.presets").joinpath("tiny.json").read_text()))
     config._attn_implementation = "eager"
@@ -469,7 +469,7 @@ def test_transformers_indexer_hooks_give_its_last_row():
 
 def chat_on_cpu(monkeypatch, sizes) -> Report:
     """The chat workload at `sizes` on the CPU (the tiny model in fp32, 128-token blocks)."""
-    from dsv4kv.bench import workloads
+    from dsv4kv.tools.bench import workloads
 
     monkeypatch.setattr(workloads, "CHAT_QUICK", sizes)
     threads = torch.get_num_threads()
@@ -485,7 +485,7 @@ def chat_on_cpu(monkeypatch, sizes) -> Report:
 def test_chat_workload_serves_with_caching_off_and_on(monkeypatch):
     """4 requests sharing a 256-token prompt (+ 32 tokens each): with caching on, the first computes the shared
     blocks in the first step and the other three hit them; the greedy tokens are those of caching off."""
-    from dsv4kv.bench.workloads import ChatSizes
+    from dsv4kv.tools.bench.workloads import ChatSizes
 
     report = chat_on_cpu(monkeypatch, ChatSizes(shared=256, suffix=32, requests=4, new_tokens=6))
     off, on = report.results
@@ -530,7 +530,7 @@ def excursion(out, k: int):
 def test_chat_workload_refuses_when_caching_changes_a_token(monkeypatch):
     """The caching-on run's last request gets another last token, its logprobs kept (as if the output path had
     changed it): that token is not the argmax of its own logprobs, (b)."""
-    from dsv4kv.bench.workloads import ChatSizes
+    from dsv4kv.tools.bench.workloads import ChatSizes
 
     def change(outputs):
         last = outputs[-1]
@@ -552,7 +552,7 @@ def test_chat_workload_refuses_logprobs_that_move_before_the_fork(monkeypatch):
     """The caching-on run's last request with its logprobs before the fork shifted by 1.0 (as a wrong hit would
     shift them from the first generated token on) and a consistent excursion at its last token: (b) and (c) hold,
     (a) refuses."""
-    from dsv4kv.bench.workloads import ChatSizes
+    from dsv4kv.tools.bench.workloads import ChatSizes
 
     def change(outputs):
         last, k = outputs[-1], len(outputs[-1].token_ids) - 1
@@ -579,7 +579,7 @@ def test_chat_workload_passes_a_one_step_excursion(monkeypatch):
     """In fp32 on a CPU the runs agree, so an excursion is simulated: the caching-on run's first request takes another
     token at generated token 1, on top of its own logprobs there, everything before unchanged. Not a near tie by the
     oracle, but the runs agree before it and, teacher-forced, the hit path and a cold engine agree there: it passes."""
-    from dsv4kv.bench.workloads import ChatSizes
+    from dsv4kv.tools.bench.workloads import ChatSizes
 
     def change(outputs):
         outputs[0] = excursion(outputs[0], 1)

@@ -16,10 +16,10 @@ import torch
 
 from dsv4kv.engine import Engine, SamplingParams
 from dsv4kv.engine.reference import random_model, tiny_config, with_dtype
-from dsv4kv.kernels import attention as attention_module
-from dsv4kv.kernels import query as query_module
-from dsv4kv.kernels import topk as topk_module
-from dsv4kv.kernels.specialization import record_launches
+from dsv4kv.ops.attention import kernel as attention_module
+from dsv4kv.ops.indexer import query_kernel as query_module
+from dsv4kv.ops.topk import kernel as topk_module
+from dsv4kv.ops.shared.specialization import record_launches
 
 from test_engine import one_thread  # noqa: F401  (the module's autouse fixture: torch on one thread)
 
@@ -81,7 +81,7 @@ def test_steps_of_new_shapes_compile_nothing_new(numerics):
 def test_the_recorder_sees_what_triton_specializes():
     """The key tells the classes Triton compiles apart: an int == 1, divisible by 16, or neither; a pointer 16-byte
     aligned or not; unless the kernel lists the argument under do_not_specialize."""
-    from dsv4kv.kernels.specialization import specialization_key
+    from dsv4kv.ops.shared.specialization import specialization_key
 
     kernel = topk_module._topk_kernel  # S is not specialized, k is
 

@@ -37,8 +37,20 @@ import torch
 
 from dsv4kv import CacheManager
 from dsv4kv.engine import DSV4Model, Engine, SamplingParams
-from dsv4kv.engine.reference import (Fork, ForkCheck, before_fork, flash_config, fork, judge_fork, logprob_difference,
-                                    own_argmax, random_model, reference_logits, tiny_config, with_dtype)
+from dsv4kv.engine.reference import (
+    Fork,
+    ForkCheck,
+    before_fork,
+    flash_config,
+    fork,
+    judge_fork,
+    logprob_difference,
+    own_argmax,
+    random_model,
+    reference_logits,
+    tiny_config,
+    with_dtype,
+)
 
 from test_engine import one_thread, tiny_model  # noqa: F401  (one_thread: the module's autouse fixture)
 

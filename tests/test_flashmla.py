@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from dsv4kv import CacheManager, DSV4Attention, ModelGeometry
-from dsv4kv.bench.flashmla import ATTENTION_TOL, FLASHMLA_TOL, Case, _flash_mla, row_error
-from dsv4kv.layer import init_random_weights
+from dsv4kv.tools.bench.flashmla import ATTENTION_TOL, FLASHMLA_TOL, Case, _flash_mla, row_error
+from dsv4kv.model.layer import init_random_weights
 
 flash_mla, REASON = _flash_mla() if torch.cuda.is_available() else (None, "no CUDA device")
 pytestmark = pytest.mark.skipif(flash_mla is None, reason=REASON or "")

@@ -28,15 +28,15 @@ import torch
 
 from dsv4kv import CacheManager, ModelGeometry
 from dsv4kv.geometry import LayerKind
-from dsv4kv.kernels import attention
-from dsv4kv.kernels.attention import sparse_attention_paged
-from dsv4kv.kernels.query import rope_rows
-from dsv4kv.layout import indexer_layout, main_layout
-from dsv4kv.ops.append import append_window
-from dsv4kv.ops.attention import sparse_attention
-from dsv4kv.ops.common import step_rows
-from dsv4kv.ops.gather import gather_entries, gather_window, visible_entries
-from dsv4kv.ops.rope import rope_cos_sin
+from dsv4kv.ops.attention import kernel as attention
+from dsv4kv.ops.attention.kernel import sparse_attention_paged
+from dsv4kv.ops.rope.kernel import rope_rows
+from dsv4kv.cache.layout import indexer_layout, main_layout
+from dsv4kv.ops.window.reference import append_window
+from dsv4kv.ops.attention.reference import sparse_attention
+from dsv4kv.ops.shared.rows import step_rows
+from dsv4kv.ops.attention.gather import gather_entries, gather_window, visible_entries
+from dsv4kv.ops.rope.reference import rope_cos_sin
 
 TINY = ModelGeometry.preset("tiny")  # layers: 0 window, 1 CSA m=4, 2 HCA m=16
 # the small tests run under the interpreter on the CPU, or compiled where a GPU exists

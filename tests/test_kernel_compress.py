@@ -20,22 +20,18 @@ import triton
 import triton.language as tl
 from schedules import admit, random_steps, written_bytes
 
-from dsv4kv import CacheManager, ModelGeometry, quant
-from dsv4kv.backend import interpreted
+from dsv4kv import CacheManager, ModelGeometry
+from dsv4kv.cache import quant
+from dsv4kv.ops.shared.backend import interpreted
 from dsv4kv.geometry import LayerKind
-from dsv4kv.kernels import compress, encode
-from dsv4kv.kernels.compress import append_state, compress_insert
-from dsv4kv.kernels.encode import rotate_keys, store_index_entries
-from dsv4kv.layout import (
-    IndexerFP8Layout,
-    IndexerMXFP4Layout,
-    MainFP8Layout,
-    indexer_layout,
-    main_layout,
-)
-from dsv4kv.ops.append import append_state as reference_append
-from dsv4kv.ops.compress import compress_and_insert
-from dsv4kv.ops.rope import rope_cos_sin
+from dsv4kv.ops.compress import kernel as compress
+from dsv4kv.ops.shared import encode
+from dsv4kv.ops.compress.kernel import append_state, compress_insert
+from dsv4kv.ops.shared.encode import rotate_keys, store_index_entries
+from dsv4kv.cache.layout import IndexerFP8Layout, IndexerMXFP4Layout, MainFP8Layout, indexer_layout, main_layout
+from dsv4kv.ops.compress.reference import append_state as reference_append
+from dsv4kv.ops.compress.reference import compress_and_insert
+from dsv4kv.ops.rope.reference import rope_cos_sin
 
 TINY = ModelGeometry.preset("tiny")  # layers: 0 window, 1 CSA m=4, 2 HCA m=16; head_dim 128, index_head_dim 64
 MAIN_FORMATS = ("fp8", "bf16")

@@ -16,8 +16,8 @@ import torch
 
 from dsv4kv import ModelGeometry
 from dsv4kv.geometry import LayerKind
-from dsv4kv.kernels.gemv import MAX_ROWS, gemv_rows
-from dsv4kv.layer import DSV4Attention, init_random_weights
+from dsv4kv.ops.projection.gemv import MAX_ROWS, gemv_rows
+from dsv4kv.model.layer import DSV4Attention, init_random_weights
 
 FLASH = ModelGeometry.preset("flash")
 DEVICE = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
@@ -102,8 +102,8 @@ def test_gemv_rows_edges_and_refusals():
 
 def test_kernel_layer_takes_the_gemv_for_few_rows(monkeypatch):
     """A step of one row projects through gemv_rows and more rows through torch: counted by a wrapper."""
-    from dsv4kv import layer as layer_module
-    from dsv4kv import kernels
+    from dsv4kv.model import layer as layer_module
+    from dsv4kv.ops import kernels
     calls = []
     real = kernels.gemv_rows
     monkeypatch.setattr(kernels, "gemv_rows", lambda *a, **kw: calls.append(a[0].shape[0]) or real(*a, **kw))

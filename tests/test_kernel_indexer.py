@@ -18,14 +18,15 @@ import triton
 import triton.language as tl
 from schedules import admit, random_steps
 
-from dsv4kv import CacheManager, ModelGeometry, quant
-from dsv4kv.kernels import indexer as kernel_mod
-from dsv4kv.kernels.common import hopper_or_later, interpreted
-from dsv4kv.kernels.encode import e4m3_grid_code
-from dsv4kv.kernels.indexer import indexer_query_fp8, indexer_scores_paged
-from dsv4kv.layout import indexer_layout, main_layout
-from dsv4kv.ops.common import entry_slots, step_rows
-from dsv4kv.ops.indexer import indexer_query, indexer_scores
+from dsv4kv import CacheManager, ModelGeometry
+from dsv4kv.cache import quant
+from dsv4kv.ops.indexer import kernel as kernel_mod
+from dsv4kv.ops.shared.common import hopper_or_later, interpreted
+from dsv4kv.ops.shared.encode import e4m3_grid_code
+from dsv4kv.ops.indexer.kernel import indexer_query_fp8, indexer_scores_paged
+from dsv4kv.cache.layout import indexer_layout, main_layout
+from dsv4kv.ops.shared.rows import entry_slots, step_rows
+from dsv4kv.ops.indexer.reference import indexer_query, indexer_scores
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -303,7 +304,7 @@ def test_unfilled_columns_are_never_picked(stack_rows, monkeypatch):
     """Without the -inf fill (the layer's default), columns past a row's visible count keep whatever the buffer
     held (+inf here, which would win any top-k that read it); top-k over the visible counts picks exactly what it
     picks from the filled scores, and never a column at or past visible(t)."""
-    from dsv4kv.kernels.topk import topk_indices
+    from dsv4kv.ops.topk.kernel import topk_indices
 
     monkeypatch.setattr(kernel_mod, "_config", lambda rows, entries, device: (16, 2, 4))
     small_stack_tiles(monkeypatch)
@@ -338,7 +339,7 @@ def test_row_kernel_counts_topk_first_digit(indexer_format, fp8_from, scratch, m
     its row's histogram in the top-k workspace, two calls adding up; top-k with `first_digit_counted` then picks what
     it picks counting itself. Rows span several programs (32-entry chunks); padding rows count nothing; the columns
     past visible hold +inf (never written, never counted). The stacked kernel refuses the argument."""
-    from dsv4kv.kernels import topk as topk_mod
+    from dsv4kv.ops.topk import kernel as topk_mod
     from test_kernel_topk import first_digit_histograms
 
     monkeypatch.setattr(kernel_mod, "_config", lambda rows, entries, device: (16, 2, 4))
@@ -613,14 +614,14 @@ def test_pre_hopper_gpus_take_the_plain_paths(monkeypatch):
     """On a GPU older than sm_90 (faked through the device properties' cache) neither the row kernel nor the stacked
     kernel takes its FP8 path and kernels launch without PDL; on sm_90 all are on. Host decisions only: nothing runs
     on the fake device."""
-    from dsv4kv.kernels import common, launch
+    from dsv4kv.ops.shared import common, launch
 
     cuda = torch.device("cuda", 0)
     for major, hopper in ((8, False), (9, True), (10, True)):
         monkeypatch.setattr(common, "_properties", lambda index, major=major: (132, major))
         assert common.hopper_or_later(cuda) is hopper and common.sm_count(cuda) == 132
-        assert kernel_mod._row_takes_fp8(kernel_mod._MXFP4, 128, 1, 65536, cuda) is hopper
-        assert kernel_mod._stack_takes_fp8(kernel_mod._MXFP4, 128, cuda) is hopper
+        assert kernel_mod._row_takes_fp8(kernel_mod.KEYS_MXFP4, 128, 1, 65536, cuda) is hopper
+        assert kernel_mod._stack_takes_fp8(kernel_mod.KEYS_MXFP4, 128, cuda) is hopper
         assert bool(launch.launch_options(cuda)) is (hopper and launch.DEPENDENT_LAUNCH)
 
 
@@ -1053,7 +1054,7 @@ def test_v4_unfilled_columns_are_never_picked(stack_rows):
     """V4-Flash, MXFP4: eight requests at lengths 1 .. ~200K in a padded plan over the full width (a graph captured
     for the longest request): without the fill, columns past visible keep the +inf poison, and the top-512 over the
     visible counts equals the top-512 of the filled scores, never past visible(t)."""
-    from dsv4kv.kernels.topk import topk_indices
+    from dsv4kv.ops.topk.kernel import topk_indices
 
     history = [0, 2, 3, 128, 4097, 30001, 65535, 199998]
     cache, layout, pool, plan, _, _, heads = v4_case("flash", "mxfp4", history, [(i, 1) for i in range(8)],

@@ -12,8 +12,8 @@ import torch
 from schedules import random_steps
 
 from dsv4kv import CacheManager, ModelGeometry
-from dsv4kv.graph import DecodeGraph
-from dsv4kv.layer import DSV4Attention, init_random_weights
+from dsv4kv.model.graph import DecodeGraph
+from dsv4kv.model.layer import DSV4Attention, init_random_weights
 
 TINY = ModelGeometry.preset("tiny")  # layers: 0 window, 1 CSA m=4, 2 HCA m=16, 3 CSA; window 16
 PAGE = 128
@@ -75,7 +75,7 @@ def test_decode_steps_append_the_window_beside_attention(monkeypatch, index):
     (16 tokens), decode steps still match the reference layer, and a step where a request brings 3 rows (whose
     appends would overwrite entries its own earlier rows read) keeps the append after attention. Rings bit for bit.
     On a GPU the early append is queued on the side stream, attention on the main one."""
-    from dsv4kv import kernels
+    from dsv4kv.ops import kernels
     calls, streams = [], []
     for name in ("append_window", "sparse_attention_paged"):
         original = getattr(kernels, name)
@@ -111,8 +111,8 @@ def test_indexer_pair_first_kernel_always_launches(monkeypatch):
     waits last, `wait_late`, on it), so it must launch on every step: an exact-size decode plan whose step completes no
     entry has no entry slot, and the compress then launches one program that returns (under the interpreter, where the
     PDL calls are plain functions, seen here: it waits, then lets the query in). Outputs match the reference."""
-    from dsv4kv import kernels
-    from dsv4kv.kernels import compress as compress_module
+    from dsv4kv.ops import kernels
+    from dsv4kv.ops.compress import kernel as compress_module
     calls, events = [], []
     for name in ("compress_insert", "indexer_query_and_weights"):
         original = getattr(kernels, name)
@@ -174,9 +174,9 @@ def test_step_overlap_changes_no_byte(monkeypatch, switch):
     after their writer)."""
     import dataclasses
 
-    from dsv4kv import streams
-    from dsv4kv.kernels import launch
-    from dsv4kv.kernels.common import hopper_or_later
+    from dsv4kv.model import streams
+    from dsv4kv.ops.shared import launch
+    from dsv4kv.ops.shared.common import hopper_or_later
     module, flag = (streams, "CONCURRENT") if switch == "side stream" else (launch, "DEPENDENT_LAUNCH")
     assert streams.StepStreams(torch.device("cuda")).enabled
     if switch == "dependent launch" and not hopper_or_later(torch.device("cuda")):
@@ -205,7 +205,7 @@ def test_q_rope_dims_only_changes_no_byte(monkeypatch):
     """`layer.Q_ROPE_DIMS_ONLY`: every layer kind with the q RoPE writing the rope dims only (attention reading the
     others from the unroped q) and with a whole roped copy of q, over a prefill chunk next to a decode row, then a
     decode step, on twin caches: outputs equal bit for bit."""
-    from dsv4kv import layer as layer_module
+    from dsv4kv.model import layer as layer_module
     from dsv4kv.geometry import LayerKind
     layers = [init_random_weights(DSV4Attention(TINY, i, device=DEVICE, backend="triton"), i) for i in range(3)]
     caches = [make_cache("fp8", "mxfp4") for _ in range(2)]
@@ -222,7 +222,7 @@ def test_q_rope_dims_only_changes_no_byte(monkeypatch):
 
 def test_side_stream_is_off_without_cuda():
     """On the CPU (the interpreter) the streams are no-ops: the kernels run in the order written."""
-    from dsv4kv.streams import StepStreams
+    from dsv4kv.model.streams import StepStreams
     streams = StepStreams(torch.device("cpu"))
     assert not streams.enabled and streams.side_mark() is None and streams.main_mark() is None
     streams.fork()
@@ -236,7 +236,7 @@ def test_indexer_takes_fp8_is_the_scores_choice(monkeypatch):
     """`indexer_takes_fp8` (what the bench reports, and when the layer makes the query's FP8 operand): CSA layers
     with MXFP4 keys on decode steps (the row kernel) and prefill steps (the stacked kernel, unless `STACK_FP8` is
     off); not FP8 keys, or layers without an indexer."""
-    from dsv4kv.kernels import indexer as indexer_module
+    from dsv4kv.ops.indexer import kernel as indexer_module
     window, csa = DSV4Attention(TINY, 0), DSV4Attention(TINY, 1)
     for indexer_format, want in (("mxfp4", True), ("fp8", False)):
         cache = make_cache("fp8", indexer_format)
@@ -254,7 +254,7 @@ def test_indexer_counts_topk_digit_is_the_steps_choice(monkeypatch):
     """`indexer_counts_topk_digit` (what the bench reports): CSA decode steps whose top-k takes the split kernel; not
     prefill steps (the stacked scores kernel), rows the top-k row kernel takes, the one-launch top-k, or layers
     without an indexer. The layer's step then launches top-k three times, else four (or once: the row kernel)."""
-    from dsv4kv.kernels import topk as topk_module
+    from dsv4kv.ops.topk import kernel as topk_module
     window, csa = DSV4Attention(TINY, 0), DSV4Attention(TINY, 1)
     cache = make_cache("fp8", "mxfp4")
     rid = cache.admit()
@@ -276,7 +276,7 @@ def chain(layers, x, plan, cache):
 
 @contextlib.contextmanager
 def dependent_launch(on: bool):
-    from dsv4kv.kernels import launch
+    from dsv4kv.ops.shared import launch
     before, launch.DEPENDENT_LAUNCH = launch.DEPENDENT_LAUNCH, on
     try:
         yield

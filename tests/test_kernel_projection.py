@@ -19,10 +19,10 @@ import torch
 
 from dsv4kv import ModelGeometry
 from dsv4kv.geometry import LayerKind
-from dsv4kv.kernels.projection import compressor_rows, rms_norm_rows
-from dsv4kv.layer import DSV4Attention, init_random_weights
-from dsv4kv.ops.append import compressor_logits
-from dsv4kv.ops.norm import rms_norm, unit_rms_norm
+from dsv4kv.ops.projection.kernel import compressor_rows, rms_norm_rows
+from dsv4kv.model.layer import DSV4Attention, init_random_weights
+from dsv4kv.ops.compress.reference import compressor_logits
+from dsv4kv.ops.projection.reference import rms_norm, unit_rms_norm
 
 FLASH = ModelGeometry.preset("flash")
 DEVICE = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")

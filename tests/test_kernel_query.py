@@ -14,19 +14,18 @@ On the CPU the kernels run under Triton's interpreter; the GPU tests use V4-Flas
 import pytest
 import torch
 
-from dsv4kv import ModelGeometry, quant
-from dsv4kv.backend import interpreted
+from dsv4kv import ModelGeometry
+from dsv4kv.cache import quant
+from dsv4kv.ops.shared.backend import interpreted
 from dsv4kv.geometry import LayerKind, RopeSpec
-from dsv4kv.kernels import query
-from dsv4kv.kernels.indexer import indexer_query_fp8
-from dsv4kv.kernels.query import (
-    indexer_query_and_weights,
-    indexer_query_rows,
-    rope_rows,
-)
-from dsv4kv.layout import indexer_layout, main_layout
-from dsv4kv.ops.indexer import indexer_query
-from dsv4kv.ops.rope import apply_rope, rope_cos_sin
+from dsv4kv.ops.indexer import query_kernel as query
+from dsv4kv.ops.rope import kernel as rope_kernel
+from dsv4kv.ops.indexer.kernel import indexer_query_fp8
+from dsv4kv.ops.indexer.query_kernel import indexer_query_and_weights, indexer_query_rows
+from dsv4kv.ops.rope.kernel import rope_rows
+from dsv4kv.cache.layout import indexer_layout, main_layout
+from dsv4kv.ops.indexer.reference import indexer_query
+from dsv4kv.ops.rope.reference import apply_rope, rope_cos_sin
 
 FLASH = ModelGeometry.preset("flash")
 CSA = next(s for s in FLASH.layers if s.kind is LayerKind.CSA)
@@ -248,8 +247,9 @@ def test_launch_next_comes_after_the_wait(monkeypatch):
     under the interpreter, where both are plain functions, every program of the indexer query and of the q RoPE
     calls the wait, then the launch. With `wait_late` every program of the indexer query waits once."""
     events = []
-    monkeypatch.setattr(query, "wait_for_prior_grids", lambda: events.append("wait"))
-    monkeypatch.setattr(query, "let_next_grid_launch", lambda: events.append("launch"))
+    for module in (query, rope_kernel):
+        monkeypatch.setattr(module, "wait_for_prior_grids", lambda: events.append("wait"))
+        monkeypatch.setattr(module, "let_next_grid_launch", lambda: events.append("launch"))
     q, _, cos, sin = indexer_case(3, 7, 128, CSA.rope, seed=11)
     w = torch.randn(3, 7, generator=gen(12)).to(DEVICE)
     programs = []
@@ -376,7 +376,7 @@ def test_indexer_query_tiles_spread_small_launches():
     assert query._tiles("indexer", 64, 8192)[0] == block_h == 16
     assert query._tiles("indexer", 64, 32)[0] == 4 and query._tiles("indexer", 64, 65)[0] == 8
     assert query._tiles("indexer", 64, 64)[0] == 8  # 64 x 64 head rows: 256 programs of 16 heads, 512 of 8 (>= 264)
-    assert query._tiles("rope", 64)[0] == query.TILES["rope"][0]  # the RoPE kernels do not spread
+    assert rope_kernel._tiles("rope", 64)[0] == rope_kernel.TILES["rope"][0]  # the RoPE kernels do not spread
 
 
 @needs_cuda

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from dsv4kv import ModelGeometry
-from dsv4kv.kernels import topk as topk_module
-from dsv4kv.kernels.topk import MAX_K, topk_indices, topk_workspace
-from dsv4kv.ops.indexer import topk_picks
+from dsv4kv.ops.topk import kernel as topk_module
+from dsv4kv.ops.topk.kernel import MAX_K, topk_indices, topk_workspace
+from dsv4kv.ops.topk.reference import topk_picks
 
 SENTINEL = -7  # prefilled into out: every element must be overwritten
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -16,14 +16,15 @@ import torch
 from schedules import admit, random_steps, written_bytes
 
 from dsv4kv import CacheManager, ModelGeometry
-from dsv4kv.backend import interpreted
+from dsv4kv.ops.shared.backend import interpreted
 from dsv4kv.geometry import RopeSpec
-from dsv4kv.kernels import encode, window
-from dsv4kv.kernels.encode import program_rows
-from dsv4kv.kernels.window import append_window, kv_insert
-from dsv4kv.layout import indexer_layout, main_layout
-from dsv4kv.ops import append as reference
-from dsv4kv.ops.rope import apply_rope, rope_cos_sin
+from dsv4kv.ops.shared import encode
+from dsv4kv.ops.window import kernel as window
+from dsv4kv.ops.shared.encode import program_rows
+from dsv4kv.ops.window.kernel import append_window, kv_insert
+from dsv4kv.cache.layout import indexer_layout, main_layout
+from dsv4kv.ops.window import reference as reference
+from dsv4kv.ops.rope.reference import apply_rope, rope_cos_sin
 
 TINY = ModelGeometry.preset("tiny")  # head_dim 128, window 16
 FLASH = ModelGeometry.preset("flash")  # head_dim 512, window 128

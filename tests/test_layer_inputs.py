@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from dsv4kv import CacheManager, ModelGeometry, OutOfBlocks
-from dsv4kv.layer import DSV4Attention, init_random_weights
+from dsv4kv.model.layer import DSV4Attention, init_random_weights
 
 TINY = json.loads(resources.files("dsv4kv.presets").joinpath("tiny.json").read_text())
 LAYERS = [0, 1, 2]
@@ -353,7 +353,7 @@ def test_compressor_fp32_weights_follow_weight_changes():
     """The compressor keeps fp32 copies of its projections between steps; replacing or editing a weight renews
     them (load_state_dict and in-place edits alike)."""
     import dsv4kv
-    from dsv4kv.layer import init_random_weights
+    from dsv4kv.model.layer import init_random_weights
 
     g = dsv4kv.ModelGeometry.from_hf_config("tiny")
     layer = init_random_weights(dsv4kv.DSV4Attention(g, 1, dtype=torch.float32), seed=0)

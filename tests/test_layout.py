@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from dsv4kv import quant
-from dsv4kv.layout import indexer_layout, main_layout
-from dsv4kv.memory.pools import POISON_BYTE
+from dsv4kv.cache import quant
+from dsv4kv.cache.layout import indexer_layout, main_layout
+from dsv4kv.cache.pools import POISON_BYTE
 
 
 def poisoned_pool(layout, pages, entries):

@@ -365,7 +365,7 @@ def test_request_larger_than_cache_raises():
 
 
 def test_foreign_or_mismatched_buffers_change_nothing():
-    from dsv4kv.plan import StepBuffers
+    from dsv4kv.cache.plan import StepBuffers
     m = make()
     rid = m.admit()
     before = snapshot(m)

@@ -9,13 +9,14 @@ import pytest
 import torch
 
 from dsv4kv import CacheManager, ModelGeometry
-from dsv4kv.ops.append import append_state, append_window, compressor_logits
-from dsv4kv.ops.attention import sparse_attention
-from dsv4kv.ops.common import entry_slots, step_rows
-from dsv4kv.ops.compress import compress_and_insert, pool_entries
-from dsv4kv.ops.gather import gather_entries, gather_window, visible_entries
-from dsv4kv.ops.indexer import indexer_query, indexer_topk
-from dsv4kv.ops.rope import apply_rope
+from dsv4kv.ops.compress.reference import append_state, compressor_logits
+from dsv4kv.ops.window.reference import append_window
+from dsv4kv.ops.attention.reference import sparse_attention
+from dsv4kv.ops.shared.rows import entry_slots, step_rows
+from dsv4kv.ops.compress.reference import compress_and_insert, pool_entries
+from dsv4kv.ops.attention.gather import gather_entries, gather_window, visible_entries
+from dsv4kv.ops.indexer.reference import indexer_query, indexer_topk
+from dsv4kv.ops.rope.reference import apply_rope
 
 TINY = ModelGeometry.preset("tiny")  # layers: 0 window, 1 CSA m=4, 2 HCA m=16, 3 CSA; window 16
 PAGE = 128  # small pages: requests span several, non-contiguous blocks

@@ -9,8 +9,9 @@ from transformers import DeepseekV4Config
 from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4RotaryEmbedding, apply_rotary_pos_emb
 
 from dsv4kv import ModelGeometry
-from dsv4kv.ops import apply_rope, inv_freq
-from dsv4kv.ops.rope import rotate_pairs
+from dsv4kv.ops.compress.reference import apply_rope
+from dsv4kv.ops.rope.reference import inv_freq
+from dsv4kv.ops.rope.reference import rotate_pairs
 
 
 def hf_config(name):

@@ -40,11 +40,11 @@ from transformers.models.deepseek_v4.modeling_deepseek_v4 import (
     apply_rotary_pos_emb,
 )
 
-import dsv4kv.kernels as kernels
-import dsv4kv.layer as layer_module
+import dsv4kv.ops.kernels as kernels
+import dsv4kv.model.layer as layer_module
 from dsv4kv import CacheManager
-from dsv4kv.layer import DSV4Attention, init_random_weights
-from dsv4kv.layout import main_layout
+from dsv4kv.model.layer import DSV4Attention, init_random_weights
+from dsv4kv.cache.layout import main_layout
 
 MODES = {"exact": ("bf16", "bf16"), "official": ("fp8", "mxfp4"), "fp8-indexer": ("fp8", "fp8")}
 ROW_TOL = {"exact": 0.03, "official": 0.08, "fp8-indexer": 0.08}

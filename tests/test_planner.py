@@ -13,12 +13,12 @@ from importlib import resources
 
 import pytest
 
-from dsv4kv.cli import main
+from dsv4kv.tools.cli import main
 from dsv4kv.geometry import LayerKind, ModelGeometry
-from dsv4kv.layout import indexer_layout, main_layout
-from dsv4kv.memory.planner import MemoryPlan, parse_bytes
-from dsv4kv.memory.pools import CachePools
-from dsv4kv.memory.spec import DEFAULT_PAGE_TOKENS, CacheSpec
+from dsv4kv.cache.layout import indexer_layout, main_layout
+from dsv4kv.cache.planner import MemoryPlan, parse_bytes
+from dsv4kv.cache.pools import CachePools
+from dsv4kv.cache.spec import DEFAULT_PAGE_TOKENS, CacheSpec
 
 GiB = 2**30
 CONTEXT = 2**20

@@ -4,7 +4,7 @@ eviction takes subtrees, snapshots are handed out free-first then least recently
 import numpy as np
 import pytest
 
-from dsv4kv.memory.prefix import PrefixCache, block_hash
+from dsv4kv.cache.prefix import PrefixCache, block_hash
 
 P = 4
 
@@ -34,7 +34,7 @@ def test_match_follows_the_chain_and_stops_at_the_first_miss():
 
 
 def test_equal_hashes_are_told_apart_by_tokens_and_parent(monkeypatch):
-    import dsv4kv.memory.prefix as prefix
+    import dsv4kv.cache.prefix as prefix
     monkeypatch.setattr(prefix, "block_hash", lambda parent, tokens: 42)
     cache = PrefixCache(P, num_snapshots=0)
     a, b = blocks_of([1, 1, 1, 1], [2, 2, 2, 2])

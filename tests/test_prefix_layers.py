@@ -21,9 +21,9 @@ import pytest
 import torch
 
 from dsv4kv import CacheManager, StepPlan
-from dsv4kv.graph import DecodeGraph
-from dsv4kv.layer import DSV4Attention, init_random_weights
-from dsv4kv.ops.rope import apply_rope
+from dsv4kv.model.graph import DecodeGraph
+from dsv4kv.model.layer import DSV4Attention, init_random_weights
+from dsv4kv.ops.rope.reference import apply_rope
 
 from prefix_sim import TINY3, check_invariants
 

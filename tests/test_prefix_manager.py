@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-import dsv4kv.memory.prefix as prefix_module
+import dsv4kv.cache.prefix as prefix_module
 from dsv4kv import CacheManager, OutOfBlocks, StepPlan
-from dsv4kv.manager import RequestError
-from dsv4kv.memory.swap import NoRoom
+from dsv4kv.cache.manager import RequestError
+from dsv4kv.cache.swap import NoRoom
 
 from prefix_sim import TINY3, Content, FakeLayers, check_contents, check_invariants
 

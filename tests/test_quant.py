@@ -13,7 +13,7 @@ from fractions import Fraction
 import pytest
 import torch
 
-from dsv4kv.quant import (
+from dsv4kv.cache.quant import (
     FP4_MAX,
     FP8_MAX,
     SCALE_EPS,

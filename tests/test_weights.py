@@ -13,8 +13,8 @@ from transformers import DeepseekV4Config
 from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4Attention
 
 from dsv4kv import LayerKind, ModelGeometry
-from dsv4kv.layer import DSV4Attention, init_random_weights
-from dsv4kv.weights import FP32_PARAMETERS, OFFICIAL_NAMES, WeightError
+from dsv4kv.model.layer import DSV4Attention, init_random_weights
+from dsv4kv.model.weights import FP32_PARAMETERS, OFFICIAL_NAMES, WeightError
 
 TINY = json.loads(resources.files("dsv4kv.presets").joinpath("tiny.json").read_text())
 KINDS = {0: LayerKind.WINDOW, 1: LayerKind.CSA, 2: LayerKind.HCA}
@@ -442,7 +442,7 @@ def test_weight_error_is_a_key_error_with_a_plain_message(tiny):
 def test_public_names():
     """The layer and the ops are reachable where the README uses them."""
     import dsv4kv
-    import dsv4kv.ops
+    import dsv4kv.ops.kernels
 
     assert dsv4kv.DSV4Attention is DSV4Attention and dsv4kv.WeightError is WeightError
-    assert all(callable(getattr(dsv4kv.ops, name)) for name in dsv4kv.ops.__all__)
+    assert all(callable(getattr(dsv4kv.ops.kernels, name)) for name in dsv4kv.ops.kernels.__all__)

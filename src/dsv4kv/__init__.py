@@ -6,12 +6,12 @@ Layers of the package: geometry -> layout / quant -> memory (allocator, spec, po
 """
 
 from .geometry import GeometryError, LayerKind, LayerSpec, ModelGeometry, RopeSpec, YarnScaling
-from .layer import DSV4Attention, init_random_weights
-from .layout import EntryLayout, IndexerFormat, KVFormat, indexer_layout, main_layout
-from .manager import CacheManager, RequestError
-from .memory import AllocatorError, BlockAllocator, CacheSpec, MemoryPlan, NoRoom, PrefixStats
-from .plan import EntryWrites, OutOfBlocks, SnapshotWrites, StepBuffers, StepPlan
-from .weights import WeightError
+from .model.layer import DSV4Attention, init_random_weights
+from .cache.layout import EntryLayout, IndexerFormat, KVFormat, indexer_layout, main_layout
+from .cache.manager import CacheManager, RequestError
+from .cache import AllocatorError, BlockAllocator, CacheSpec, MemoryPlan, NoRoom, PrefixStats
+from .cache.plan import EntryWrites, OutOfBlocks, SnapshotWrites, StepBuffers, StepPlan
+from .model.weights import WeightError
 
 __all__ = [
     "ModelGeometry", "LayerSpec", "LayerKind", "RopeSpec", "YarnScaling", "GeometryError",

@@ -20,8 +20,8 @@ import torch
 from torch import nn
 
 from ..geometry import ModelGeometry
-from ..layer import DSV4Attention
-from ..weights import WeightError, check_state_keys, dequantize_block_fp8
+from ..model.layer import DSV4Attention
+from ..model.weights import WeightError, check_state_keys, dequantize_block_fp8
 from .model import DecoderBlock, DSV4Model
 
 __all__ = ["load_pretrained", "read_checkpoint", "normalize_names"]

@@ -22,9 +22,9 @@ import numpy as np
 import torch
 
 from ..checks import positive_int
-from ..layout import IndexerFormat, KVFormat
-from ..manager import CacheManager, RequestError
-from ..memory.spec import DEFAULT_PAGE_TOKENS
+from ..cache.layout import IndexerFormat, KVFormat
+from ..cache.manager import CacheManager, RequestError
+from ..cache.spec import DEFAULT_PAGE_TOKENS
 from .model import DSV4Model
 from .params import SamplingParams
 from .request import Request, RequestOutput, StepOutput

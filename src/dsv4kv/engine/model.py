@@ -15,9 +15,9 @@ import torch
 from torch import nn
 
 from ..geometry import ModelGeometry
-from ..layer import DSV4Attention
-from ..manager import CacheManager
-from ..plan import StepPlan
+from ..model.layer import DSV4Attention
+from ..cache.manager import CacheManager
+from ..cache.plan import StepPlan
 
 __all__ = ["DSV4Model", "DecoderBlock"]
 

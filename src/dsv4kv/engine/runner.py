@@ -18,8 +18,8 @@ from typing import Sequence
 
 import torch
 
-from ..manager import CacheManager
-from ..plan import OutOfBlocks
+from ..cache.manager import CacheManager
+from ..cache.plan import OutOfBlocks
 from .model import DSV4Model
 
 __all__ = ["ModelRunner", "DecodeStepGraph", "default_graph_sizes"]

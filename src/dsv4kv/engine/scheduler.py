@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 
 
 from ..checks import positive_int
-from ..manager import CacheManager
+from ..cache.manager import CacheManager
 from .request import Request, Status
 
 __all__ = ["Scheduler", "ScheduledStep", "PREEMPTION"]

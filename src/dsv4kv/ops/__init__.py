@@ -1,14 +1,15 @@
-"""Operations of the attention path, as PyTorch references (the definition later kernels must equal)."""
+"""The operations of one attention step, one folder per operation (docs/kernels.md).
 
-from .append import append_state, append_window, compressor_logits
-from .attention import sparse_attention
-from .compress import compress_and_insert, pool_entries
-from .gather import gather_entries, gather_window, visible_entries
-from .indexer import indexer_query, indexer_scores, indexer_topk, topk_picks
-from .rope import apply_rope, inv_freq, rope_cos_sin
+Each folder holds the PyTorch reference (`reference.py`, the definition) beside its Triton kernel (`kernel.py`),
+which reads and writes the cache's real page formats and equals the reference: bit for bit where it moves or
+encodes data, within the tolerance tables of its tests where it sums.
 
-__all__ = [
-    "apply_rope", "inv_freq", "rope_cos_sin", "compressor_logits", "append_window", "append_state",
-    "pool_entries", "compress_and_insert", "indexer_query", "indexer_scores", "topk_picks", "indexer_topk",
-    "gather_window", "visible_entries", "gather_entries", "sparse_attention",
-]
+    rope/        interleaved RoPE: reference tables and rotation; the step's q RoPE rows
+    projection/  the input projections' norms (`rms_norm_rows`), the compressors' row split, one-row GEMVs
+    window/      the window ring: kv insert into the step page, the ring append
+    compress/    compress-and-insert (pool, norm, RoPE, quantize, scatter) and the compressor state append
+    indexer/     the lightning indexer: its query (RoPE, Hadamard, MXFP4 / FP8) and scores over paged keys
+    topk/        exact top-k of score rows
+    attention/   sparse attention with sink over the pages (the reference gathers the keys first)
+    shared/      what the kernels share: launch options, encoders, argument checks, the reference's step rows
+"""

@@ -1,0 +1,770 @@
+"""CacheManager: the request lifecycle over the pools (admit, plan a step, release) and the counters.
+
+Blocks cover `page_tokens` original tokens of one request; every layer's paged pools are indexed by
+the same block id, so one block table per request serves all layers. A request holds
+ceil(length / page_tokens) blocks. `plan_step` allocates every block the step will fill before
+returning the plan, so nothing allocates while the step (or a captured CUDA graph) runs.
+
+With `prefix_caching=True` (docs/prefix-caching.md), full blocks and the state at their end (a snapshot
+of the window ring and the CSA compressor rows) are kept by token content: `admit(tokens)` reuses the
+longest cached prefix at a block boundary and the caller feeds only the rest. `swap_out` / `swap_in`
+preempt a request to host memory and bring it back bit for bit, with or without prefix caching.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence
+
+import numpy as np
+import torch
+
+from ..checks import positive_int
+from ..geometry import LayerKind, ModelGeometry
+from .layout import IndexerFormat, KVFormat
+from .allocator import BlockAllocator
+from .pools import POISON_BYTE, CachePools
+from .prefix import CachedBlock, PrefixCache, PrefixStats
+from .spec import DEFAULT_PAGE_TOKENS, CacheSpec
+from .swap import NoRoom, Swapped
+from .plan import EntryWrites, OutOfBlocks, SnapshotWrites, StepBuffers, StepPlan, new_cache_id
+
+__all__ = ["CacheManager", "RequestError"]
+
+
+class RequestError(ValueError):
+    """A request id that is unknown, already released, or used twice in one step."""
+
+
+class _TokenIds:
+    """A request's known token ids (int64), growing by appends."""
+
+    def __init__(self, ids: np.ndarray):
+        self._buf = ids.copy()
+        self.n = len(ids)
+
+    def append(self, ids: np.ndarray) -> None:
+        if self.n + len(ids) > len(self._buf):
+            self._buf = np.concatenate((self._buf[:self.n], np.empty(max(self.n, len(ids)), np.int64)))
+        self._buf[self.n:self.n + len(ids)] = ids
+        self.n += len(ids)
+
+    def __getitem__(self, index: slice) -> np.ndarray:
+        return self._buf[:self.n][index]
+
+
+@dataclass
+class _Request:
+    rid: int
+    slot: int
+    length: int = 0
+    num_blocks: int = 0  # its block ids are the manager's host table row [slot, :num_blocks]
+    # prefix caching
+    tokens: _TokenIds | None = None  # None: admitted without token ids, never publishes nor hits
+    cached: int = 0  # tokens served from the cache at admission
+    nodes: list[CachedBlock] = field(default_factory=list)  # its blocks 0.. as cached nodes, in order
+    publishing: bool = False  # its next full block may be published (its bytes sit on top of `nodes`)
+
+
+@dataclass
+class _Publish:
+    """A block filled by the current plan, to publish once every layer has run over it."""
+
+    rid: int
+    depth: int  # block index in the request
+    block: int
+    snapshot: int | None  # the boundary state at (depth + 1) * page_tokens, being captured by the plan
+
+
+class CacheManager:
+    """Paged DeepSeek-V4 cache for up to `max_requests` live requests holding `max_tokens` tokens in all.
+
+    Args:
+        geometry: the model (`ModelGeometry`).
+        max_requests: request slots (window rings and compressor state are per slot).
+        max_tokens: total history, in original tokens, the pools must hold across all live requests,
+            however it is split among up to `max_requests` requests.
+        kv_format: "fp8" (584-B FlashMLA MODEL1 entries, the default) or "bf16" (exact).
+        indexer_format: "mxfp4" (official, default), "fp8" (DeepGEMM 132 B) or "bf16" (exact).
+        device: where the pools and plans live.
+        page_tokens: original tokens per block (multiple of 128).
+        max_seq_len: longest request; defaults to the model's max_position_embeddings.
+        num_blocks: override the block count derived from max_tokens.
+        poison: fill pools and fresh windows with 0xFF (NaN in every format) to make stale reads loud.
+        prefix_caching: keep full blocks and their boundary state by token content (docs/prefix-caching.md).
+        prefix_snapshots: boundary snapshots kept (default max_requests; each costs `spec.boundary_bytes`).
+        swap_bytes: host memory `swap_out` may use (default: no limit).
+    """
+
+    def __init__(self, geometry: ModelGeometry, *, max_requests: int, max_tokens: int,
+                 kv_format: KVFormat | str = KVFormat.FP8, indexer_format: IndexerFormat | str = IndexerFormat.MXFP4,
+                 device: torch.device | str = "cpu", page_tokens: int = DEFAULT_PAGE_TOKENS,
+                 max_seq_len: int | None = None, num_blocks: int | None = None, poison: bool = False,
+                 prefix_caching: bool = False, prefix_snapshots: int | None = None, swap_bytes: int | None = None):
+        if not isinstance(geometry, ModelGeometry):
+            raise TypeError(f"geometry: expected a ModelGeometry, got {type(geometry).__name__}")
+        self.spec = CacheSpec(geometry, kv_format, indexer_format, page_tokens)
+        self.geometry = geometry
+        self.max_requests = positive_int("max_requests", max_requests)
+        self.max_tokens = positive_int("max_tokens", max_tokens)
+        self.max_seq_len = positive_int("max_seq_len", max_seq_len if max_seq_len is not None else geometry.max_position)
+        if self.max_seq_len > geometry.max_position:
+            raise ValueError(f"max_seq_len: {self.max_seq_len} exceeds the model's max_position_embeddings "
+                             f"{geometry.max_position}")
+        # Any split of max_tokens over max_requests requests fits: sum ceil(n_i / P) <= ceil(N / P) + R - 1.
+        default_blocks = self.spec.blocks_for(self.max_tokens) + self.max_requests - 1
+        self.num_blocks = positive_int("num_blocks", num_blocks if num_blocks is not None else default_blocks)
+        self.device = torch.empty(0, device=device).device  # "cuda" -> "cuda:<current>", comparable with tensors'
+
+        if not isinstance(prefix_caching, bool):
+            raise TypeError(f"prefix_caching: expected a bool, got {type(prefix_caching).__name__}")
+        if prefix_snapshots is not None and not prefix_caching:
+            raise ValueError("prefix_snapshots: given without prefix_caching=True")
+        self.prefix: PrefixCache | None = None
+        snapshots = 0
+        if prefix_caching:
+            if geometry.window > self.spec.page_tokens:
+                # each token then belongs to at most one boundary's window: one snapshot slot per token and step
+                raise ValueError(f"prefix_caching: expected a window <= page_tokens, got window {geometry.window} "
+                                 f"and page_tokens {self.spec.page_tokens}")
+            snapshots = positive_int("prefix_snapshots", prefix_snapshots if prefix_snapshots is not None
+                                     else self.max_requests)
+            self.prefix = PrefixCache(self.spec.page_tokens, snapshots)
+        self.swap_bytes = positive_int("swap_bytes", swap_bytes) if swap_bytes is not None else None
+        csa = geometry.layers_of(LayerKind.CSA)
+        self._csa_ratio = csa[0].ratio if csa else 0
+
+        self.poison = poison
+        self.allocator = BlockAllocator(self.num_blocks)
+        self.pools = CachePools(self.spec, num_blocks=self.num_blocks, max_requests=self.max_requests,
+                                device=self.device, fill_byte=POISON_BYTE if poison else 0, snapshots=snapshots)
+        self.max_blocks_per_request = min(self.spec.blocks_for(self.max_seq_len), self.num_blocks)
+        self.block_table = torch.full((self.max_requests, self.max_blocks_per_request), -1, dtype=torch.int32,
+                                      device=self.device)
+        self._host_table = np.full((self.max_requests, self.max_blocks_per_request), -1, dtype=np.int64)
+        self._free_slots: deque[int] = deque(range(self.max_requests))
+        self._requests: dict[int, _Request] = {}
+        self._next_rid = 0
+        self._step = 0
+        self._layers_run: set[int] = set()  # layers that have consumed the current plan
+        self._pending: list[_Publish] = []  # blocks the current plan fills, published once its layers ran
+        self._swapped: dict[int, Swapped] = {}
+        self._swap_used = 0
+        self.cache_id = new_cache_id()
+
+    # --- lifecycle ------------------------------------------------------------------------------
+    def admit(self, tokens=None) -> int | None:
+        """A new request id with fresh state, or None when every request slot is taken.
+
+        tokens: the prompt's token ids (a 1-D integer sequence, array or tensor). With prefix caching the
+        longest cached prefix that ends at a block boundary and leaves at least one token to feed is mapped
+        in: the request starts with `length(rid) == cached_tokens(rid)` tokens and the caller feeds only the
+        rest. Token ids are then needed for every token fed (`append_tokens` for generated ones). Without
+        prefix caching they are checked and otherwise ignored.
+        """
+        ids = self._token_ids("tokens", tokens) if tokens is not None else None
+        if ids is not None and len(ids) > self.max_seq_len:
+            raise ValueError(f"tokens: {len(ids)} ids, max_seq_len is {self.max_seq_len}")
+        self._settle(final=False)
+        if not self._free_slots:
+            return None
+        slot = self._free_slots.popleft()
+        self.pools.reset_request(slot)
+        rid = self._next_rid
+        self._next_rid += 1
+        request = self._requests[rid] = _Request(rid, slot)
+        if self.prefix is not None and ids is not None:
+            request.tokens, request.publishing = _TokenIds(ids), True
+            self._reuse_prefix(request, ids)
+        return rid
+
+    def lookup(self, tokens) -> int:
+        """How many leading tokens of `tokens` an `admit(tokens)` would serve from the cache now (no change)."""
+        ids = self._token_ids("tokens", tokens)
+        if self.prefix is None:
+            return 0
+        self._settle(final=False)
+        chain = self.prefix.match(ids, max(len(ids) - 1, 0) // self.spec.page_tokens)
+        return self.prefix.hit_depth(chain) * self.spec.page_tokens
+
+    def admission_blocks(self, tokens) -> int:
+        """Free blocks that `admit(tokens)` and then holding all of `tokens` would take now: one per page of the
+        tokens, less the blocks of the prefix hit that live requests hold (shared, not taken; unreferenced cached
+        blocks are counted free, and are taken). No change to the cache."""
+        ids = self._token_ids("tokens", tokens)
+        blocks = self.spec.blocks_for(len(ids))
+        if self.prefix is None:
+            return blocks
+        self._settle(final=False)
+        chain = self.prefix.match(ids, max(len(ids) - 1, 0) // self.spec.page_tokens)
+        hit = chain[:self.prefix.hit_depth(chain)]
+        return blocks - sum(1 for node in hit if self.allocator.refcount(node.block) > 0)
+
+    def append_tokens(self, rid: int, tokens) -> None:
+        """Record the ids of tokens the request will be fed next (e.g. the one just sampled). Needed with prefix
+        caching for requests admitted with token ids; checked and otherwise ignored without it."""
+        ids = self._token_ids("tokens", tokens)
+        record = self._swapped.get(rid)
+        request = record.request if record is not None else self._request(rid)
+        if self.prefix is None:
+            return
+        if request.tokens is None:
+            raise ValueError(f"append_tokens: request {rid} was admitted without token ids; pass the prompt to "
+                             f"admit(tokens=...) to cache it")
+        if request.tokens.n + len(ids) > self.max_seq_len:
+            raise ValueError(f"append_tokens: request {rid} would know {request.tokens.n + len(ids)} token ids, "
+                             f"max_seq_len is {self.max_seq_len}")
+        request.tokens.append(ids)
+
+    def release(self, rid: int) -> None:
+        """Return a request's blocks and slot (or its host copy, if swapped out). Releasing an unknown or
+        released id raises RequestError."""
+        record = self._swapped.pop(rid, None) if self._is_id(rid) else None
+        if record is not None:
+            self._swap_used -= record.nbytes
+            return
+        request = self._request(rid)
+        self._settle(final=False, leaving=rid)
+        self._free_blocks(self._host_table[request.slot, :request.num_blocks].tolist())
+        self._host_table[request.slot] = -1
+        self.block_table[request.slot].fill_(-1)
+        self._free_slots.append(request.slot)
+        del self._requests[rid]
+
+    def swap_out(self, rid: int) -> int | NoRoom:
+        """Preempt a live request: copy its blocks, window ring and compressor state to host memory (pinned on
+        CUDA), then free its blocks and slot. Returns the bytes copied, or `NoRoom` (nothing changed) when the
+        host budget `swap_bytes` is short. Its id stays valid for `swap_in`, `release` and `append_tokens`."""
+        request = self._request(rid)
+        nbytes = request.num_blocks * self.spec.block_bytes + self.spec.request_fixed_bytes
+        if self.swap_bytes is not None and self._swap_used + nbytes > self.swap_bytes:
+            return NoRoom("host swap bytes", nbytes, self.swap_bytes - self._swap_used)
+        self._settle(final=False, leaving=rid)
+        blocks = self._host_table[request.slot, :request.num_blocks].tolist()
+        saved = self.pools.save(request.slot, blocks)
+        nodes = [self.prefix.cached(b) if self.prefix is not None else None for b in blocks]
+        self._free_blocks(blocks)
+        self._host_table[request.slot] = -1
+        self.block_table[request.slot].fill_(-1)
+        self._free_slots.append(request.slot)
+        del self._requests[rid]
+        request.slot, request.num_blocks = -1, 0
+        self._swapped[rid] = Swapped(request=request, saved=saved, block_nodes=nodes, nbytes=nbytes)
+        self._swap_used += nbytes
+        return nbytes
+
+    def swap_in_blocks(self, rid: int) -> int:
+        """Free blocks `swap_in(rid)` would take now: its private blocks, and its cached ones that no live request
+        holds (those still held are shared again, not taken). No change to the cache."""
+        record = self._swapped.get(rid) if self._is_id(rid) else None
+        if record is None:
+            raise RequestError(f"swap_in_blocks: request {rid!r} is not swapped out")
+        self._settle(final=False)
+        alive = [node for node in record.block_nodes if node is not None and node.alive]
+        return len(record.block_nodes) - sum(1 for node in alive if self.allocator.refcount(node.block) > 0)
+
+    def swap_in(self, rid: int) -> int | NoRoom:
+        """Bring a swapped-out request back, bit for bit, into a free slot and blocks (blocks it shared that are
+        still cached are shared again, not copied). Returns the bytes it holds, or `NoRoom` (nothing changed)
+        when no slot or too few blocks are free."""
+        record = self._swapped.get(rid) if self._is_id(rid) else None
+        if record is None:
+            if self._is_id(rid) and rid in self._requests:
+                raise RequestError(f"swap_in: request {rid} is not swapped out")
+            self._request(rid)  # raises the unknown / released error
+        self._settle(final=False)
+        if not self._free_slots:
+            return NoRoom("request slots", 1, 0)
+        nodes = [node if node is not None and node.alive else None for node in record.block_nodes]
+        reused = [node.block for node in nodes if node is not None]
+        idle = {b for b in reused if self.allocator.refcount(b) == 0}  # cached, waiting in the free queue
+        fresh_count = len(nodes) - len(reused)
+        if fresh_count + len(idle) > self.allocator.num_free:
+            return NoRoom("blocks", fresh_count + len(idle), self.allocator.num_free)
+        self.allocator.take(sorted(idle))
+        self.allocator.share([b for b in reused if b not in idle])
+        fresh = iter(self._allocate(fresh_count))
+        blocks = [node.block if node is not None else next(fresh) for node in nodes]
+        request = record.request
+        request.slot = self._free_slots.popleft()
+        request.num_blocks = len(blocks)
+        self._set_table(request.slot, 0, blocks)
+        self.pools.load(record.saved, request.slot, blocks, [i for i, node in enumerate(nodes) if node is None])
+        alive = [node for node in request.nodes if node.alive]  # a prefix: evictions take whole subtrees
+        if len(alive) < len(request.nodes):
+            request.nodes, request.publishing = alive, False  # its later blocks are private copies now
+        del self._swapped[rid]
+        self._swap_used -= record.nbytes
+        self._requests[rid] = request
+        return record.nbytes
+
+    def plan_step(self, batch: Sequence[tuple[int, int]], *, buffers: StepBuffers | None = None
+                  ) -> StepPlan | OutOfBlocks:
+        """Plan one step: `batch` lists (request id, new tokens) pairs, prefill chunks and decode tokens alike.
+
+        Allocates the blocks the step fills and advances each request's length (the caller then runs
+        every layer over the plan). When the blocks do not fit, returns `OutOfBlocks` and changes nothing.
+        Bad input (unknown id, repeated id, non-positive count, length past max_seq_len, a request
+        larger than the whole cache, more rows than `buffers` hold, with prefix caching tokens whose ids
+        are not known) raises before anything changes. With prefix caching, unreferenced cached blocks are
+        evicted (least recently used first) when no other block is free, and the blocks this step fills are
+        published once every layer has run over it.
+        """
+        requests, counts = self._validate_batch(batch)
+        starts = np.array([r.length for r in requests], dtype=np.int64)
+        counts_np = np.array(counts, dtype=np.int64)
+        # entries of ratio m each request completes in this step: those ending at or before its new length
+        new_entries = {m: (starts + counts_np) // m - starts // m for m in self.geometry.ratios}
+        entry_counts = {m: int(per_request.sum()) for m, per_request in new_entries.items()}
+        num_tokens, num_requests = int(counts_np.sum()), len(requests)
+        if buffers is not None:
+            self._check_buffers(buffers, num_tokens, num_requests, entry_counts, int((starts + counts_np).max()))
+        self._settle(final=True)  # the previous plan is over: publish what it filled, if every layer ran
+        need = [self.spec.blocks_for(r.length + n) - r.num_blocks for r, n in zip(requests, counts)]
+        if sum(need) > self.allocator.num_free:
+            return OutOfBlocks(needed=sum(need), free=self.allocator.num_free)
+        fresh = self._allocate(sum(need))
+        self._map_blocks(requests, need, fresh)
+
+        for request, n in zip(requests, counts):
+            request.length += n
+        host = self._plan_fields(requests, starts, counts_np, new_entries)
+        capture_rows = self._plan_captures(requests, starts, counts_np, host) if self.prefix is not None else 0
+        if buffers is None:
+            buffers = StepBuffers(self.cache_id, self.geometry.ratios, max_tokens=num_tokens,
+                                  max_requests=num_requests, device=self.device, entries=entry_counts,
+                                  persistent=False, snapshots=self.prefix is not None)
+        views = buffers.load(host, num_tokens, num_requests)
+        longest = int(host["seq_lens"].max()) if num_requests else 0
+        self._step += 1
+        self._layers_run.clear()
+        snapshots = None
+        if self.prefix is not None:
+            snapshots = SnapshotWrites(window_slots=views["snapshot_window"], state_slots=views["snapshot_state"],
+                                       count=capture_rows)
+        return StepPlan(
+            cache_id=self.cache_id, step=self._step, request_ids=tuple(r.rid for r in requests),
+            num_tokens=num_tokens, num_requests=num_requests,
+            positions=views["positions"], token_request=views["token_request"], window_slots=views["window_slots"],
+            request_slots=views["request_slots"], query_start=views["query_start"], seq_lens=views["seq_lens"],
+            block_table=self.block_table,
+            entries={m: EntryWrites(ratio=m, slots=views[f"slots{m}"], request=views[f"request{m}"],
+                                    index=views[f"index{m}"], count=entry_counts[m])
+                     for m in self.geometry.ratios},
+            max_seq_len=buffers.max_seq_len if buffers.max_seq_len is not None else longest,
+            snapshots=snapshots,
+        )
+
+    def capture_boundaries(self, layer_index: int, plan: StepPlan, *, kv: torch.Tensor | None = None,
+                           step_kv: torch.Tensor | None = None, state_rows: Sequence = ()) -> None:
+        """Called by each layer after its appends (prefix caching): copy the step's rows that belong to a
+        boundary snapshot (`plan.snapshots`) into it.
+
+        kv: the reference path's kv [N, head_dim] (float, as `append_window` takes it), encoded here exactly as
+        the ring encodes it; or step_kv: the kernel path's encoded step page (uint8 [1, page_bytes(R)], every
+        padded row; no host sync, so a captured graph replays it). state_rows: the layer's (ring kv, ring
+        logits, kv rows [N, w], logit rows [N, w]) for the main then the indexer compressor (CSA).
+        """
+        snapshots = plan.snapshots
+        if snapshots is None:
+            return
+        layer = self.pools.layers[layer_index]
+        layout = layer.spec.main
+        states = [(kv_rows, logit_rows) for _, _, kv_rows, logit_rows in state_rows]
+        if step_kv is not None:
+            rows = plan.positions.shape[0]
+            data, scales = layout.page_views(step_kv, rows)
+            self.pools.capture_window(layer_index, snapshots.window_slots, data[0], scales[0])
+            self.pools.capture_state(layer_index, snapshots.state_slots, states)
+            return
+        if snapshots.count == 0:
+            return
+        n = kv.shape[0]
+        keep = snapshots.window_slots[:n] >= 0
+        if bool(keep.any()):
+            data, scales = layout.encode(kv[keep])
+            self.pools.capture_window(layer_index, snapshots.window_slots[:n][keep], data, scales)
+        keep = snapshots.state_slots[:n] >= 0
+        if bool(keep.any()) and states:
+            self.pools.capture_state(layer_index, snapshots.state_slots[:n][keep],
+                                     [(kv_rows[keep], logit_rows[keep]) for kv_rows, logit_rows in states])
+
+    def step_buffers(self, *, max_tokens: int, max_requests: int, max_seq_len: int | None = None) -> StepBuffers:
+        """Preallocated plan storage (fixed addresses) for CUDA-graph capture and replay. Plans built into them
+        carry `max_seq_len` (default: the cache's) as their fixed context bound; longer requests are refused."""
+        max_seq_len = positive_int("max_seq_len", max_seq_len if max_seq_len is not None else self.max_seq_len)
+        if max_seq_len > self.max_seq_len:
+            raise ValueError(f"max_seq_len: {max_seq_len} exceeds the cache's {self.max_seq_len}")
+        return StepBuffers(self.cache_id, self.geometry.ratios, max_tokens=max_tokens, max_requests=max_requests,
+                           device=self.device, max_seq_len=max_seq_len, snapshots=self.prefix is not None)
+
+    # --- counters --------------------------------------------------------------------------------
+    @property
+    def steps_planned(self) -> int:
+        """Steps planned so far; a plan's `step` equals it until the next `plan_step`."""
+        return self._step
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks a plan can take: never used, or (prefix caching) cached but referenced by no live request."""
+        return self.allocator.num_free
+
+    @property
+    def num_used_blocks(self) -> int:
+        """Blocks live requests hold (a block shared by several counts once)."""
+        return self.allocator.num_used
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks in the prefix cache, live or not (0 without prefix caching)."""
+        self._settle(final=False)
+        return self.prefix.num_cached_blocks if self.prefix is not None else 0
+
+    @property
+    def num_evictable_blocks(self) -> int:
+        """Cached blocks no live request references: counted in `num_free_blocks`, evicted LRU when needed."""
+        self._settle(final=False)
+        if self.prefix is None:
+            return 0
+        return sum(1 for node in self.prefix.cached_blocks() if self.allocator.refcount(node.block) == 0)
+
+    @property
+    def num_snapshots(self) -> int:
+        """Boundary snapshots held by cached blocks."""
+        self._settle(final=False)
+        return self.prefix.num_snapshots_held if self.prefix is not None else 0
+
+    @property
+    def prefix_stats(self) -> PrefixStats | None:
+        """Hit-rate and eviction counters (None without prefix caching)."""
+        self._settle(final=False)
+        return self.prefix.stats if self.prefix is not None else None
+
+    @property
+    def bytes_cached(self) -> int:
+        """Bytes the prefix cache holds beyond live requests: evictable blocks plus held snapshots."""
+        return self.num_evictable_blocks * self.spec.block_bytes + self.num_snapshots * self.spec.boundary_bytes
+
+    @property
+    def bytes_swapped(self) -> int:
+        """Host bytes held by swapped-out requests."""
+        return self._swap_used
+
+    @property
+    def num_live_requests(self) -> int:
+        return len(self._requests)
+
+    @property
+    def tokens_held(self) -> int:
+        return sum(r.length for r in self._requests.values())
+
+    @property
+    def bytes_used(self) -> int:
+        """Bytes of blocks in use plus the window and state of live request slots."""
+        return self.num_used_blocks * self.spec.block_bytes + self.num_live_requests * self.spec.request_fixed_bytes
+
+    @property
+    def bytes_reserved(self) -> int:
+        """Bytes of every pool and state tensor, used or not."""
+        return self.pools.nbytes
+
+    def layer_has_run(self, layer_index: int) -> bool:
+        """Whether layer `layer_index` has already run over the current plan."""
+        return layer_index in self._layers_run
+
+    def mark_layer_run(self, layer_index: int) -> None:
+        """Record that a layer is running over the current plan: a second run would re-read ring rows the
+        first one overwrote, so DSV4Attention refuses it."""
+        self._layers_run.add(layer_index)
+
+    def is_live(self, rid: int) -> bool:
+        """Whether `rid` was admitted and is neither released nor swapped out."""
+        return rid in self._requests
+
+    def is_swapped(self, rid: int) -> bool:
+        return rid in self._swapped
+
+    def swapped_ids(self) -> list[int]:
+        return list(self._swapped)
+
+    def cached_tokens(self, rid: int) -> int:
+        """Tokens the request was given from the prefix cache at admission (a multiple of page_tokens)."""
+        record = self._swapped.get(rid)
+        return record.request.cached if record is not None else self._request(rid).cached
+
+    def request_ids(self) -> list[int]:
+        return list(self._requests)
+
+    def length(self, rid: int) -> int:
+        record = self._swapped.get(rid)
+        return record.request.length if record is not None else self._request(rid).length
+
+    def blocks(self, rid: int) -> list[int]:
+        request = self._request(rid)
+        return self._host_table[request.slot, :request.num_blocks].tolist()
+
+    def slot(self, rid: int) -> int:
+        return self._request(rid).slot
+
+    # --- internals --------------------------------------------------------------------------------
+    @staticmethod
+    def _is_id(rid) -> bool:
+        return isinstance(rid, (int, np.integer)) and not isinstance(rid, bool)
+
+    def _request(self, rid) -> _Request:
+        is_id = self._is_id(rid)
+        request = self._requests.get(rid) if is_id else None
+        if request is not None:
+            return request
+        if is_id and rid in self._swapped:
+            raise RequestError(f"request {rid} is swapped out: swap_in first")
+        if is_id and 0 <= rid < self._next_rid:
+            raise RequestError(f"request {rid} was already released")
+        raise RequestError(f"unknown request id {rid!r}")
+
+    @staticmethod
+    def _token_ids(name: str, tokens) -> np.ndarray:
+        """Token ids as int64 [n], or ValueError saying what was expected and what came."""
+        if isinstance(tokens, torch.Tensor):
+            if tokens.dim() != 1 or tokens.is_floating_point() or tokens.is_complex() or tokens.dtype == torch.bool:
+                raise ValueError(f"{name}: expected a 1-D integer tensor of token ids, got {tokens.dtype} "
+                                 f"{list(tokens.shape)}")
+            return tokens.detach().cpu().to(torch.int64).numpy()
+        if isinstance(tokens, (str, bytes)) or not isinstance(tokens, (Sequence, np.ndarray)):
+            raise ValueError(f"{name}: expected a 1-D sequence of integer token ids, got {type(tokens).__name__}")
+        array = np.asarray(tokens)
+        if array.size == 0:
+            return np.zeros(0, dtype=np.int64)
+        if array.ndim != 1 or array.dtype.kind not in "iu":
+            raise ValueError(f"{name}: expected a 1-D sequence of integer token ids, got {array.dtype} "
+                             f"shape {list(array.shape)}")
+        if array.dtype.kind == "u" and array.dtype.itemsize == 8 and int(array.max()) >= 2 ** 63:
+            raise ValueError(f"{name}: token id {int(array.max())} does not fit int64")
+        return array.astype(np.int64)
+
+    def _validate_batch(self, batch) -> tuple[list[_Request], list[int]]:
+        if isinstance(batch, (str, bytes)) or not isinstance(batch, Iterable):
+            raise TypeError(f"batch: expected a sequence of (request id, new tokens) pairs, got {type(batch).__name__}")
+        batch = list(batch)
+        if not batch:
+            raise ValueError("batch: empty step")
+        requests, counts, seen = [], [], set()
+        for item in batch:
+            if not isinstance(item, (tuple, list)) or len(item) != 2:
+                raise TypeError(f"batch: expected (request id, new tokens) pairs, got {item!r}")
+            rid, n = item
+            request = self._request(rid)
+            if rid in seen:
+                raise RequestError(f"request {rid} appears twice in one step")
+            seen.add(rid)
+            n = positive_int(f"new tokens of request {rid}", n)
+            if request.length + n > self.max_seq_len:
+                raise ValueError(f"request {rid}: {request.length} + {n} tokens exceeds max_seq_len {self.max_seq_len}")
+            if self.spec.blocks_for(request.length + n) > self.num_blocks:
+                raise ValueError(f"request {rid}: {request.length + n} tokens need "
+                                 f"{self.spec.blocks_for(request.length + n)} blocks, the cache has {self.num_blocks}")
+            if request.tokens is not None and request.length + n > request.tokens.n:
+                raise ValueError(f"request {rid}: feeds tokens up to {request.length + n}, {request.tokens.n} token "
+                                 f"ids are known (prefix caching needs them: append_tokens first)")
+            requests.append(request)
+            counts.append(n)
+        return requests, counts
+
+    def _check_buffers(self, buffers, tokens: int, requests: int, entries: dict[int, int], longest: int) -> None:
+        if not isinstance(buffers, StepBuffers):
+            raise TypeError(f"buffers: expected StepBuffers from step_buffers(), got {type(buffers).__name__}")
+        if buffers.cache_id != self.cache_id:
+            raise ValueError("buffers: made by another CacheManager")
+        if getattr(buffers, "snapshots", False) != (self.prefix is not None):
+            raise ValueError(f"buffers: {'with' if buffers.snapshots else 'without'} prefix-caching fields, the "
+                             f"cache has prefix_caching={self.prefix is not None}; make them with step_buffers()")
+        short = [m for m in self.geometry.ratios if buffers.entry_capacity.get(m, -1) < entries[m]]
+        if buffers.max_seq_len is not None and longest > buffers.max_seq_len:
+            raise ValueError(f"buffers: a request reaches {longest} tokens, the buffers' max_seq_len is "
+                             f"{buffers.max_seq_len}")
+        if tokens > buffers.max_tokens or requests > buffers.max_requests or short:
+            raise ValueError(f"buffers: step has {tokens} tokens / {requests} requests / entries {entries}, buffers "
+                             f"hold {buffers.max_tokens} / {buffers.max_requests} / {buffers.entry_capacity}")
+
+    def _set_table(self, slot: int, first: int, blocks: list[int]) -> None:
+        """Map `blocks` at columns first.. of the slot's block-table row (host and device)."""
+        if not blocks:
+            return
+        self._host_table[slot, first:first + len(blocks)] = blocks
+        self.block_table[slot, first:first + len(blocks)] = torch.tensor(blocks, dtype=torch.int32).to(self.device)
+
+    def _allocate(self, n: int) -> list[int]:
+        """n blocks from the free queue (the caller checked there are enough). Cached blocks among them leave the
+        prefix cache with their subtrees; the subtrees' blocks, worthless now, move to the front of the queue."""
+        blocks = self.allocator.allocate(n)
+        if self.prefix is not None:
+            for block in blocks:
+                dropped = self.prefix.evict(block)
+                self.allocator.to_front([node.block for node in dropped[1:]])
+        return blocks
+
+    def _free_blocks(self, blocks: list[int]) -> None:
+        """Drop a request's references. With prefix caching, private blocks go to the front of the free queue
+        (reused first) and cached ones to the back, deepest first, so a prefix outlives its extensions."""
+        if self.prefix is None:
+            self.allocator.free(blocks)
+            return
+        cached = [b for b in blocks if self.prefix.cached(b) is not None]
+        self.allocator.free([b for b in blocks if self.prefix.cached(b) is None], front=True)
+        self.allocator.free(cached[::-1])
+
+    def _reuse_prefix(self, request: _Request, ids: np.ndarray) -> None:
+        """Map the longest cached prefix of `ids` (ending at a boundary with a snapshot, leaving >= 1 token)."""
+        page, stats = self.spec.page_tokens, self.prefix.stats
+        stats.queries += 1
+        stats.query_tokens += len(ids)
+        chain = self.prefix.match(ids, max(len(ids) - 1, 0) // page)
+        chain = chain[:self.prefix.hit_depth(chain)]
+        if not chain:
+            return
+        blocks = [node.block for node in chain]
+        idle = {b for b in blocks if self.allocator.refcount(b) == 0}  # cached, waiting in the free queue
+        self.allocator.take(sorted(idle))
+        self.allocator.share([b for b in blocks if b not in idle])
+        self._set_table(request.slot, 0, blocks)
+        boundary = len(chain) * page
+        self.pools.restore(chain[-1].snapshot, request.slot, boundary)
+        self.prefix.touch(chain[-1])
+        request.length = request.cached = boundary
+        request.num_blocks = len(blocks)
+        request.nodes = list(chain)
+        stats.hits += 1
+        stats.hit_tokens += boundary
+
+    def _settle(self, *, final: bool, leaving: int | None = None) -> None:
+        """Finish the current plan's publications: once every layer has run over it, publish the blocks it
+        filled (with their snapshots). Otherwise keep waiting, drop those of a request `leaving` (released or
+        swapped out: the plan can no longer run for it) or, with `final` (a new plan replaces this one), drop
+        them all; a request whose publication is dropped stops publishing (its later bytes sit on a step that
+        may not have run)."""
+        if not self._pending:
+            return
+        if self._layers_run.issuperset(range(self.geometry.num_layers)):
+            pending, self._pending = self._pending, []
+            for publish in pending:
+                self._publish(publish)
+            return
+        keep = []
+        for publish in self._pending:
+            if final or publish.rid == leaving:
+                self._drop(publish)
+            else:
+                keep.append(publish)
+        self._pending = keep
+
+    def _publish(self, publish: _Publish) -> None:
+        request = self._requests.get(publish.rid)
+        if request is None or not request.publishing or len(request.nodes) != publish.depth:
+            self._drop(publish)
+            return
+        page = self.spec.page_tokens
+        parent = request.nodes[-1] if request.nodes else None
+        tokens = request.tokens[publish.depth * page:(publish.depth + 1) * page]
+        if self.prefix.child(parent, tokens) is not None:
+            # the same content computed twice (e.g. two identical requests at once): the first one is kept; this
+            # request keeps its copy private and publishes nothing more (its later bytes sit on that copy)
+            self.prefix.stats.duplicate_blocks += 1
+            self._drop(publish)
+            return
+        request.nodes.append(self.prefix.insert(parent, publish.block, tokens, publish.snapshot))
+
+    def _drop(self, publish: _Publish) -> None:
+        if publish.snapshot is not None:
+            self.prefix.return_snapshot(publish.snapshot)
+        request = self._requests.get(publish.rid)
+        if request is not None:
+            request.publishing = False
+
+    def _plan_captures(self, requests: list[_Request], starts: np.ndarray, counts: np.ndarray,
+                       host: dict[str, np.ndarray]) -> int:
+        """Queue the publication of every block the step fills, take a snapshot id for each boundary and say
+        where its state comes from: rows before the step are copied from the rings now (the step's appends
+        would overwrite them), rows in the step get snapshot slots in the plan for the layers to capture.
+        Returns the number of rows with a slot."""
+        page, window, m = self.spec.page_tokens, self.geometry.window, self._csa_ratio
+        num_tokens = int(counts.sum())
+        host["snapshot_window"] = np.full(num_tokens, -1, dtype=np.int64)
+        host["snapshot_state"] = np.full(num_tokens, -1, dtype=np.int64)
+        queued: list[tuple[int, _Publish]] = []  # (batch row, publication)
+        for b, request in enumerate(requests):
+            if request.tokens is None or not request.publishing:
+                continue
+            start, end = int(starts[b]), int(starts[b] + counts[b])
+            for depth in range(start // page, end // page):
+                if depth != len(request.nodes) + sum(q.rid == request.rid for _, q in queued):
+                    request.publishing = False  # a block before this one was not published
+                    break
+                if depth == len(request.nodes):  # a queued parent has no children yet; a cached one may have it
+                    parent = request.nodes[-1] if request.nodes else None
+                    if self.prefix.child(parent, request.tokens[depth * page:(depth + 1) * page]) is not None:
+                        self.prefix.stats.duplicate_blocks += 1
+                        request.publishing = False
+                        break
+                queued.append((b, _Publish(request.rid, depth, int(self._host_table[request.slot, depth]), None)))
+        # the deepest boundaries first: when snapshots run short, a longer hit is worth more
+        for b, publish in reversed(queued):
+            publish.snapshot = self.prefix.take_snapshot()
+            if publish.snapshot is None:
+                break
+            request, start = requests[b], int(starts[b])
+            boundary = (publish.depth + 1) * page
+            for name, size in (("snapshot_window", window), ("snapshot_state", m)):
+                if size:
+                    positions = np.arange(max(boundary - size, start), boundary)
+                    host[name][host["query_start"][b] + positions - start] = publish.snapshot * size + positions % size
+            if start > boundary - window:
+                self.pools.copy_to_snapshot(request.slot, publish.snapshot, range(boundary - window, start),
+                                            range(boundary - m, max(start, boundary - m)) if m else ())
+        self._pending.extend(publish for _, publish in queued)
+        return int(((host["snapshot_window"] >= 0) | (host["snapshot_state"] >= 0)).sum())
+
+    def _map_blocks(self, requests: list[_Request], need: list[int], fresh: list[int]) -> None:
+        if not fresh:
+            return
+        rows = np.repeat([r.slot for r in requests], need)
+        cols = np.concatenate([np.arange(r.num_blocks, r.num_blocks + n) for r, n in zip(requests, need)])
+        self._host_table[rows, cols] = fresh
+        for request, n in zip(requests, need):
+            request.num_blocks += n
+        update = torch.from_numpy(np.stack((rows, cols, np.asarray(fresh)))).to(self.device)  # one copy
+        self.block_table[update[0], update[1]] = update[2].to(torch.int32)
+        if self.poison:  # reused blocks hold their previous owner's bytes: make them NaN again
+            for layer in self.pools.layers:
+                for pool in (layer.entries, layer.index_keys):
+                    if pool is not None:
+                        pool[update[2]] = POISON_BYTE
+
+    def _plan_fields(self, requests: list[_Request], starts: np.ndarray, counts: np.ndarray,
+                     new_entries: dict[int, np.ndarray]) -> dict[str, np.ndarray]:
+        rows = np.arange(len(requests))
+        slots = np.array([r.slot for r in requests], dtype=np.int64)
+        query_start = np.concatenate(([0], np.cumsum(counts)))
+        token_request = np.repeat(rows, counts)
+        positions = np.arange(query_start[-1]) - query_start[token_request] + starts[token_request]
+        window = self.geometry.window
+        fields = {
+            "positions": positions, "token_request": token_request,
+            # Only a request's last `window` tokens land in its ring; earlier tokens of a long chunk would
+            # be overwritten within the same step (and duplicate scatter targets are nondeterministic).
+            "window_slots": np.where(positions >= (starts + counts)[token_request] - window,
+                                     slots[token_request] * window + positions % window, -1),
+            "request_slots": slots, "query_start": query_start, "seq_lens": starts + counts,
+        }
+        page = self.spec.page_tokens
+        for m, per_request in new_entries.items():
+            first = starts // m  # entries complete before the step
+            entry_request = np.repeat(rows, per_request)
+            offsets = np.concatenate(([0], np.cumsum(per_request)))[:-1]
+            index = np.arange(per_request.sum()) - offsets[entry_request] + first[entry_request]
+            token = index * m
+            block = self._host_table[slots[entry_request], token // page]
+            fields[f"slots{m}"] = block * (page // m) + (token % page) // m
+            fields[f"request{m}"] = entry_request
+            fields[f"index{m}"] = index
+        return fields

@@ -1,0 +1,1 @@
+"""See dsv4kv.ops."""

@@ -1,0 +1,107 @@
+"""Command line: `dsv4kv plan` (memory planner), `dsv4kv demo` (token generation through the engine) and
+`dsv4kv bench` (GPU benchmarks)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from ..geometry import PRESETS, GeometryError, ModelGeometry
+from ..cache.layout import IndexerFormat, KVFormat
+from ..cache.planner import MemoryPlan, parse_bytes
+from ..cache.spec import DEFAULT_PAGE_TOKENS, CacheSpec
+
+
+def _plan(args: argparse.Namespace) -> int:
+    geometry = ModelGeometry.from_hf_config(args.model)
+    spec = CacheSpec(geometry, args.kv_format, args.indexer_format, args.page_tokens)
+    plan = MemoryPlan(spec, context=args.context, memory=parse_bytes(args.memory))
+    print(json.dumps(plan.report(), indent=2) if args.json else plan.table())
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    import torch
+
+    from .demo import render, run_demo  # imports the engine and transformers only when asked
+
+    if args.device in (None, "cpu") and not torch.cuda.is_available():
+        # the tiny model's ops are too small to gain from threads, and spinning threads slow it several times
+        # over when other processes share the cores
+        torch.set_num_threads(1)
+
+    result = run_demo(device=args.device, kv_format=args.kv_format, indexer_format=args.indexer_format,
+                      seed=args.seed, progress=not args.no_progress, compare=not args.no_compare)
+    render(result)
+    return 0
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from .bench import QUICK, WORKLOADS, plot_report, run_bench
+
+    if args.plot:
+        with open(args.plot) as f:
+            written = plot_report(json.load(f), args.out)
+        print("\n".join(written) if written else "no plots written (is matplotlib installed?)")
+        return 0
+    workloads = args.workloads or (list(QUICK) if args.quick else list(WORKLOADS))
+    report = run_bench(workloads, out_dir=args.out, name=args.name, quick=args.quick, runs=args.runs,
+                       device=args.device)
+    print(report.table())
+    for path in report.meta.get("written", []):
+        print(f"wrote {path}")
+    return 1 if any(r.refused for r in report.results) else 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dsv4kv", description="DeepSeek-V4 KV cache substrate")
+    sub = parser.add_subparsers(dest="command", required=True)
+    plan = sub.add_parser("plan", help="bytes per token / request, and how many requests fit in memory")
+    plan.add_argument("--model", default="flash", help=f"preset ({', '.join(PRESETS)}) or path to a config.json")
+    plan.add_argument("--context", type=int, default=1 << 20, help="tokens per request (default 1048576)")
+    plan.add_argument("--memory", default="141GiB", help="memory for the cache, e.g. 141GiB, 80GB (default 141GiB)")
+    plan.add_argument("--kv-format", default=KVFormat.FP8.value, choices=[f.value for f in KVFormat])
+    plan.add_argument("--indexer-format", default=IndexerFormat.MXFP4.value, choices=[f.value for f in IndexerFormat])
+    plan.add_argument("--page-tokens", type=int, default=DEFAULT_PAGE_TOKENS,
+                      help=f"original tokens per block, a multiple of 128 (default {DEFAULT_PAGE_TOKENS})")
+    plan.add_argument("--json", action="store_true", help="print the figures as JSON")
+    plan.set_defaults(run=_plan)
+
+    demo = sub.add_parser("demo", help="generate tokens with a random DeepSeek-V4 model through the engine and "
+                                        "compare with transformers")
+    demo.add_argument("--device", default=None, help="default: cuda when available (V4-Flash attention geometry, "
+                                                    "bf16), else cpu (the tiny model, fp32)")
+    demo.add_argument("--kv-format", default=KVFormat.FP8.value, choices=[f.value for f in KVFormat])
+    demo.add_argument("--indexer-format", default=IndexerFormat.MXFP4.value,
+                      choices=[f.value for f in IndexerFormat])
+    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--no-progress", action="store_true", help="no progress bar")
+    demo.add_argument("--no-compare", action="store_true", help="skip the comparison with transformers")
+    demo.set_defaults(run=_demo)
+
+    bench = sub.add_parser("bench", help="time the kernels, a decode step, prefill and scale on a GPU; write JSON "
+                                         "and plots")
+    bench.add_argument("workloads", nargs="*", help="machine, topk, insert, decode, layer, prefill, scale, flashmla, "
+                                                    "chat (default: all; --quick: a short subset)")
+    bench.add_argument("--quick", action="store_true", help="fewer sizes (a few minutes)")
+    bench.add_argument("--out", default="docs/bench", help="folder for the JSON and PNG files (default docs/bench)")
+    bench.add_argument("--name", default=None, help="JSON file name without .json (default bench-<date>-<gpu>)")
+    bench.add_argument("--runs", type=int, default=50, help="timed runs per figure (the median is reported)")
+    bench.add_argument("--device", default="cuda")
+    bench.add_argument("--plot", metavar="JSON", help="only draw the plots of an earlier run's JSON into --out")
+    bench.set_defaults(run=_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.run(args)
+    except (GeometryError, ValueError) as error:
+        print(f"dsv4kv {args.command}: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
