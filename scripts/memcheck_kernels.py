@@ -1,24 +1,39 @@
 """Every Triton kernel once (prefill chunk and decode step, every cache format) on V4-Flash-shaped layers, for
 `compute-sanitizer --tool memcheck` (run on the GPU: `compute-sanitizer --tool memcheck python scripts/memcheck_kernels.py`). Prints each call so the log shows coverage."""
 
+import contextlib
+import functools
+from dataclasses import replace
+
 import torch
 
-import dsv4kv.ops.indexer.kernel as indexer_kernels
+import dsv4kv.ops.kernels as kernels
 from dsv4kv import CacheManager, ModelGeometry
 from dsv4kv.model.layer import DSV4Attention, init_random_weights
+from dsv4kv.ops.indexer.tuning import tuning_for
+
+
+@contextlib.contextmanager
+def scores_tuning(**changes):
+    """The layers' indexer scores (`ops.kernels.indexer_scores_paged`, the entry they call) with the GPU's config
+    changed."""
+    entry = kernels.indexer_scores_paged
+    tuning = replace(tuning_for(torch.device("cuda")), **changes)
+    kernels.indexer_scores_paged = functools.partial(entry, tuning=tuning)
+    try:
+        yield
+    finally:
+        kernels.indexer_scores_paged = entry
+
 
 geometry = ModelGeometry.preset("flash")
 layers = [init_random_weights(DSV4Attention(geometry, i, device="cuda", backend="triton"), i) for i in (0, 2, 3)]
 gen = torch.Generator(device="cuda").manual_seed(0)
-# MXFP4 twice: the indexer's row and stacked kernels on their FP8 MMA paths (the defaults), then both forced onto
-# their bf16 paths
-default_fp8_from = indexer_kernels.FP8_MIN_PROGRAMS_PER_SM
-for kv_format, indexer_format, fp8_from in (("fp8", "mxfp4", 0), ("fp8", "mxfp4", 1 << 30),
-                                            ("fp8", "fp8", default_fp8_from), ("bf16", "bf16", default_fp8_from)):
-    indexer_kernels.FP8_MIN_PROGRAMS_PER_SM = fp8_from
-    indexer_kernels.STACK_FP8 = fp8_from == 0
-    path = (f" (FP8 MMA from {fp8_from} programs per SM, stacked FP8 {indexer_kernels.STACK_FP8})"
-            if indexer_format == "mxfp4" else "")
+# MXFP4 twice: the indexer's row and stacked kernels on their FP8 MMA paths (the defaults), then both on their bf16
+# paths (`IndexerTuning.fp8_mma`)
+for kv_format, indexer_format, fp8 in (("fp8", "mxfp4", True), ("fp8", "mxfp4", False), ("fp8", "fp8", True),
+                                       ("bf16", "bf16", True)):
+    path = f" (FP8 MMAs {fp8})" if indexer_format == "mxfp4" else ""
     cache = CacheManager(geometry, max_requests=3, max_tokens=3 * 2560, kv_format=kv_format,
                          indexer_format=indexer_format, page_tokens=256, poison=True, device="cuda",
                          max_seq_len=2560)
@@ -28,7 +43,8 @@ for kv_format, indexer_format, fp8_from in (("fp8", "mxfp4", 0), ("fp8", "mxfp4"
         plan = cache.plan_step(step, buffers=buffers)
         x = torch.randn(plan.num_tokens, geometry.hidden_size, generator=gen, device="cuda").to(torch.bfloat16)
         for layer in layers:
-            out = layer(x, plan, cache)
+            with scores_tuning(fp8_mma=fp8):
+                out = layer(x, plan, cache)
             torch.cuda.synchronize()
             print(f"{kv_format}/{indexer_format}{path} layer {layer.layer_index} ({layer.spec.kind.short}) step {step}: "
                   f"finite={bool(torch.isfinite(out[:plan.num_tokens]).all())}", flush=True)
@@ -37,40 +53,40 @@ for kv_format, indexer_format, fp8_from in (("fp8", "mxfp4", 0), ("fp8", "mxfp4"
         plan = cache.plan_step(step)
         x = torch.randn(len(step), geometry.hidden_size, generator=gen, device="cuda").to(torch.bfloat16)
         for layer in layers:
-            out = layer(x, plan, cache)
+            with scores_tuning(fp8_mma=fp8):
+                out = layer(x, plan, cache)
             torch.cuda.synchronize()
-            print(f"{kv_format}/{indexer_format} layer {layer.layer_index} {what}: "
+            print(f"{kv_format}/{indexer_format}{path} layer {layer.layer_index} {what}: "
                   f"finite={bool(torch.isfinite(out).all())}", flush=True)
 # a CSA decode step past the top-k row kernel's 4096 candidates (20K tokens: 5000 columns): the indexer counts the
 # split top-k's first digit (`digit_counts`) and top-k runs its other three launches; random valid cache bytes
 from dsv4kv.tools.bench.synthetic import fill_layer  # noqa: E402
 
-indexer_kernels.FP8_MIN_PROGRAMS_PER_SM = default_fp8_from
-indexer_kernels.STACK_FP8 = True
 cache = CacheManager(geometry, max_requests=2, max_tokens=2 * 20480, page_tokens=256, device="cuda", max_seq_len=20480)
 rid = cache.admit()
 cache.plan_step([(rid, 20000)])
 fill_layer(cache.pools.layers[2], window=geometry.window, seed=2)
 buffers = cache.step_buffers(max_tokens=2, max_requests=2, max_seq_len=20480)
-for scratch_above in (indexer_kernels.DIGIT_COUNT_SCRATCH_ABOVE, 0):  # straight to the histogram, then via scratch
-    indexer_kernels.DIGIT_COUNT_SCRATCH_ABOVE = scratch_above
+for scratch_above in (tuning_for(torch.device("cuda")).digit_count_scratch_above, 0):  # straight, then via scratch
     plan = cache.plan_step([(rid, 1)], buffers=buffers)
-    out = layers[1](torch.randn(1, geometry.hidden_size, generator=gen, device="cuda").to(torch.bfloat16), plan, cache)
+    with scores_tuning(digit_count_scratch_above=scratch_above):
+        out = layers[1](torch.randn(1, geometry.hidden_size, generator=gen, device="cuda").to(torch.bfloat16), plan,
+                        cache)
     torch.cuda.synchronize()
     print(f"layer 2 (CSA) decode at {cache.length(rid)} tokens, digits counted by the indexer "
           f"({'via scratch rows' if scratch_above == 0 else 'straight'}): finite={bool(torch.isfinite(out).all())}",
           flush=True)
-# top-k's kernels directly, at sizes the layers above do not reach: the split radix select (one long row in four
-# launches and in one; many rows with phase D's select in registers, looped over its buffer (integer scores: a full
-# row buffers ~1300 keys, past SELECT = 1024), and over the row when the buffer overflows), the row kernel; NaN past
-# each row's length. Each checked against a stable sort of the length-masked scores.
+# top-k's kernels directly, at sizes the layers above do not reach: the split radix select (one long row; many rows
+# with phase D's select in registers, looped over its buffer (integer scores: a full row buffers ~1300 keys, past
+# SELECT = 1024), and over the row when the buffer overflows), the row kernel; NaN past each row's length. Each
+# checked against a stable sort of the length-masked scores.
 import dsv4kv.ops.topk.kernel as topk_kernels  # noqa: E402
+from dsv4kv.ops.topk.tuning import tuning_for as topk_tuning_for  # noqa: E402
 from dsv4kv.ops.topk.reference import topk_picks  # noqa: E402
 
-TOPK_CASES = ((1, 262144, 512, False, None, 0), (1, 262144, 512, True, None, 0), (64, 32768, 512, False, None, 0),
-              (64, 32768, 512, False, 4096, 2), (64, 32768, 512, False, 0, 2), (64, 16384, 512, False, None, 0))
-for rows, cols, k, fused, capacity, integer_scale in TOPK_CASES:
-    topk_kernels.FUSED = fused
+TOPK_CASES = ((1, 262144, 512, None, 0), (64, 32768, 512, None, 0), (64, 32768, 512, 4096, 2), (64, 32768, 512, 0, 2),
+              (64, 16384, 512, None, 0))
+for rows, cols, k, capacity, integer_scale in TOPK_CASES:
     scores = torch.randn(rows, cols, generator=gen, device="cuda")
     if integer_scale:  # ties: the threshold's value fills the buffer
         scores = (scores * integer_scale).round()
@@ -82,8 +98,7 @@ for rows, cols, k, fused, capacity, integer_scale in TOPK_CASES:
     want = topk_picks(scores.masked_fill(past, float("-inf")), k)
     equal = torch.equal(torch.where(out < 0, cols, out).long().sort(dim=1).values,
                         torch.where(want < 0, cols, want).sort(dim=1).values)
-    kernel = "row" if topk_kernels._by_row(rows, cols) else "split"
-    print(f"top-k {rows} x {cols} k={k} {kernel} fused={fused} capacity={capacity} integers x{integer_scale}: "
+    kernel = "row" if topk_kernels._by_row(rows, cols, topk_tuning_for(torch.device("cuda"))) else "split"
+    print(f"top-k {rows} x {cols} k={k} {kernel} capacity={capacity} integers x{integer_scale}: "
           f"picks {int(out.ge(0).sum())}, equal to a stable sort: {equal}", flush=True)
-topk_kernels.FUSED = False
 print("memcheck script done")

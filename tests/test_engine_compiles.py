@@ -3,7 +3,7 @@ batch sizes, growing contexts, every decode graph size) launch no kernel with a 
 values, launch options, Triton's classes of int and pointer arguments) that an earlier step did not have. On a
 GPU each new key is a compilation (hundreds of ms to seconds), paid inside a step (issue 13: 9 tokens/s).
 
-The keys are Triton's own (`dsv4kv.kernels.specialization`); the kernels are not run (`launch=False`): the
+The keys are Triton's own (`dsv4kv.ops.shared.specialization`); the kernels are not run (`launch=False`): the
 launches an engine step makes depend on the scheduler's shapes only, so the tokens (sampled from unwritten
 outputs) do not matter, and the test takes seconds instead of minutes under the interpreter."""
 
@@ -17,8 +17,11 @@ import torch
 from dsv4kv.engine import Engine, SamplingParams
 from dsv4kv.engine.reference import random_model, tiny_config, with_dtype
 from dsv4kv.ops.attention import kernel as attention_module
+from dsv4kv.ops.attention.tuning import TUNING as ATTENTION_TUNING
 from dsv4kv.ops.indexer import query_kernel as query_module
+from dsv4kv.ops.indexer.tuning import QUERY_TUNING
 from dsv4kv.ops.topk import kernel as topk_module
+from dsv4kv.ops.topk.tuning import TUNING as TOPK_TUNING
 from dsv4kv.ops.shared.specialization import record_launches
 
 from test_engine import one_thread  # noqa: F401  (the module's autouse fixture: torch on one thread)
@@ -88,8 +91,7 @@ def test_the_recorder_sees_what_triton_specializes():
     def key(S, k, scores):
         args = (scores, torch.zeros(2, dtype=torch.int32), torch.zeros(4, dtype=torch.int32),
                 torch.zeros(4, dtype=torch.int32), 32, 1024, 64, S, 48, k)
-        meta = dict(BLOCK=64, SPLITS=8, SELECT=64, PHASE=0, WARP_COUNTS=True, ASM=False, AHEAD=True,
-                    num_warps=4)
+        meta = dict(BLOCK=64, SPLITS=8, SELECT=64, PHASE=0, ASM=False, AHEAD=True, num_warps=4)
         return dict(specialization_key(kernel, args, meta))
 
     scores = torch.zeros(64)
@@ -105,21 +107,23 @@ def test_gpu_launch_configs_take_few_values(monkeypatch):
     ints. Attention: heads 64, head_dim 512, window 128 + 512 picks (CSA) or up to 1M / 128 entries (HCA)."""
     monkeypatch.setattr(attention_module, "sm_count", lambda device: 132)
     cuda = torch.device("cuda")
+    attention = ATTENTION_TUNING["sm90"]
     configs = {(c.block_h, c.block_n, c.splits > 1, c.num_warps, c.num_stages)
                for rows in range(1, 4097) for max_keys in (128 + 512, 128 + 64, 128 + 8192)
-               for c in [attention_module._config(rows, 64, max_keys, cuda)]}
+               for c in [attention_module._config(rows, 64, max_keys, cuda, attention)]}
     assert len(configs) <= 6, configs  # (16 | 64 heads) x (32 | 64 keys) x (split or not), in part
-    merges = {attention_module._merge_tile(c.splits, 512) for rows in range(1, 4097)
+    merges = {attention_module._merge_tile(c.splits, 512, attention) for rows in range(1, 4097)
               for max_keys in (128 + 512, 128 + 64, 128 + 8192, 128 + 4096, 128 + 1024)
-              for c in [attention_module._config(rows, 64, max_keys, cuda)] if c.splits > 1}
-    assert len(merges) <= len(attention_module.MERGE_CHUNKS), merges  # the merge's MERGE_S, DIMS and warps
+              for c in [attention_module._config(rows, 64, max_keys, cuda, attention)] if c.splits > 1}
+    assert len(merges) <= len(attention.merge_chunks), merges  # the merge's MERGE_S, DIMS and warps
     monkeypatch.setattr(topk_module, "sm_count", lambda device: 132)
     shapes = [(rows, cols) for rows in (1, 2, 3, 64, 8192) for cols in (1, 5000, 1 << 15, 1 << 18, 1 << 20)]
     # (programs, tile columns): two tilings, so two compilations (BLOCK, and SPLITS = 512 or 1024)
-    tilings = {topk_module._tiling(rows, cols, torch.device("cuda", 0)) for rows, cols in shapes}
+    topk = TOPK_TUNING["sm90"]
+    tilings = {topk_module._tiling(rows, cols, torch.device("cuda", 0), topk) for rows, cols in shapes}
     assert tilings == {(264, 1024), (528, 2048)}
     for rows, cols in shapes:  # S fits the count vector of its own tiling
-        programs, block = topk_module._tiling(rows, cols, torch.device("cuda", 0))
-        assert topk_module._split(rows, cols, torch.device("cuda", 0))[0] <= programs
+        programs, block = topk_module._tiling(rows, cols, torch.device("cuda", 0), topk)
+        assert topk_module._split(rows, cols, torch.device("cuda", 0), topk)[0] <= programs
     # the indexer query's heads a program (a constexpr) over every row count: three values, so three compilations
-    assert {query_module._tiles("indexer", 64, rows)[0] for rows in range(1, 8193)} == {4, 8, 16}
+    assert {query_module._tiles(64, rows, QUERY_TUNING["sm90"])[0] for rows in range(1, 8193)} == {4, 8, 16}

@@ -1,5 +1,5 @@
-"""Sparse attention kernel (kernels/attention.py) against the reference: `ops.gather` (window ring + the step's
-own kv, compressed entries by index) then `ops.attention.sparse_attention`, on NaN-poisoned caches.
+"""Sparse attention kernel (ops/attention/kernel.py) against the reference: `ops.attention.gather` (window ring + the
+step's own kv, compressed entries by index) then `ops.attention.reference.sparse_attention`, on NaN-poisoned caches.
 
 Interpreter tests use the tiny geometry (H 8, D 128, window 16, CSA m 4, HCA m 16) with 128-token pages,
 padded plans, several requests on non-contiguous blocks, and chunks that take their window partly from the
@@ -23,6 +23,8 @@ CSA picks may repeat an entry: a repeated pick counts once per occurrence, as in
 the indexer never repeats one.
 """
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -30,6 +32,7 @@ from dsv4kv import CacheManager, ModelGeometry
 from dsv4kv.geometry import LayerKind
 from dsv4kv.ops.attention import kernel as attention
 from dsv4kv.ops.attention.kernel import sparse_attention_paged
+from dsv4kv.ops.attention.tuning import TUNING, tuning_for
 from dsv4kv.ops.rope.kernel import rope_rows
 from dsv4kv.cache.layout import indexer_layout, main_layout
 from dsv4kv.ops.window.reference import append_window
@@ -225,13 +228,10 @@ def test_tile_variants_match_reference(monkeypatch, kv_format, kind, block_h, bl
     assert max(errors.values()) < TOL, errors
 
 
-@pytest.mark.parametrize("qk_scratch", [True, False])
 @pytest.mark.parametrize("kv_format,kind,splits", [("fp8", "csa", (1, 3)), ("bf16", "hca", (1,))])
-def test_logits_with_and_without_scratch_match_reference(monkeypatch, qk_scratch, kv_format, kind, splits):
-    """64-head programs (8 warps, where QK_SCRATCH applies; the tiny model's heads would pick 16) with each block's
-    logits through the scratch row (the default) and straight from the dot: the same outputs within the tolerance,
-    split or not."""
-    monkeypatch.setattr(attention, "QK_SCRATCH", qk_scratch)
+def test_logits_through_the_scratch_row_match_reference(monkeypatch, kv_format, kind, splits):
+    """64-head programs (8 warps, whose logits pass through a scratch row; the tiny model's heads would pick 16):
+    the reference's outputs within the tolerance, split or not."""
     choose = attention._config
     monkeypatch.setattr(attention, "_config", lambda *a: choose(*a)._replace(block_h=64, num_warps=8))
     errors = run_scenario(kv_format, kind, torch.bfloat16, seed=9, splits=splits)
@@ -370,26 +370,28 @@ def test_q_rope_dims_replace_the_last_dims_of_q(splits):
         sparse_attention_paged(q, plan, q_rope_dims=roped, **args)
 
 
-def test_merge_tile_sets_only_the_order_of_the_sums(monkeypatch):
+def test_merge_tile_sets_only_the_order_of_the_sums():
     """The merge's tile (`_merge_tile`: splits read at once, head dims and warps per program) changes only the order
     of fp32 sums over the splits (here 3 in use, read 2 or 8 at a time, over all 128 dims or 32 a program, on 2 or 4
     warps: on a GPU the reduction's layout follows the tile), with and without the inverse RoPE, whose pairs then
     fall in two programs; for a launch of 2 splits it changes no byte (a sum of two terms and zeros is one rounding
     in any order). Padding rows stay zeros."""
-    tile = attention._merge_tile
+    def tile(splits, dim):
+        return attention._merge_tile(splits, dim, TUNING["sm90"])
+
     assert tile(2, 512) == (2, 512, 2) and tile(3, 512) == tile(16, 512) == (16, 512, 4)
     assert tile(20, 512) == (32, 256, 4) and tile(65, 512) == (128, 64, 4)
     assert tile(130, 512) == tile(300, 512) == (256, 32, 4) and tile(3, 64) == (16, 64, 2)
-    choose = attention._config
-    monkeypatch.setattr(attention, "_config", lambda *a: choose(*a)._replace(block_n=16))
+    small_blocks = replace(tuning_for(DEVICE), block_n=16, large_block_n=16)
     q, plan, args, cos_sin = hca_decode_case(290, 2, 4, seed=15)  # 3 key blocks of 16 a row
     dim = q.shape[2]
 
     def merged(splits, chunk, dims):
-        warps = 2 if chunk * dims <= 1024 else 4  # the rule's warps for this tile: both counts run
-        monkeypatch.setattr(attention, "_merge_tile", lambda s, d: (chunk, dims, warps))
-        return (sparse_attention_paged(q, plan, splits=splits, **args),
-                sparse_attention_paged(q, plan, splits=splits, inverse_rope=cos_sin, **args))
+        # `chunk` splits at once over `dims` dims, on the rule's warps for this tile (2 or 4: both counts run)
+        tuning = replace(small_blocks, merge_chunks=(chunk,), merge_elems=chunk * dims)
+        assert attention._merge_tile(splits, dim, tuning)[:2] == (chunk, dims)
+        return (sparse_attention_paged(q, plan, splits=splits, tuning=tuning, **args),
+                sparse_attention_paged(q, plan, splits=splits, inverse_rope=cos_sin, tuning=tuning, **args))
 
     for splits, chunks in ((2, (2, 16)), (5, (8, 2))):
         outs = {(chunk, dims): merged(splits, chunk, dims) for chunk in chunks for dims in (dim, 32)}
@@ -413,13 +415,12 @@ def test_config_splits_only_grids_that_leave_the_gpu_idle(monkeypatch):
     half the SMs idle), a batch that fills half the SMs does not, a batch filling a third takes 64-key blocks; the
     interpreter never splits."""
     monkeypatch.setattr(attention, "sm_count", lambda device: 132)
-    for name, value in dict(BLOCK_H=64, SMALL_BLOCK_H=16, BLOCK_N=32, LARGE_BLOCK_N=64, MIN_SPLIT_BLOCKS=2,
-                            SMALL_MIN_SPLIT_BLOCKS=1).items():
-        monkeypatch.setattr(attention, name, value)  # whatever the defaults are now
+    tuning = replace(TUNING["sm90"], block_h=64, small_block_h=16, block_n=32, large_block_n=64, min_split_blocks=2,
+                     small_min_split_blocks=1)  # whatever the defaults are now
     cuda = torch.device("cuda", 0)
 
     def tiles(rows, keys, heads=64, device=cuda):
-        config = attention._config(rows, heads, keys, device)
+        config = attention._config(rows, heads, keys, device, tuning)
         return config.block_h, config.block_n, config.splits, config.num_warps
 
     assert tiles(1, 128 + 512) == (16, 32, 20, 4)  # 1 x 10 programs at 64 heads: 4 x 20 at 16 heads, a block each

@@ -1,8 +1,8 @@
-"""Compressor kernels (dsv4kv.kernels.compress) against the reference over random multi-request chunked
+"""Compressor kernels (dsv4kv.ops.compress.kernel) against the reference over random multi-request chunked
 schedules on a poisoned cache (pools 0xFF, state rings NaN until written, padding rows NaN):
 
-- append_state == ops.append.append_state, bit for bit (the state rings);
-- compress_insert == ops.compress.compress_and_insert: the kernel pools, norms and rotates in another order
+- append_state == ops.compress.reference.append_state, bit for bit (the state rings);
+- compress_insert == ops.compress.reference.compress_and_insert: the kernel pools, norms and rotates in another order
   (and on a GPU with other exp / rsqrt), so the entries are compared through the layout's decode within one
   quantization step (the tolerance table below) with >= 99% of their bytes equal; every byte the plan does not write
   keeps its poison.
@@ -12,7 +12,7 @@ keys MXFP4 / FP8 / bf16, exact and padded persistent plans, bf16 and fp32 entrie
 GPU tests use V4-Flash / V4-Pro shapes (d 512, index 128, ratios 4 and 128, 256-token pages).
 """
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import pytest
 import torch
@@ -25,8 +25,8 @@ from dsv4kv.cache import quant
 from dsv4kv.ops.shared.backend import interpreted
 from dsv4kv.geometry import LayerKind
 from dsv4kv.ops.compress import kernel as compress
-from dsv4kv.ops.shared import encode
 from dsv4kv.ops.compress.kernel import append_state, compress_insert
+from dsv4kv.ops.compress.tuning import CompressTile, PoolTile, tuning_for
 from dsv4kv.ops.shared.encode import rotate_keys, store_index_entries
 from dsv4kv.cache.layout import IndexerFP8Layout, IndexerMXFP4Layout, MainFP8Layout, indexer_layout, main_layout
 from dsv4kv.ops.compress.reference import append_state as reference_append
@@ -187,10 +187,11 @@ def make_compressors(cache, layer, g):
     return made
 
 
-def run_compress_schedule(cache, layer, rids, steps, buffers, seed, every_layout=True):
-    """Runs the schedule (steps: ((request number, tokens), ...), padded) through kernels and reference and checks
-    every step; returns the compressors (with their Agreement per layout). Without `every_layout` each step
-    encodes into one main and one indexer layout, in turn (the interpreter is slow); state rings are shared."""
+def run_compress_schedule(cache, layer, rids, steps, buffers, seed, every_layout=True, tuning=None):
+    """Runs the schedule (steps: ((request number, tokens), ...), padded) through kernels (with `tuning`) and
+    reference and checks every step; returns the compressors (with their Agreement per layout). Without
+    `every_layout` each step encodes into one main and one indexer layout, in turn (the interpreter is slow); state
+    rings are shared."""
     g = gen(seed)
     spec, device = cache.geometry.layers[layer], cache.device
     csa = spec.kind is LayerKind.CSA
@@ -215,7 +216,8 @@ def run_compress_schedule(cache, layer, rids, steps, buffers, seed, every_layout
                 kw = dict(ratio=spec.ratio, overlap=csa, norm_weight=c.norm_weight, eps=cache.geometry.rms_norm_eps,
                           rope=spec.rope, out_dtype=out_dtype, layout=layout, page_tokens=cache.spec.page_tokens)
                 before = pool.clone()
-                compress_insert(kernel_kv, kernel_logits, plan, kv_rows, logit_rows, pool=pool, main=c.main, **kw)
+                compress_insert(kernel_kv, kernel_logits, plan, kv_rows, logit_rows, pool=pool, main=c.main,
+                                tuning=tuning, **kw)
                 compress_and_insert(ref_kv, ref_logits, plan, kv_rows[:n], logit_rows[:n], pool=want, **kw)
                 check_entries(layout, entries, pool, want, before, slots, c.agreement[layout.name], (padded, out_dtype))
             append_state(kernel_kv, kernel_logits, plan, kv_rows, logit_rows)
@@ -241,28 +243,31 @@ def untouched_slot(compressors, slot):
 
 
 # --- schedules on the interpreter ---------------------------------------------------------------------------
-# (entries per program, rows per chunk, warps) per compressor, every launch keeping its tile (no spreading of small
-# launches): "default" is COMPRESS_TILES (4 indexer keys per program; the tiny HCA's 16 rows in one chunk);
-# "chunked" puts 2-8 entries in a program and pools in chunks of 4 rows (the online softmax across chunks, CSA's
-# first chunk empty for entry 0, HCA in 4 chunks).
-TILES = {"default": None, "chunked": {"csa_main": (2, 4, 2), "csa_index": (8, 4, 2), "hca": (4, 4, 4)}}
+# Tiles, every launch keeping its tile (no spreading of small launches): "default" is the device's (4 indexer keys
+# per program; the tiny HCA's 16 rows in one chunk); "chunked" puts 2-8 entries in a program and pools in chunks of
+# 4 rows (the online softmax across chunks, CSA's first chunk empty for entry 0, HCA in 4 chunks).
+def spread_off():
+    return replace(tuning_for(DEVICE), spread_programs=1)
+
+
+TILES = {"default": {}, "chunked": dict(csa_main=CompressTile(2, 4, 2), csa_index=CompressTile(8, 4, 2), hca_entries=4,
+                                        pool_few=PoolTile(4, 4, 1), pool_many=PoolTile(32, 4, 4))}
 
 
 @pytest.mark.parametrize("tiles", list(TILES))
 @pytest.mark.parametrize("layer, lengths, seed", [(1, (141, 25, 12), 8), (2, (141, 37, 22), 22)],
                          ids=["csa-m4", "hca-m16"])
-def test_compress_and_state_over_random_schedule(layer, lengths, seed, tiles, monkeypatch):
+def test_compress_and_state_over_random_schedule(layer, lengths, seed, tiles):
     """Three requests (the first crosses into a second, non-adjacent block), chunks of 1..60 tokens, every third
     step a padded plan (buffers for 5 tokens: padding entries, programs of padding only), every fifth fp32 entries;
     the layouts take turns."""
-    monkeypatch.setattr(encode, "SPREAD_PROGRAMS", 1)
-    if TILES[tiles] is not None:
-        monkeypatch.setattr(compress, "COMPRESS_TILES", TILES[tiles])
+    tuning = replace(spread_off(), **TILES[tiles])
     cache = CacheManager(TINY, max_requests=4, max_tokens=600, page_tokens=128, device=DEVICE, poison=True)
     rids = admit(cache, 3)
     buffers = cache.step_buffers(max_tokens=5, max_requests=3)
     steps = schedule(seed, lengths, chunks=(1, 1, 2, 5, 13, 29, 60), padded_every=3, cap=5)
-    compressors = run_compress_schedule(cache, layer, rids, steps, buffers, seed=layer, every_layout=False)
+    compressors = run_compress_schedule(cache, layer, rids, steps, buffers, seed=layer, every_layout=False,
+                                        tuning=tuning)
     blocks = cache.blocks(rids[0])
     assert len(blocks) == 2 and blocks[1] != blocks[0] + 1, "non-contiguous blocks"
     assert any(n >= 29 for batch, padded in steps if not padded for _, n in batch)
@@ -275,22 +280,21 @@ def test_compress_and_state_over_random_schedule(layer, lengths, seed, tiles, mo
 
 @pytest.mark.parametrize("channels", [32, 128])
 def test_hca_pool_split_changes_no_byte(channels, monkeypatch):
-    """HCA pooled in a first launch split over channels (POOL_SPLIT), then normed and encoded in a second, writes the
-    bytes one launch writes with the same rows per chunk (channels are independent; the interpreter reduces a chunk's
-    rows in one order whatever the warps), over the random schedule. Launches of up to POOL_FEW_ENTRIES entries take
-    the "few" tile (one warp), the others the "many" tile (here 2 entries splits the schedule's launches)."""
-    monkeypatch.setattr(encode, "SPREAD_PROGRAMS", 1)
-    monkeypatch.setattr(compress, "COMPRESS_TILES", {**compress.COMPRESS_TILES, "hca": (2, 4, 4)})
-    monkeypatch.setattr(compress, "POOL_FEW_ENTRIES", 2)
-    one_launch = compress_insert
+    """HCA pooled in a first launch split over slices of `channels` channels, then normed and encoded in a second,
+    writes the bytes of a pooling launch whose programs take all of an entry's channels, with the same rows per
+    chunk (channels are independent; the interpreter reduces a chunk's rows in one order whatever the warps), over
+    the random schedule. Launches of up to `few_entries` entries take the "few" tile (one warp), the others the
+    "many" tile (here 2 entries splits the schedule's launches)."""
+    tuning = replace(spread_off(), hca_entries=2, few_entries=2)
+    split = replace(tuning, pool_few=PoolTile(channels, 4, 1), pool_many=PoolTile(channels, 4, 4))
+    whole = replace(tuning, pool_few=PoolTile(1 << 16, 4, 4), pool_many=PoolTile(1 << 16, 4, 4))
+    pooling = compress_insert
     calls = []
 
-    def both(state_kv, state_logits, plan, kv_rows, logit_rows, *, pool, **kw):
+    def both(state_kv, state_logits, plan, kv_rows, logit_rows, *, pool, tuning, **kw):
         other = pool.clone()
-        monkeypatch.setattr(compress, "POOL_SPLIT", None)
-        one_launch(state_kv, state_logits, plan, kv_rows, logit_rows, pool=other, **kw)
-        monkeypatch.setattr(compress, "POOL_SPLIT", {"few": (channels, 4, 1, None), "many": (channels, 4, 4, None)})
-        one_launch(state_kv, state_logits, plan, kv_rows, logit_rows, pool=pool, **kw)
+        pooling(state_kv, state_logits, plan, kv_rows, logit_rows, pool=other, tuning=whole, **kw)
+        pooling(state_kv, state_logits, plan, kv_rows, logit_rows, pool=pool, tuning=split, **kw)
         assert torch.equal(pool, other)
         writes = plan.entries[kw["ratio"]]
         calls.append((writes.count, writes.slots.shape[0]))  # entries completing, the launch's count
@@ -300,7 +304,7 @@ def test_hca_pool_split_changes_no_byte(channels, monkeypatch):
     rids = admit(cache, 3)
     buffers = cache.step_buffers(max_tokens=5, max_requests=3)
     steps = schedule(22, (141, 37, 22), chunks=(1, 1, 2, 5, 13, 29, 60), padded_every=3, cap=5)
-    run_compress_schedule(cache, 2, rids, steps, buffers, seed=2, every_layout=False)
+    run_compress_schedule(cache, 2, rids, steps, buffers, seed=2, every_layout=False, tuning=tuning)
     counts = [launched for _, launched in calls]
     assert sum(done for done, _ in calls) > 10 and min(counts) <= 2 < max(counts)  # both tiles ran
 
@@ -309,7 +313,6 @@ def test_compress_wait_late_changes_no_byte(monkeypatch):
     """`wait_late` (the wait for the grid before it moved to the kernel's end, every exit included) and `launch_next`
     (the next grid let in after the wait) write the bytes the plain launch writes, over the CSA random schedule (on
     the GPU the layer's streams test runs them for real)."""
-    monkeypatch.setattr(encode, "SPREAD_PROGRAMS", 1)
     plain = compress_insert
     calls = []
 
@@ -329,7 +332,7 @@ def test_compress_wait_late_changes_no_byte(monkeypatch):
     rids = admit(cache, 3)
     buffers = cache.step_buffers(max_tokens=5, max_requests=3)
     steps = schedule(8, (61, 25, 12), chunks=(1, 2, 13, 29), padded_every=3, cap=5)
-    run_compress_schedule(cache, 1, rids, steps, buffers, seed=1, every_layout=False)
+    run_compress_schedule(cache, 1, rids, steps, buffers, seed=1, every_layout=False, tuning=spread_off())
     assert sum(count for count, _ in calls) > 10
     assert any(count == 0 < launched for count, launched in calls)  # a launch whose programs all return early
 
@@ -618,21 +621,22 @@ def test_cuda_compress_and_state_decode_and_prefill(preset, kind):
 @needs_cuda
 @pytest.mark.parametrize("tiles", ["default", "wide", "narrow"])
 @pytest.mark.parametrize("kind", [LayerKind.CSA, LayerKind.HCA], ids=["csa", "hca"])
-def test_cuda_compress_prefill_tiles(kind, tiles, monkeypatch):
-    """V4-Flash shapes through the tiles the lead may time: an 8192-token prefill chunk (2048 CSA / 64 HCA entries,
-    4 indexer keys per program by default) beside a request continuing its 3000-token history by 1000 tokens (entries
-    straddling the ring and the step rows), then padded decode steps. Same checks and tolerance as on the
+def test_cuda_compress_prefill_tiles(kind, tiles):
+    """V4-Flash shapes through tiles one may time (`CompressTuning`): an 8192-token prefill chunk (2048 CSA / 64 HCA
+    entries, 4 indexer keys per program by default) beside a request continuing its 3000-token history by 1000 tokens
+    (entries straddling the ring and the step rows), then padded decode steps. Same checks and tolerance as on the
     interpreter."""
-    variants = {"default": None,
-                "wide": {"csa_main": (1, 8, 8), "csa_index": (8, 8, 8), "hca": (1, 16, 8)},
-                "narrow": {"csa_main": (2, 4, 4), "csa_index": (1, 8, 4), "hca": (1, 8, 4)}}
-    if variants[tiles] is not None:
-        monkeypatch.setattr(compress, "COMPRESS_TILES", variants[tiles])
+    variants = {"default": {},
+                "wide": dict(csa_main=CompressTile(1, 8, 8), csa_index=CompressTile(8, 8, 8),
+                             pool_many=PoolTile(64, 64, 8), pooled_warps=8),
+                "narrow": dict(csa_main=CompressTile(2, 4, 4), csa_index=CompressTile(1, 8, 4),
+                               pool_many=PoolTile(16, 32, 2), hca_entries=2)}
+    tuning = replace(tuning_for(DEVICE), **variants[tiles])
     g = ModelGeometry.preset("flash")
     layer = next(i for i, spec in enumerate(g.layers) if spec.kind is kind)
     cache = CacheManager(g, max_requests=3, max_tokens=16000, page_tokens=256, device=DEVICE, poison=True)
     rids = admit(cache, 2)
     buffers = cache.step_buffers(max_tokens=1100, max_requests=2)
     steps = [([(0, 3000)], False), ([(1, 8192), (0, 1000)], False)] + [([(0, 1), (1, 1)], True)] * 3
-    compressors = run_compress_schedule(cache, layer, rids, steps, buffers, seed=71)
+    compressors = run_compress_schedule(cache, layer, rids, steps, buffers, seed=71, tuning=tuning)
     untouched_slot(compressors, 0)

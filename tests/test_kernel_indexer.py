@@ -1,4 +1,5 @@
-"""Triton indexer scores (`kernels.indexer.indexer_scores_paged`) against the reference: `ops.indexer.indexer_scores`
+"""Triton indexer scores (`ops.indexer.kernel.indexer_scores_paged`) against the reference:
+`ops.indexer.reference.indexer_scores`
 over keys decoded by `layout.read`, masked to -inf past each row's visible count as `indexer_topk` does (the
 kernel's `fill=True`; without it, the layer's default, columns past visible(t) are left unwritten and top-k never
 picks them). Both kernels (row: decode; stacked: rows of a request share key tiles) are checked, each forced with
@@ -27,6 +28,7 @@ from dsv4kv.ops.indexer.kernel import indexer_query_fp8, indexer_scores_paged
 from dsv4kv.cache.layout import indexer_layout, main_layout
 from dsv4kv.ops.shared.rows import entry_slots, step_rows
 from dsv4kv.ops.indexer.reference import indexer_query, indexer_scores
+from dsv4kv.ops.indexer.tuning import TUNING, Tiles, tuning_for
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -38,8 +40,16 @@ FORMATS = ("mxfp4", "fp8", "bf16")
 # |kernel - reference| relative to the row's max |score| and to the score's own terms (measured: see report)
 ROW_TOL, TERM_TOL = 1e-4, 2e-6  # row-max measure: 1.6e-5 seen on the H200 where a score nearly cancels
 # Stacked kernel tiles small enough that interpreter-sized cases cross every boundary: 4-row blocks, 16-entry tiles,
-# 32-entry chunks, 16-column -inf stores (_FILL_ELEMS // block_t)
-SMALL_STACK = {"block_t": 4, "block_j": 16, "max_iters": 2, "num_warps": 4, "num_stages": 1}
+# 32-entry chunks, 16-column -inf stores (fill_elems // block_t)
+SMALL_STACK = Tiles(block_t=4, block_j=16, max_iters=2, num_warps=4, num_stages=1)
+SMALL_STACKED = dict(stacked=SMALL_STACK, fill_elems=64)
+# Row kernel tiles of 16 entries, 2 a program (32-entry chunks) on any device (no fewer for a fuller grid)
+SMALL_ROW = dict(row=Tiles(block_j=16, max_iters=2, num_warps=4, num_stages=1), grid_waves=0)
+
+
+def tuned(**changes):
+    """The device's config with `changes` (`dataclasses.replace`)."""
+    return dataclasses.replace(tuning_for(DEVICE), **changes)
 
 
 # --- helpers ----------------------------------------------------------------------------------------
@@ -165,11 +175,6 @@ def count_calls(monkeypatch, name):
     return calls
 
 
-def small_stack_tiles(monkeypatch):
-    monkeypatch.setattr(kernel_mod, "_STACK_TILES", SMALL_STACK)
-    monkeypatch.setattr(kernel_mod, "_FILL_ELEMS", 64)
-
-
 class LaunchSpy:
     """Stands in for a jitted kernel and counts its launches."""
 
@@ -190,13 +195,13 @@ def spy_kernels(monkeypatch):
 
 
 # --- interpreter-sized cases ------------------------------------------------------------------------------
-@pytest.mark.parametrize("indexer_format,fp8_from", [("mxfp4", 0), ("mxfp4", 1 << 30), ("fp8", 5), ("bf16", 5)],
+@pytest.mark.parametrize("indexer_format,fp8", [("mxfp4", True), ("mxfp4", False), ("fp8", True), ("bf16", True)],
                          ids=["mxfp4-fp8-path", "mxfp4-bf16-path", "fp8", "bf16"])
-def test_scores_over_random_chunked_schedule(indexer_format, fp8_from, monkeypatch):
+def test_scores_over_random_chunked_schedule(indexer_format, fp8):
     """Three requests at odd lengths on interleaved blocks, fed in random chunks through padded persistent
     plans; NaN-poisoned pool, NaN q / weights on padding rows, NaN-prefilled out; widths J past every visible
     count (the default, 71) and below some (37). MXFP4 keys on each path of the row kernel."""
-    monkeypatch.setattr(kernel_mod, "FP8_MIN_PROGRAMS_PER_SM", fp8_from)
+    tuning = tuned(fp8_mma=fp8)
     cache, layout, pool = make_cache(TINY, indexer_format, page_tokens=PAGE, max_requests=4, max_tokens=700)
     lengths = [171, 37, 96]
     rids = admit(cache, 3)
@@ -218,13 +223,16 @@ def test_scores_over_random_chunked_schedule(indexer_format, fp8_from, monkeypat
         mode = k % 3
         if mode == 0:  # preallocated out, default width, every element must be written
             out = torch.full((rows, default_entries), float("nan"), device=DEVICE)
-            got = indexer_scores_paged(q, w, plan, pool, layout, ratio=M, page_tokens=PAGE, out=out, fill=True)
+            got = indexer_scores_paged(q, w, plan, pool, layout, ratio=M, page_tokens=PAGE, out=out, fill=True,
+                                       tuning=tuning)
             assert got.data_ptr() == out.data_ptr()
         elif mode == 1:  # an odd width past every visible count
-            got = indexer_scores_paged(q, w, plan, pool, layout, ratio=M, page_tokens=PAGE, max_entries=71, fill=True)
+            got = indexer_scores_paged(q, w, plan, pool, layout, ratio=M, page_tokens=PAGE, max_entries=71, fill=True,
+                                       tuning=tuning)
         else:  # a width below some visible counts: scores are cut at J
             out = torch.full((rows, 37), float("nan"), device=DEVICE)
-            got = indexer_scores_paged(q, w, plan, pool, layout, ratio=M, page_tokens=PAGE, out=out, fill=True)
+            got = indexer_scores_paged(q, w, plan, pool, layout, ratio=M, page_tokens=PAGE, out=out, fill=True,
+                                       tuning=tuning)
         want = reference(plan, pool, layout, q, w, got.shape[1], ratio=M, page_tokens=PAGE)
         worst = tuple(map(max, worst, score_error(got, want)))
         assert torch.isneginf(got[plan.num_tokens:]).all()
@@ -233,11 +241,10 @@ def test_scores_over_random_chunked_schedule(indexer_format, fp8_from, monkeypat
 
 @pytest.mark.parametrize("stack_rows", [False, True], ids=["row", "stacked"])
 @pytest.mark.parametrize("indexer_format", FORMATS)
-def test_chunk_boundaries(indexer_format, stack_rows, monkeypatch):
+def test_chunk_boundaries(indexer_format, stack_rows):
     """Small tiles (BLOCK_J 16, 2 per program; stacked: 4-row blocks): visible(t) inside a tile, on a tile boundary,
     in a second chunk, and a J that is not a multiple of the tile."""
-    monkeypatch.setattr(kernel_mod, "_config", lambda rows, entries, device: (16, 2, 4))
-    small_stack_tiles(monkeypatch)
+    tuning = tuned(**SMALL_ROW, **SMALL_STACKED)
     cache, layout, pool = make_cache(TINY, indexer_format, page_tokens=PAGE, max_requests=4, max_tokens=500)
     rids = admit(cache, 3)
     cache.plan_step([(rids[0], 150), (rids[2], 31)])
@@ -247,17 +254,18 @@ def test_chunk_boundaries(indexer_format, stack_rows, monkeypatch):
         write_all_keys(cache, rid, layout, pool, torch.randn(200, layout.dim, generator=g).to(DEVICE), M, PAGE)
     q, w = make_query(layout, plan.positions.shape[0], TINY.index_n_heads, seed=22)
     out = torch.full((plan.positions.shape[0], 45), float("nan"), device=DEVICE)
-    indexer_scores_paged(q, w, plan, pool, layout, ratio=M, page_tokens=PAGE, out=out, stack_rows=stack_rows, fill=True)
+    indexer_scores_paged(q, w, plan, pool, layout, ratio=M, page_tokens=PAGE, out=out, stack_rows=stack_rows, fill=True,
+                         tuning=tuning)
     assert_close_scores(out, reference(plan, pool, layout, q, w, 45, ratio=M, page_tokens=PAGE))
 
 
 @pytest.mark.parametrize("indexer_format", FORMATS)
-def test_stacked_rows_over_random_chunked_schedule(indexer_format, monkeypatch):
+def test_stacked_rows_over_random_chunked_schedule(indexer_format):
     """The stacked kernel, forced, with small tiles: four requests at odd lengths fed in random chunks of 3..23
     rows (not multiples of the 4-row block, so request boundaries fall inside blocks and several requests share
     one) through padded persistent plans; NaN-poisoned pool, NaN q / weights on padding rows, NaN-prefilled out,
     widths past every visible count (two 32-entry chunks, both with scores) and below some."""
-    small_stack_tiles(monkeypatch)
+    tuning = tuned(**SMALL_STACKED)
     cache, layout, pool = make_cache(TINY, indexer_format, page_tokens=PAGE, max_requests=5, max_tokens=600)
     lengths = [171, 45, 70, 19]
     rids = admit(cache, 4)
@@ -275,7 +283,8 @@ def test_stacked_rows_over_random_chunked_schedule(indexer_format, monkeypatch):
         q, w = make_query(layout, rows, heads, seed=200 + k, padding_from=plan.num_tokens)
         width = (45, 37)[k % 2]  # 45: past every visible count (42); 37: cuts some rows
         out = torch.full((rows, width), float("nan"), device=DEVICE)
-        indexer_scores_paged(q, w, plan, pool, layout, ratio=M, page_tokens=PAGE, out=out, stack_rows=True, fill=True)
+        indexer_scores_paged(q, w, plan, pool, layout, ratio=M, page_tokens=PAGE, out=out, stack_rows=True, fill=True,
+                             tuning=tuning)
         worst = tuple(map(max, worst, score_error(out, reference(plan, pool, layout, q, w, width, ratio=M,
                                                                  page_tokens=PAGE))))
         assert torch.isneginf(out[plan.num_tokens:]).all()
@@ -300,14 +309,13 @@ def check_unfilled(got, filled, plan, ratio, poison):
 
 
 @pytest.mark.parametrize("stack_rows", [False, True], ids=["row", "stacked"])
-def test_unfilled_columns_are_never_picked(stack_rows, monkeypatch):
+def test_unfilled_columns_are_never_picked(stack_rows):
     """Without the -inf fill (the layer's default), columns past a row's visible count keep whatever the buffer
     held (+inf here, which would win any top-k that read it); top-k over the visible counts picks exactly what it
     picks from the filled scores, and never a column at or past visible(t)."""
     from dsv4kv.ops.topk.kernel import topk_indices
 
-    monkeypatch.setattr(kernel_mod, "_config", lambda rows, entries, device: (16, 2, 4))
-    small_stack_tiles(monkeypatch)
+    tuning = tuned(**SMALL_ROW, **SMALL_STACKED)
     cache, layout, pool = make_cache(TINY, "mxfp4", page_tokens=PAGE, max_requests=4, max_tokens=500)
     rids = admit(cache, 3)
     cache.plan_step([(rids[0], 150), (rids[1], 50), (rids[2], 31)])
@@ -320,9 +328,10 @@ def test_unfilled_columns_are_never_picked(stack_rows, monkeypatch):
     q, w = make_query(layout, rows, TINY.index_n_heads, seed=24, padding_from=plan.num_tokens)
     poison = torch.tensor(float("inf"), device=DEVICE)
     filled = indexer_scores_paged(q, w, plan, pool, layout, ratio=M, page_tokens=PAGE, max_entries=64,
-                                  stack_rows=stack_rows, fill=True)
+                                  stack_rows=stack_rows, fill=True, tuning=tuning)
     got = torch.full((rows, 64), float("inf"), device=DEVICE)
-    indexer_scores_paged(q, w, plan, pool, layout, ratio=M, page_tokens=PAGE, out=got, stack_rows=stack_rows)
+    indexer_scores_paged(q, w, plan, pool, layout, ratio=M, page_tokens=PAGE, out=got, stack_rows=stack_rows,
+                         tuning=tuning)
     visible = check_unfilled(got, filled, plan, M, poison)
     lengths = visible.to(torch.int32)
     picks = topk_indices(got, lengths, 8)
@@ -332,59 +341,59 @@ def test_unfilled_columns_are_never_picked(stack_rows, monkeypatch):
 
 
 @pytest.mark.parametrize("scratch", [False, True], ids=["straight", "scratch"])
-@pytest.mark.parametrize("indexer_format,fp8_from", [("mxfp4", 0), ("mxfp4", 1 << 30), ("fp8", 0), ("bf16", 0)],
+@pytest.mark.parametrize("indexer_format,fp8", [("mxfp4", True), ("mxfp4", False), ("fp8", True), ("bf16", True)],
                          ids=["mxfp4-fp8-path", "mxfp4-bf16-path", "fp8", "bf16"])
-def test_row_kernel_counts_topk_first_digit(indexer_format, fp8_from, scratch, monkeypatch):
+def test_row_kernel_counts_topk_first_digit(indexer_format, fp8, scratch):
     """`digit_counts`: each program adds the top-k's digit-1 counts of the scores it wrote (columns < visible(t)) to
     its row's histogram in the top-k workspace, two calls adding up; top-k with `first_digit_counted` then picks what
     it picks counting itself. Rows span several programs (32-entry chunks); padding rows count nothing; the columns
     past visible hold +inf (never written, never counted). The stacked kernel refuses the argument."""
     from dsv4kv.ops.topk import kernel as topk_mod
+    from dsv4kv.ops.topk.tuning import tuning_for as topk_tuning_for
     from test_kernel_topk import first_digit_histograms
 
-    monkeypatch.setattr(kernel_mod, "_config", lambda rows, entries, device: (16, 2, 4))
-    monkeypatch.setattr(kernel_mod, "FP8_MIN_PROGRAMS_PER_SM", fp8_from)
-    monkeypatch.setattr(kernel_mod, "DIGIT_COUNT_SCRATCH_ABOVE", 0 if scratch else 1 << 30)
-    for name in ("ROW_MAX_COLS", "ROW_MAX_COLS_MANY"):
-        monkeypatch.setattr(topk_mod, name, 0)
+    tuning = tuned(**SMALL_ROW, fp8_mma=fp8, digit_count_scratch_above=0 if scratch else 1 << 30)
+    split = dataclasses.replace(topk_tuning_for(DEVICE), row_max_cols=0, row_max_cols_many=0)
     cache, layout, pool = make_cache(TINY, indexer_format, page_tokens=PAGE, max_requests=4, max_tokens=700)
     rids = admit(cache, 3)
     cache.plan_step([(rids[0], 250), (rids[1], 50), (rids[2], 3)])
     buffers = cache.step_buffers(max_tokens=5, max_requests=4)
     plan = cache.plan_step([(rid, 1) for rid in rids], buffers=buffers)  # a decode step: 2 padding rows
-    assert kernel_mod.counts_digits(plan)
+    assert kernel_mod.counts_digits(plan, tuning)
     g = gen(31)
     for rid in rids:
         write_all_keys(cache, rid, layout, pool, torch.randn(200, layout.dim, generator=g).to(DEVICE), M, PAGE)
     rows, entries = plan.positions.shape[0], 80
     q, w = make_query(layout, rows, TINY.index_n_heads, seed=32, padding_from=plan.num_tokens)
-    ws = topk_mod.topk_workspace(rows, entries, 8, DEVICE)
+    ws = topk_mod.topk_workspace(rows, entries, 8, DEVICE, tuning=split)
     counts = topk_mod.first_digit_counts(ws)
     got = torch.full((rows, entries), float("inf"), device=DEVICE)
-    indexer_scores_paged(q, w, plan, pool, layout, ratio=M, page_tokens=PAGE, out=got, digit_counts=counts)
+    indexer_scores_paged(q, w, plan, pool, layout, ratio=M, page_tokens=PAGE, out=got, digit_counts=counts,
+                         tuning=tuning)
     visible = torch.clamp((plan.positions + 1) // M, min=0).to(torch.int32)
     assert visible.tolist() == [62, 12, 1, 0, 0]
     assert_close_scores(torch.where(torch.arange(entries, device=DEVICE) < visible[:, None], got, float("-inf")),
                         reference(plan, pool, layout, q, w, entries, ratio=M, page_tokens=PAGE))
     want = first_digit_histograms(got, visible)
     assert want.sum(1).tolist() == visible.tolist() and torch.equal(counts, want)
-    indexer_scores_paged(q, w, plan, pool, layout, ratio=M, page_tokens=PAGE, out=got, digit_counts=counts)
+    indexer_scores_paged(q, w, plan, pool, layout, ratio=M, page_tokens=PAGE, out=got, digit_counts=counts,
+                         tuning=tuning)
     assert torch.equal(counts, 2 * want)  # added, not stored
     counts -= want
-    picks = topk_mod.topk_indices(got, visible, 8, workspace=ws, first_digit_counted=True)
-    assert torch.equal(picks, topk_mod.topk_indices(got, visible, 8)) and counts.eq(0).all()
+    picks = topk_mod.topk_indices(got, visible, 8, workspace=ws, first_digit_counted=True, tuning=split)
+    assert torch.equal(picks, topk_mod.topk_indices(got, visible, 8, tuning=split)) and counts.eq(0).all()
     with pytest.raises(ValueError, match="stacked kernel"):
         indexer_scores_paged(q, w, plan, pool, layout, ratio=M, page_tokens=PAGE, out=got, digit_counts=counts,
-                             stack_rows=True)
+                             stack_rows=True, tuning=tuning)
     with pytest.raises(ValueError, match="digit_counts: expected torch.int32"):
         indexer_scores_paged(q, w, plan, pool, layout, ratio=M, page_tokens=PAGE, out=got,
-                             digit_counts=counts.float())
+                             digit_counts=counts.float(), tuning=tuning)
 
 
-def test_stacked_rows_in_any_order(monkeypatch):
+def test_stacked_rows_in_any_order():
     """Rows of several requests interleaved inside blocks (a plan's rows are in request order, but the stacked
     kernel does not rely on it): row for row the reference's scores, and the row kernel's on the ordered plan."""
-    small_stack_tiles(monkeypatch)
+    tuning = tuned(**SMALL_STACKED)
     cache, layout, pool = make_cache(TINY, "mxfp4", page_tokens=PAGE, max_requests=4, max_tokens=500)
     rids = admit(cache, 3)
     cache.plan_step([(rids[0], 90), (rids[2], 33)])
@@ -394,13 +403,13 @@ def test_stacked_rows_in_any_order(monkeypatch):
         write_all_keys(cache, rid, layout, pool, torch.randn(200, layout.dim, generator=g).to(DEVICE), M, PAGE)
     q, w = make_query(layout, plan.positions.shape[0], TINY.index_n_heads, seed=82)
     by_row = indexer_scores_paged(q, w, plan, pool, layout, ratio=M, page_tokens=PAGE, max_entries=41,
-                                  stack_rows=False, fill=True)
+                                  stack_rows=False, fill=True, tuning=tuning)
     want, size = reference(plan, pool, layout, q, w, 41, ratio=M, page_tokens=PAGE)
     perm = torch.randperm(plan.positions.shape[0], generator=gen(83)).to(DEVICE)
     shuffled = dataclasses.replace(plan, positions=plan.positions[perm].contiguous(),
                                    token_request=plan.token_request[perm].contiguous())
     got = indexer_scores_paged(q[perm].contiguous(), w[perm].contiguous(), shuffled, pool, layout, ratio=M,
-                               page_tokens=PAGE, max_entries=41, stack_rows=True, fill=True)
+                               page_tokens=PAGE, max_entries=41, stack_rows=True, fill=True, tuning=tuning)
     assert_close_scores(got, (want[perm], size[perm]))
     assert_paths_agree(got, by_row[perm], (want[perm], size[perm]))
 
@@ -432,7 +441,7 @@ def test_kernel_choice(monkeypatch):
 @pytest.mark.parametrize("indexer_format,stack_rows,page_tokens", [
     ("mxfp4", False, PAGE), ("mxfp4", True, PAGE), ("fp8", False, PAGE), ("fp8", True, PAGE), ("mxfp4", False, 256)],
     ids=["mxfp4-row", "mxfp4-stacked", "fp8-row", "fp8-stacked", "mxfp4-row-tiles-within-pages"])
-def test_hand_written_key_bytes(indexer_format, stack_rows, page_tokens, monkeypatch):
+def test_hand_written_key_bytes(indexer_format, stack_rows, page_tokens):
     """Every e2m1 / e4m3 code and extreme scales written straight into the pages: ue8m0 0x00 (2^-127) and
     0xFF (NaN), fp32 scales 2^-100 .. 2^40 and NaN. The error relative to each score's own terms checks tiny
     scales as closely as large ones; a key with a NaN scale scores NaN, and only in its own column. Both
@@ -460,7 +469,6 @@ def test_hand_written_key_bytes(indexer_format, stack_rows, page_tokens, monkeyp
     scale_rows[page, off] = scales.to(DEVICE)
     q, w = make_query(layout, plan.positions.shape[0], TINY.index_n_heads, seed=32)
     q = q * 2.0 ** 60  # still bf16 values; keeps the products of 2^-127-scaled keys normal fp32 numbers
-    monkeypatch.setattr(kernel_mod, "FP8_MIN_PROGRAMS_PER_SM", 0)  # the row kernel's FP8 path on the GPU too
     got = indexer_scores_paged(q, w, plan, pool, layout, ratio=M, page_tokens=page_tokens, stack_rows=stack_rows,
                                fill=True)
     assert_close_scores(got, reference(plan, pool, layout, q, w, got.shape[1], ratio=M, page_tokens=page_tokens))
@@ -471,10 +479,10 @@ def test_hand_written_key_bytes(indexer_format, stack_rows, page_tokens, monkeyp
 
 
 @pytest.mark.parametrize("fp8_path", [True, False], ids=["fp8", "bf16"])
-def test_large_key_scales_with_a_small_query(fp8_path, monkeypatch):
+def test_large_key_scales_with_a_small_query(fp8_path):
     """Random keys at ue8m0 codes 0xE0 .. 0xEC (block scales 2^97 .. 2^109) against a query of ~2^-100: scores of up
     to ~2^10, finite and the reference's on both paths. The FP8 path's block sums are the reference's times 2^-c
-    (~2^8 / |q|), which bounds it (the edge in kernels/indexer.py). Its worst case, keys of 6.0 and a query of
+    (~2^8 / |q|), which bounds it (the edge in ops/indexer/kernel.py). Its worst case, keys of 6.0 and a query of
     6 * 2^-110 in every value (one block sums to 32 * 384 * 6 = 2^16.2 of its scale), is exact at code 0xED and
     overflows at 0xEE (2^111, D = 64), where the bf16 path and the reference stay finite."""
     if fp8_path:
@@ -486,7 +494,7 @@ def test_large_key_scales_with_a_small_query(fp8_path, monkeypatch):
     g = gen(33)
     data_rows, scale_rows, page, off = entry_rows(cache, rid, layout, pool, count, PAGE)
     q, w = make_query(layout, plan.positions.shape[0], TINY.index_n_heads, seed=34)
-    monkeypatch.setattr(kernel_mod, "FP8_MIN_PROGRAMS_PER_SM", 0 if fp8_path else 1 << 30)
+    tuning = tuned(fp8_mma=fp8_path)
     visible = torch.arange(count, device=DEVICE) < ((plan.positions.long() + 1) // M)[:, None]
 
     def run(data, codes, q_small):
@@ -494,7 +502,7 @@ def test_large_key_scales_with_a_small_query(fp8_path, monkeypatch):
         scale_rows[page, off] = codes.to(DEVICE)
         assert bool((indexer_query_fp8(q_small)[1] > 0).all())  # every row's query allows the FP8 path
         got = indexer_scores_paged(q_small, w, plan, pool, layout, ratio=M, page_tokens=PAGE, max_entries=count,
-                                   stack_rows=False, fill=True)
+                                   stack_rows=False, fill=True, tuning=tuning)
         want = reference(plan, pool, layout, q_small, w, count, ratio=M, page_tokens=PAGE)
         assert torch.isfinite(want[0][visible]).all()
         return got, want
@@ -612,23 +620,26 @@ def test_fp8_query_check():
 
 def test_pre_hopper_gpus_take_the_plain_paths(monkeypatch):
     """On a GPU older than sm_90 (faked through the device properties' cache) neither the row kernel nor the stacked
-    kernel takes its FP8 path and kernels launch without PDL; on sm_90 all are on. Host decisions only: nothing runs
-    on the fake device."""
+    kernel takes its FP8 path and kernels launch without PDL; on sm_90 all are on, unless `dependent_launch(False)`.
+    Host decisions only: nothing runs on the fake device."""
     from dsv4kv.ops.shared import common, launch
 
     cuda = torch.device("cuda", 0)
     for major, hopper in ((8, False), (9, True), (10, True)):
         monkeypatch.setattr(common, "_properties", lambda index, major=major: (132, major))
         assert common.hopper_or_later(cuda) is hopper and common.sm_count(cuda) == 132
-        assert kernel_mod._row_takes_fp8(kernel_mod.KEYS_MXFP4, 128, 1, 65536, cuda) is hopper
-        assert kernel_mod._stack_takes_fp8(kernel_mod.KEYS_MXFP4, 128, cuda) is hopper
-        assert bool(launch.launch_options(cuda)) is (hopper and launch.DEPENDENT_LAUNCH)
+        tuning = TUNING["sm90"]
+        assert kernel_mod._row_takes_fp8(kernel_mod.KEYS_MXFP4, 128, cuda, tuning) is hopper
+        assert kernel_mod._stack_takes_fp8(kernel_mod.KEYS_MXFP4, 128, cuda, tuning) is hopper
+        assert bool(launch.launch_options(cuda)) is hopper
+        with launch.dependent_launch(False):
+            assert launch.launch_options(cuda) == {}
 
 
-def test_fp8_query_wanted(monkeypatch):
+def test_fp8_query_wanted():
     """`fp8_query_wanted` (whether a caller should make q's FP8 operand) follows the wrapper's own choice: decode
-    rows with MXFP4 keys take the row kernel's FP8 path, a prefill step the stacked kernel's (`STACK_FP8`); FP8 keys,
-    an empty score row, a threshold above the grid or the stacked path turned off do not. The wrapper reads the
+    rows with MXFP4 keys take the row kernel's FP8 path, a prefill step the stacked kernel's; FP8 keys, an empty score
+    row or the FP8 paths turned off (`IndexerTuning.fp8_mma`) do not. The wrapper reads the
     operand exactly then: a poisoned one (e4m3 NaN codes) turns the scores NaN where it is wanted and changes
     nothing where it is not."""
     skip_unless_fp8_path()
@@ -637,15 +648,15 @@ def test_fp8_query_wanted(monkeypatch):
     prefill = cache.plan_step([(rid, 150)])
     write_all_keys(cache, rid, layout, pool, torch.randn(40, layout.dim, generator=gen(65)).to(DEVICE), M, PAGE)
     decode = cache.plan_step([(rid, 1)])
+    off = tuned(fp8_mma=False)
     assert kernel_mod.fp8_query_wanted(prefill, layout, 48)
-    monkeypatch.setattr(kernel_mod, "STACK_FP8", False)
-    assert not kernel_mod.fp8_query_wanted(prefill, layout, 48)
+    assert not kernel_mod.fp8_query_wanted(prefill, layout, 48, off)
     q_pre, w_pre = make_query(layout, 150, TINY.index_n_heads, seed=67)
     pre_poisoned = nan_operand(q_pre)
-    plain = indexer_scores_paged(q_pre, w_pre, prefill, pool, layout, ratio=M, page_tokens=PAGE, fill=True)
+    plain = indexer_scores_paged(q_pre, w_pre, prefill, pool, layout, ratio=M, page_tokens=PAGE, fill=True,
+                                 tuning=off)
     assert torch.equal(indexer_scores_paged(q_pre, w_pre, prefill, pool, layout, ratio=M, page_tokens=PAGE, fill=True,
-                                            q_fp8=pre_poisoned), plain)
-    monkeypatch.setattr(kernel_mod, "STACK_FP8", True)
+                                            q_fp8=pre_poisoned, tuning=off), plain)
     read = indexer_scores_paged(q_pre, w_pre, prefill, pool, layout, ratio=M, page_tokens=PAGE, fill=True,
                                 q_fp8=pre_poisoned)
     seen = torch.arange(read.shape[1], device=DEVICE) < (prefill.positions[:, None] + 1) // M
@@ -660,15 +671,15 @@ def test_fp8_query_wanted(monkeypatch):
     poisoned = nan_operand(q)
     visible = (int(decode.positions[0]) + 1) // M
     read = indexer_scores_paged(q, w, decode, pool, layout, ratio=M, page_tokens=PAGE, fill=True, q_fp8=poisoned)
-    if interpreted():  # the interpreter decodes an e4m3 NaN byte as +-480 (kernels/indexer.py): wrong, not NaN
+    if interpreted():  # the interpreter decodes an e4m3 NaN byte as +-480 (ops/indexer/kernel.py): wrong, not NaN
         assert not torch.equal(read, indexer_scores_paged(q, w, decode, pool, layout, ratio=M, page_tokens=PAGE,
                                                           fill=True))
     else:
         assert torch.isnan(read[0, :visible]).all()
-    monkeypatch.setattr(kernel_mod, "FP8_MIN_PROGRAMS_PER_SM", 1 << 30)
-    assert not kernel_mod.fp8_query_wanted(decode, layout, 48)
-    want = indexer_scores_paged(q, w, decode, pool, layout, ratio=M, page_tokens=PAGE, fill=True)
-    got = indexer_scores_paged(q, w, decode, pool, layout, ratio=M, page_tokens=PAGE, fill=True, q_fp8=poisoned)
+    assert not kernel_mod.fp8_query_wanted(decode, layout, 48, off)
+    want = indexer_scores_paged(q, w, decode, pool, layout, ratio=M, page_tokens=PAGE, fill=True, tuning=off)
+    got = indexer_scores_paged(q, w, decode, pool, layout, ratio=M, page_tokens=PAGE, fill=True, q_fp8=poisoned,
+                               tuning=off)
     assert torch.equal(got, want)
 
 
@@ -696,21 +707,19 @@ def check_e2m1_to_e4m3(asm):
 
 @pytest.mark.parametrize("dim,block_j,page", [(64, 32, 256), (128, 64, 256), (64, 32, 384)],
                          ids=["D64-two-tiles-a-page", "D128-one-tile-a-page", "D64-chunks-from-mid-page"])
-def test_fp8_path_tiles_within_pages(dim, block_j, page, monkeypatch):
+def test_fp8_path_tiles_within_pages(dim, block_j, page):
     """Where a page holds whole tiles the FP8 path addresses each tile from its page and reads its block id and scale
-    words a tile ahead (`PAGE_TILES`; 16-bit scale words at D = 64, 32-bit at 128). Three requests at odd lengths
-    decode and prefill in small steps, each program's tiles crossing page boundaries (from mid-page with 96-entry
-    pages): the scores equal those of the per-entry addressing bit for bit, and the reference's within tolerance. A
-    page unallocated mid-row (block id -1) scores 0 on both, and leaves every other score as it was."""
+    words a tile ahead (`IndexerTuning.page_tiles`; 16-bit scale words at D = 64, 32-bit at 128). Three requests at odd
+    lengths decode and prefill in small steps, each program's tiles crossing page boundaries (from mid-page with
+    96-entry pages): the scores equal those of the per-entry addressing bit for bit, and the reference's within
+    tolerance. A page unallocated mid-row (block id -1) scores 0 on both, and leaves every other score as it was."""
     skip_unless_fp8_path()
     geometry = dataclasses.replace(TINY, index_head_dim=dim)
     per_page = page // M  # 64 or 96 entries
-    monkeypatch.setattr(kernel_mod, "FP8_MIN_PROGRAMS_PER_SM", 0)
     # chunks of 128 entries on the GPU too (no fewer tiles per program for a fuller grid): a program's tiles cross
     # a page boundary, and with 96-entry pages chunks start mid-page
-    monkeypatch.setattr(kernel_mod, "_GRID_WAVES", 0)
-    monkeypatch.setattr(kernel_mod, "_ROW_TILES", {**kernel_mod._ROW_TILES, "block_j": block_j,
-                                                   "max_iters": 128 // block_j})
+    row = dataclasses.replace(tuning_for(DEVICE).row, block_j=block_j, max_iters=128 // block_j)
+    tuning = tuned(grid_waves=0, row=row)
     cache, layout, pool = make_cache(geometry, "mxfp4", page_tokens=page, max_requests=4, max_tokens=2400)
     rids = admit(cache, 3)
     g = gen(71)
@@ -721,9 +730,8 @@ def test_fp8_path_tiles_within_pages(dim, block_j, page, monkeypatch):
     heads, entries = geometry.index_n_heads, 270
 
     def scores(plan, q, w, tiles):
-        monkeypatch.setattr(kernel_mod, "PAGE_TILES", tiles)
         return indexer_scores_paged(q, w, plan, pool, layout, ratio=M, page_tokens=page, max_entries=entries,
-                                    stack_rows=False, fill=True)
+                                    stack_rows=False, fill=True, tuning=dataclasses.replace(tuning, page_tiles=tiles))
 
     for k, step in enumerate([[(0, 3), (1, 1), (2, 2)], [(0, 1), (2, 5)], [(0, 2), (1, 4)]]):
         plan = cache.plan_step([(rids[i], n) for i, n in step])
@@ -749,16 +757,15 @@ def test_fp8_path_tiles_within_pages(dim, block_j, page, monkeypatch):
 
 
 def test_stacked_kernel_fp8_segments_and_fallback(monkeypatch):
-    """The stacked kernel's FP8 path (`STACK_FP8`) over three requests prefilling and decoding at odd lengths, blocks
-    of 4 rows holding two requests' segments, each (row, head) of q at its own power of two (so each has its own
-    shift 2^c): the scores equal the bf16 path's bit for bit (MXFP4 dot products sum exactly in fp32 at these sizes)
-    and the reference's within tolerance. A request whose query has a head beyond the FP8 check (a block 2^-22 below
-    its head's largest) takes the bf16 path for its segments while the others stay on FP8 MMAs. Which path ran is
+    """The stacked kernel's FP8 path (`IndexerTuning.fp8_mma`) over three requests prefilling and decoding at odd
+    lengths, blocks of 4 rows holding two requests' segments, each (row, head) of q at its own power of two (so each has
+    its own shift 2^c): the scores equal the bf16 path's bit for bit (MXFP4 dot products sum exactly in fp32 at these
+    sizes) and the reference's within tolerance. A request whose query has a head beyond the FP8 check (a block 2^-22
+    below its head's largest) takes the bf16 path for its segments while the others stay on FP8 MMAs. Which path ran is
     observed on every device: given an operand of e4m3 NaN codes, the FP8 segments score NaN (the interpreter decodes
     those bytes as +-480: wrong, not NaN) and the bf16 ones the reference's scores."""
     skip_unless_fp8_path()
-    small_stack_tiles(monkeypatch)
-    monkeypatch.setattr(kernel_mod, "_STACK_FP8_TILES", {**SMALL_STACK, "block_t": 4})
+    tuning = tuned(**SMALL_STACKED, stacked_fp8=SMALL_STACK)
     cache, layout, pool = make_cache(TINY, "mxfp4", page_tokens=PAGE, max_requests=4, max_tokens=1200)
     rids = admit(cache, 3)
     g = gen(97)
@@ -769,9 +776,9 @@ def test_stacked_kernel_fp8_segments_and_fallback(monkeypatch):
     calls = count_calls(monkeypatch, "_mxfp4_block_mma")
 
     def scores(plan, q, w, fp8, q_fp8=None):
-        monkeypatch.setattr(kernel_mod, "STACK_FP8", fp8)
         return indexer_scores_paged(q, w, plan, pool, layout, ratio=M, page_tokens=PAGE, max_entries=80,
-                                    stack_rows=True, fill=True, q_fp8=q_fp8)
+                                    stack_rows=True, fill=True, q_fp8=q_fp8,
+                                    tuning=dataclasses.replace(tuning, fp8_mma=fp8))
 
     plan = cache.plan_step([(rids[0], 3), (rids[1], 6), (rids[2], 2)])
     for rid, keys in zip(rids, bank):
@@ -809,7 +816,6 @@ def test_fp8_mma_path_and_its_fallback(monkeypatch):
     plan = cache.plan_step([(rid, 150)])
     write_all_keys(cache, rid, layout, pool, torch.randn(40, layout.dim, generator=gen(61)).to(DEVICE), M, PAGE)
     calls = count_calls(monkeypatch, "_mxfp4_block_mma")
-    monkeypatch.setattr(kernel_mod, "FP8_MIN_PROGRAMS_PER_SM", 0)  # every grid on the FP8 path where q allows
     q, w = make_query(layout, 150, TINY.index_n_heads, seed=62)
     for tiny_head, path_calls in ((False, lambda n: n > 0), (True, lambda n: n == 0)):
         calls.clear()
@@ -824,7 +830,7 @@ def test_fp8_mma_path_and_its_fallback(monkeypatch):
 
 
 @pytest.mark.parametrize("fp8_path", [True, False], ids=["fp8", "bf16"])
-def test_a_block_sum_of_13_significant_bits_is_exact(fp8_path, monkeypatch):
+def test_a_block_sum_of_13_significant_bits_is_exact(fp8_path):
     """The FP8 path's exactness rests on a scale block's 32 products summing within the ~14 significant bits of
     Hopper's FP8 accumulation. The worst case, 31 products of 6 x 6 and one of 0.5 x 0.5 = 1116.25 (13 bits, from
     2^10 to 2^-2), must come out exact on both paths: every score is 1116.25 * D^-0.5, bit for bit."""
@@ -843,8 +849,8 @@ def test_a_block_sum_of_13_significant_bits_is_exact(fp8_path, monkeypatch):
     q[:, 0, 0] = 0.5
     w = torch.zeros(200, TINY.index_n_heads, device=DEVICE)
     w[:, 0] = 1.0
-    monkeypatch.setattr(kernel_mod, "FP8_MIN_PROGRAMS_PER_SM", 0 if fp8_path else 1 << 30)
-    got = indexer_scores_paged(q, w, plan, pool, layout, ratio=M, page_tokens=PAGE, stack_rows=False, fill=True)
+    got = indexer_scores_paged(q, w, plan, pool, layout, ratio=M, page_tokens=PAGE, stack_rows=False, fill=True,
+                               tuning=tuned(fp8_mma=fp8_path))
     visible = (plan.positions.long() + 1) // M
     seen = torch.arange(got.shape[1], device=DEVICE) < visible[:, None]
     assert seen.any() and torch.equal(got[seen], torch.full_like(got[seen], 1116.25 * layout.dim ** -0.5))
@@ -1008,17 +1014,17 @@ def replay_over_new_inputs(graph, plan, cache, rids, layout, pool, q, w, out, en
 
 @needs_cuda
 @pytest.mark.parametrize("indexer_format", FORMATS)
-def test_v4_decode_one_request_65536_entries(indexer_format, monkeypatch):
-    """Also both MXFP4 paths of the row kernel, FP8 MMAs and bf16, whichever the grid's size would pick."""
+def test_v4_decode_one_request_65536_entries(indexer_format):
+    """Also both MXFP4 paths of the row kernel, FP8 MMAs and bf16."""
     _, layout, pool, plan, _, _, heads = v4_case("flash", indexer_format, [262143], [(0, 1)],
                                                  max_tokens=262144 + 512, buffer_tokens=1, seed=1)
     assert (heads, layout.dim) == (64, 128) and int(plan.positions[0]) == 262143
     q, w = make_query(layout, 1, heads, seed=1)
     want = reference(plan, pool, layout, q, w, 65536, ratio=4, page_tokens=V4_PAGE)
     outs = []
-    for min_programs in (0, 1 << 30):  # every grid takes the FP8 path / none does
-        monkeypatch.setattr(kernel_mod, "FP8_MIN_PROGRAMS_PER_SM", min_programs)
-        got = indexer_scores_paged(q, w, plan, pool, layout, ratio=4, page_tokens=V4_PAGE, fill=True)
+    for fp8 in (True, False):  # the FP8 path where the keys allow it / the bf16 path
+        got = indexer_scores_paged(q, w, plan, pool, layout, ratio=4, page_tokens=V4_PAGE, fill=True,
+                                   tuning=tuned(fp8_mma=fp8))
         assert got.shape == (1, 65536) and torch.isfinite(got).all()
         assert_close_scores(got, want)
         outs.append(got)

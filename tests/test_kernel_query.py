@@ -1,4 +1,5 @@
-"""Per-step glue kernels (dsv4kv.kernels.query) against the torch functions the layer calls, on NaN-prefilled outputs:
+"""Per-step glue kernels (dsv4kv.ops.rope.kernel, dsv4kv.ops.indexer.query_kernel) against the torch functions the
+layer calls, on NaN-prefilled outputs:
 
 - rope_rows == apply_rope(x, positions, rope, inverse=...).to(bf16), bit for bit: the bf16 query (forward), the fp32
   attention output (inverse), in place, at V4-Flash shapes with both of its rope specs (window theta 10000, CSA
@@ -11,6 +12,8 @@
 On the CPU the kernels run under Triton's interpreter; the GPU tests use V4-Flash / V4-Pro shapes and a CUDA graph.
 """
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -20,6 +23,8 @@ from dsv4kv.ops.shared.backend import interpreted
 from dsv4kv.geometry import LayerKind, RopeSpec
 from dsv4kv.ops.indexer import query_kernel as query
 from dsv4kv.ops.rope import kernel as rope_kernel
+from dsv4kv.ops.rope import tuning as rope_tuning
+from dsv4kv.ops.indexer.tuning import QUERY_TUNING, query_tuning_for
 from dsv4kv.ops.indexer.kernel import indexer_query_fp8
 from dsv4kv.ops.indexer.query_kernel import indexer_query_and_weights, indexer_query_rows
 from dsv4kv.ops.rope.kernel import rope_rows
@@ -169,26 +174,27 @@ def indexer_case(n, heads, dim, rope, seed, device=DEVICE):
     return q, positions, *rope_cos_sin(rope, positions)
 
 
-def check_rotated_query(q, positions, cos, sin, rope, layouts):
+def check_rotated_query(q, positions, cos, sin, rope, layouts, tuning=None):
     """The kernel's rotation and its quantized queries against the references, bit for bit."""
     roped = apply_rope(q, positions, rope)
-    rotated = query._indexer_query(q, cos, sin, layouts[0], None, None, None, None, fmt=query._ROTATED)
+    rotated = query._indexer_query(q, cos, sin, layouts[0], None, None, None, None, fmt=query._ROTATED,
+                                   tuning=tuning)
     assert_same(rotated, quant.hadamard_rotate(roped).to(torch.bfloat16).float())
     assert not (rotated.view(torch.int32) == -2**31).any(), "exact zeros are +0"
     for layout in layouts:
         out = torch.full(q.shape, NAN, device=q.device)
-        assert indexer_query_rows(q, cos, sin, layout, out=out) is out
+        assert indexer_query_rows(q, cos, sin, layout, out=out, tuning=tuning) is out
         assert_same(out, indexer_query(roped, layout))
 
 
 @pytest.mark.parametrize("least_heads", [4, 16], ids=["spread", "whole-tile"])
-def test_indexer_query_flash_rotated_formats(least_heads, monkeypatch):
+def test_indexer_query_flash_rotated_formats(least_heads):
     """V4-Flash indexer query [9, 64, 128] with the CSA rope (YaRN): MXFP4 and FP8 keys' numerics; 9 rows take 4
-    heads a program (`INDEXER_MIN_BLOCK_H`), or the tile's 16 where that floor is raised."""
-    monkeypatch.setattr(query, "INDEXER_MIN_BLOCK_H", least_heads)
+    heads a program (`QueryTuning.min_block_h`), or the tile's 16 where that floor is raised."""
+    tuning = dataclasses.replace(query_tuning_for(DEVICE), min_block_h=least_heads)
     q, positions, cos, sin = indexer_case(9, FLASH.index_n_heads, FLASH.index_head_dim, CSA.rope, seed=5)
     layouts = [indexer_layout(f, FLASH.index_head_dim) for f in ("mxfp4", "fp8")]
-    check_rotated_query(q, positions, cos, sin, CSA.rope, layouts)
+    check_rotated_query(q, positions, cos, sin, CSA.rope, layouts, tuning)
     # the quantizers' corners occur in these rows: e2m1 ties (|y| = 0.25, 0.75, ... * scale) and amaxes
     # that are exactly qmax times a power of two (the scale must not round up)
     rotated = quant.hadamard_rotate(apply_rope(q, positions, CSA.rope)).to(torch.bfloat16).float()
@@ -265,12 +271,12 @@ def test_launch_next_comes_after_the_wait(monkeypatch):
     assert events == ["wait"] * programs[0], events
 
 
-def check_fp8_operand(q, w, cos, sin, layout):
+def check_fp8_operand(q, w, cos, sin, layout, tuning=None):
     """fp8_out: the scores kernel's FP8 operand written by the query kernel, bit for bit `indexer_query_fp8` of the
     query it wrote; every finite head passes the FP8 path's check (the cases' inf / NaN heads do not)."""
     codes = torch.full(q.shape, 0xEE, dtype=torch.uint8, device=DEVICE)
     scales = torch.full(q.shape[:2], NAN, device=DEVICE)
-    got, _ = indexer_query_and_weights(q, w, cos, sin, layout, scale=1.0, fp8_out=(codes, scales))
+    got, _ = indexer_query_and_weights(q, w, cos, sin, layout, scale=1.0, fp8_out=(codes, scales), tuning=tuning)
     want_codes, want_scales = indexer_query_fp8(got)
     assert torch.equal(codes, want_codes) and torch.equal(scales, want_scales)
     finite = torch.isfinite(got).all(dim=2)
@@ -369,34 +375,38 @@ def test_cuda_rope_rows_v4(preset):
 
 
 def test_indexer_query_tiles_spread_small_launches():
-    """A decode step's few rows take `INDEXER_MIN_BLOCK_H` heads a program, a prefill chunk's many the tile's."""
-    block_h = query.TILES["indexer"][0]
-    assert query._tiles("indexer", 64, 1)[0] == query.INDEXER_MIN_BLOCK_H == 4
-    assert query._tiles("indexer", 64, 8)[0] == 4 and query._tiles("indexer", 5, 1)[0] == 4
-    assert query._tiles("indexer", 64, 8192)[0] == block_h == 16
-    assert query._tiles("indexer", 64, 32)[0] == 4 and query._tiles("indexer", 64, 65)[0] == 8
-    assert query._tiles("indexer", 64, 64)[0] == 8  # 64 x 64 head rows: 256 programs of 16 heads, 512 of 8 (>= 264)
-    assert rope_kernel._tiles("rope", 64)[0] == rope_kernel.TILES["rope"][0]  # the RoPE kernels do not spread
+    """A decode step's few rows take `QueryTuning.min_block_h` heads a program, a prefill chunk's many the tile's."""
+    tuning = QUERY_TUNING["sm90"]
+    block_h = tuning.block_h
+    assert query._tiles(64, 1, tuning)[0] == tuning.min_block_h == 4
+    assert query._tiles(64, 8, tuning)[0] == 4 and query._tiles(5, 1, tuning)[0] == 4
+    assert query._tiles(64, 8192, tuning)[0] == block_h == 16
+    assert query._tiles(64, 32, tuning)[0] == 4 and query._tiles(64, 65, tuning)[0] == 8
+    assert query._tiles(64, 64, tuning)[0] == 8  # 64 x 64 head rows: 256 programs of 16 heads, 512 of 8 (>= 264)
+    rope = rope_tuning.TUNING["sm90"]
+    assert rope_kernel._tiles(False, 64, rope)[0] == rope.heads[0]  # the RoPE kernels do not spread
 
 
 @needs_cuda
 @pytest.mark.parametrize("tile", [None, (16, 2), (4, 1), (64, 8)], ids=lambda t: "default" if t is None else str(t))
 @pytest.mark.parametrize("preset", ["flash", "pro"])
 @pytest.mark.parametrize("rows", [1025, 40, 3], ids=["prefill", "decode-40", "decode"])
-def test_cuda_indexer_query_v4(preset, tile, rows, monkeypatch):
+def test_cuda_indexer_query_v4(preset, tile, rows):
     """The indexer query of 1025 rows (the tile's heads a program), 40 and 3 (a decode step's: 8 and 4 heads a
-    program, `INDEXER_MIN_BLOCK_H`) at V4 shapes (64 heads x 128), every key format, against the reference on the
+    program, `QueryTuning.min_block_h`) at V4 shapes (64 heads x 128), every key format, against the reference on the
     GPU, bit for bit; also at (heads, warps) tiles where an fp8 cast-and-decode form gave wrong heads."""
+    tuning = query_tuning_for(DEVICE)
     if tile is not None:
-        monkeypatch.setitem(query.TILES, "indexer", tile)
+        tuning = dataclasses.replace(tuning, block_h=tile[0], warps=tile[1])
     geometry = ModelGeometry.preset(preset)
     rope = next(s for s in geometry.layers if s.kind is LayerKind.CSA).rope
     q, positions, cos, sin = indexer_case(rows, geometry.index_n_heads, geometry.index_head_dim, rope, seed=21)
     layouts = [indexer_layout(f, geometry.index_head_dim) for f in ("mxfp4", "fp8")]
-    check_rotated_query(q, positions, cos, sin, rope, layouts)
+    check_rotated_query(q, positions, cos, sin, rope, layouts, tuning)
     bf16 = indexer_layout("bf16", geometry.index_head_dim)
-    assert_same(indexer_query_rows(q, cos, sin, bf16), indexer_query(apply_rope(q, positions, rope), bf16))
-    check_fp8_operand(q, torch.ones(q.shape[:2], device=DEVICE), cos, sin, layouts[0])
+    assert_same(indexer_query_rows(q, cos, sin, bf16, tuning=tuning),
+                indexer_query(apply_rope(q, positions, rope), bf16))
+    check_fp8_operand(q, torch.ones(q.shape[:2], device=DEVICE), cos, sin, layouts[0], tuning)
 
 
 @needs_cuda

@@ -1,8 +1,10 @@
 """The top-k kernel against the reference `topk_picks` (a stable descending sort): the same index set,
 bit for bit, on rows full of exact ties, short and empty rows, -inf inside and NaN past the length; by the
-one-program-per-row kernel (rows up to ROW_MAX_COLS) and by the split radix select in one launch (phases ordered
-by tickets) and in four, with phase D's candidates in registers and looped.
+one-program-per-row kernel (rows up to `TopkTuning.row_max_cols`) and by the split radix select's four launches,
+with phase D's candidates in registers and looped.
 Small cases run under the interpreter; V4-Flash / V4-Pro shapes (1M tokens at ratio 4) need a GPU."""
+
+from dataclasses import replace
 
 import pytest
 import torch
@@ -11,6 +13,7 @@ from dsv4kv import ModelGeometry
 from dsv4kv.ops.topk import kernel as topk_module
 from dsv4kv.ops.topk.kernel import MAX_K, topk_indices, topk_workspace
 from dsv4kv.ops.topk.reference import topk_picks
+from dsv4kv.ops.topk.tuning import tuning_for
 
 SENTINEL = -7  # prefilled into out: every element must be overwritten
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -57,32 +60,27 @@ def make_rows(seed, rows, cols, kind, device="cpu"):
     return scores.to(device), lengths.to(torch.int32).to(device)
 
 
-def split_variant(monkeypatch, param):
-    """The split kernel's launch mode (one launch, or four) and per-phase code: "phased-histograms" counts digits by
-    tl.histogram (not `WARP_COUNTS`), the others into the workspace; "phased-behind" and "phased-histograms" load each
-    chunk's first tile after the histogram reads (not `FIRST_TILE_AHEAD`: the GPU's big tiling), the others ahead."""
-    monkeypatch.setattr(topk_module, "FUSED", param == "fused")
-    monkeypatch.setattr(topk_module, "WARP_COUNTS", param != "phased-histograms")
-    ahead = param not in ("phased-behind", "phased-histograms")
-    monkeypatch.setattr(topk_module, "FIRST_TILE_AHEAD", {"small": ahead, "big": ahead})
+def split_variant(param):
+    """A config that sends every row to the split radix select: "phased" loads each chunk's first tile before the
+    histogram reads, "phased-behind" after them (not `SplitTiling.first_tile_ahead`: the GPU's big tiling)."""
+    tuning = tuning_for(torch.device(DEVICE))
+    ahead = param != "phased-behind"
+    return replace(tuning, row_max_cols=0, row_max_cols_many=0, small=replace(tuning.small, first_tile_ahead=ahead),
+                   big=replace(tuning.big, first_tile_ahead=ahead))
 
 
-@pytest.fixture(params=["row", "fused", "phased", "phased-behind", "phased-histograms"])
-def mode(request, monkeypatch):
-    """The one-program-per-row kernel, or the split radix select (`split_variant`): the same results."""
-    for name in ("ROW_MAX_COLS", "ROW_MAX_COLS_MANY"):
-        monkeypatch.setattr(topk_module, name, 1 << 30 if request.param == "row" else 0)
-    split_variant(monkeypatch, request.param)
-    return request.param
+@pytest.fixture(params=["row", "phased", "phased-behind"])
+def mode(request):
+    """A config: the one-program-per-row kernel, or the split radix select (`split_variant`): the same results."""
+    if request.param == "row":
+        return replace(tuning_for(torch.device(DEVICE)), row_max_cols=1 << 30, row_max_cols_many=1 << 30)
+    return split_variant(request.param)
 
 
-@pytest.fixture(params=["fused", "phased", "phased-behind", "phased-histograms"])
-def split_mode(request, monkeypatch):
-    """The split radix select for every row length (its workspace, buffer and select paths), `split_variant`."""
-    for name in ("ROW_MAX_COLS", "ROW_MAX_COLS_MANY"):
-        monkeypatch.setattr(topk_module, name, 0)
-    split_variant(monkeypatch, request.param)
-    return request.param
+@pytest.fixture(params=["phased", "phased-behind"])
+def split_mode(request):
+    """A config of the split radix select for every row length (its workspace, buffer and select paths)."""
+    return split_variant(request.param)
 
 
 def run(scores, lengths, k, **kw):
@@ -103,25 +101,25 @@ def run(scores, lengths, k, **kw):
 ], ids=lambda v: str(v))
 def test_topk_matches_reference(rows, cols, k, kind, mode):
     scores, lengths = make_rows(rows * cols + k, rows, cols, kind, DEVICE)
-    assert torch.equal(run(scores, lengths, k), reference(scores, lengths, k))
+    assert torch.equal(run(scores, lengths, k, tuning=mode), reference(scores, lengths, k))
 
 
 @pytest.mark.parametrize("capacity", [0, 9])
 def test_topk_small_buffer_is_exact(capacity, split_mode):
     """Rows whose candidates overflow the buffer are selected from the row itself, with the same result."""
     scores, lengths = make_rows(11, 3, 203, "ties", DEVICE)
-    ws = topk_workspace(3, 203, 12, scores.device, capacity=capacity)
-    assert torch.equal(run(scores, lengths, 12, workspace=ws), reference(scores, lengths, 12))
+    ws = topk_workspace(3, 203, 12, scores.device, capacity=capacity, tuning=split_mode)
+    assert torch.equal(run(scores, lengths, 12, workspace=ws, tuning=split_mode), reference(scores, lengths, 12))
 
 
 @pytest.mark.parametrize("select", [16, 1024])
-def test_topk_select_in_registers_or_looped(select, split_mode, monkeypatch):
+def test_topk_select_in_registers_or_looped(select, split_mode):
     """Phase D holds up to SELECT buffered candidates in registers and loops over a bigger buffer: both exact."""
-    monkeypatch.setattr(topk_module, "_select_block", lambda k, device: select)
+    tuning = replace(split_mode, select_min=select, select_max=select)
     for seed, (rows, cols, k, kind) in enumerate(((2, 400, 9, "normal"), (3, 517, 40, "ties"), (1, 300, 1, "ties"),
                                                   (3, 100, 37, "band"))):
         scores, lengths = make_rows(seed, rows, cols, kind, DEVICE)
-        assert torch.equal(run(scores, lengths, k), reference(scores, lengths, k)), (rows, cols, k, kind)
+        assert torch.equal(run(scores, lengths, k, tuning=tuning), reference(scores, lengths, k)), (rows, cols, k, kind)
 
 
 def test_topk_wide_keys(mode):
@@ -131,23 +129,21 @@ def test_topk_wide_keys(mode):
     for seed, (rows, cols, k, kind) in enumerate(((2, 400, 9, "normal"), (3, 517, 40, "ties"), (2, 301, 17, "wide"),
                                                   (3, 60, 128, "wide"))):
         scores, lengths = make_rows(seed, rows, cols, kind, DEVICE)
-        assert torch.equal(run(scores, lengths, k), reference(scores, lengths, k)), (rows, cols, k, kind)
+        assert torch.equal(run(scores, lengths, k, tuning=mode), reference(scores, lengths, k)), (rows, cols, k, kind)
 
 
-def test_topk_wrong_digit_counts_stay_inside_out(monkeypatch):
+def test_topk_wrong_digit_counts_stay_inside_out():
     """Digit counts that break `first_digit_counted`'s contract (every key counted in the lowest digit) give wrong
     picks, but every store stays inside out: the rows around it keep their sentinels and the picks are -1 or columns.
     (All 60 keys land in phase D's registers, more than k of them above the threshold it finds.)"""
-    for name in ("ROW_MAX_COLS", "ROW_MAX_COLS_MANY"):
-        monkeypatch.setattr(topk_module, name, 0)
-    monkeypatch.setattr(topk_module, "FUSED", False)
+    tuning = split_variant("phased")
     rows, cols, k = 2, 60, 8
     scores = torch.randn(rows, cols, generator=torch.Generator().manual_seed(4)).to(DEVICE)
     lengths = torch.full((rows,), cols, dtype=torch.int32, device=DEVICE)
-    ws = topk_workspace(rows, cols, k, scores.device, capacity=200)
+    ws = topk_workspace(rows, cols, k, scores.device, capacity=200, tuning=tuning)
     topk_module.first_digit_counts(ws)[:, 0] = cols
     padded = torch.full((rows + 2, k), SENTINEL, dtype=torch.int32, device=DEVICE)
-    topk_indices(scores, lengths, k, out=padded[1:-1], workspace=ws, first_digit_counted=True)
+    topk_indices(scores, lengths, k, out=padded[1:-1], workspace=ws, first_digit_counted=True, tuning=tuning)
     assert bool((padded[0] == SENTINEL).all()) and bool((padded[-1] == SENTINEL).all())
     picks = padded[1:-1]
     assert bool(((picks >= -1) & (picks < cols)).all())
@@ -157,8 +153,8 @@ def test_topk_empty_rows_write_no_picks(mode):
     """Rows of length <= 0 (padding rows of a captured batch) pick nothing, and leave the workspace reusable."""
     scores = torch.randn(4, 300, device=DEVICE)
     lengths = torch.tensor([0, -5, 0, -1], dtype=torch.int32, device=DEVICE)
-    ws = topk_workspace(4, 300, 8, DEVICE)
-    assert run(scores, lengths, 8, workspace=ws).eq(-1).all()
+    ws = topk_workspace(4, 300, 8, DEVICE, tuning=mode)
+    assert run(scores, lengths, 8, workspace=ws, tuning=mode).eq(-1).all()
     assert ws[:, :topk_module._HEADER].eq(0).all()
 
 
@@ -169,17 +165,17 @@ def test_topk_inf_and_signed_zero(mode):
     scores = torch.tensor([row, row, [-inf] * len(row)], device=DEVICE)
     lengths = torch.tensor([13, 11, 13], dtype=torch.int32, device=DEVICE)
     for k in (1, 3, 5, 7, 12):
-        assert torch.equal(run(scores, lengths, k), reference(scores, lengths, k)), k
-    assert run(scores, lengths, 4)[2].eq(-1).all()  # an all -inf row picks nothing
+        assert torch.equal(run(scores, lengths, k, tuning=mode), reference(scores, lengths, k)), k
+    assert run(scores, lengths, 4, tuning=mode)[2].eq(-1).all()  # an all -inf row picks nothing
 
 
 def test_topk_workspace_reused(split_mode):
     """A workspace serves call after call: the histograms it needs zeroed are zero again afterwards."""
-    ws = topk_workspace(3, 150, 20, DEVICE)
+    ws = topk_workspace(3, 150, 20, DEVICE, tuning=split_mode)
     ws[:, topk_module._HEADER:] = 12345  # suffix rows and buffer need no zeros: each call writes them before reading
     for seed, kind in ((1, "ties"), (2, "normal"), (3, "equal")):
         scores, lengths = make_rows(seed, 3, 150, kind, DEVICE)
-        assert torch.equal(run(scores, lengths, 20, workspace=ws), reference(scores, lengths, 20))
+        assert torch.equal(run(scores, lengths, 20, workspace=ws, tuning=split_mode), reference(scores, lengths, 20))
         assert ws[:, :topk_module._HEADER].eq(0).all()
 
 
@@ -196,45 +192,37 @@ def first_digit_histograms(scores, lengths):
     return counts.int()
 
 
-@pytest.mark.parametrize("param", ["phased", "phased-behind", "phased-histograms"])
-def test_topk_first_digit_counted_by_the_producer(param, monkeypatch):
+@pytest.mark.parametrize("param", ["phased", "phased-behind"])
+def test_topk_first_digit_counted_by_the_producer(param):
     """With digit 1 already counted into the workspace's histograms (`first_digit_counts`, as the indexer does at
     decode), the three remaining launches pick what four do, call after call on one workspace (phase B zeroes its
-    chunk rows itself: they hold the previous call's suffix counts), and leave the histograms zero. Row kernel and
-    one-launch shapes refuse the flag."""
-    for name in ("ROW_MAX_COLS", "ROW_MAX_COLS_MANY"):
-        monkeypatch.setattr(topk_module, name, 0)
-    split_variant(monkeypatch, param)
-    ws = topk_workspace(3, 150, 20, DEVICE)
+    chunk rows itself: they hold the previous call's suffix counts), and leave the histograms zero. Row kernel
+    shapes refuse the flag."""
+    tuning = split_variant(param)
+    ws = topk_workspace(3, 150, 20, DEVICE, tuning=tuning)
     ws[:, topk_module._HEADER:] = 12345
     for seed, kind in ((1, "ties"), (2, "normal"), (3, "wide"), (4, "equal")):
         scores, lengths = make_rows(seed, 3, 150, kind, DEVICE)
         counts = topk_module.first_digit_counts(ws)
         assert counts.shape == (3, 256) and counts.eq(0).all()
         counts += first_digit_histograms(scores, lengths)
-        got = topk_indices(scores, lengths, 20, workspace=ws, first_digit_counted=True)
+        got = topk_indices(scores, lengths, 20, workspace=ws, first_digit_counted=True, tuning=tuning)
         assert torch.equal(got, reference(scores, lengths, 20)), kind
         assert ws[:, :topk_module._HEADER].eq(0).all()
-    monkeypatch.setattr(topk_module, "FUSED", True)
-    assert topk_module.first_digit_counts(ws) is None
-    with pytest.raises(ValueError, match="one-launch split kernel"):
-        topk_indices(scores, lengths, 20, workspace=ws, first_digit_counted=True)
-    monkeypatch.setattr(topk_module, "FUSED", False)
-    monkeypatch.setattr(topk_module, "ROW_MAX_COLS", 1 << 30)
-    assert topk_module.first_digit_counts(topk_workspace(3, 150, 20, DEVICE)) is None
+    by_row = replace(tuning, row_max_cols=1 << 30)
+    assert topk_module.first_digit_counts(topk_workspace(3, 150, 20, DEVICE, tuning=by_row)) is None
     with pytest.raises(ValueError, match="take the row kernel"):
-        topk_indices(scores, lengths, 20, first_digit_counted=True)
-    monkeypatch.setattr(topk_module, "ROW_MAX_COLS", 0)
+        topk_indices(scores, lengths, 20, first_digit_counted=True, tuning=by_row)
     with pytest.raises(ValueError, match="pass the workspace"):  # a fresh one would hold no counts
-        topk_indices(scores, lengths, 20, first_digit_counted=True)
+        topk_indices(scores, lengths, 20, first_digit_counted=True, tuning=tuning)
     with pytest.raises(ValueError, match="expected a bool"):
-        topk_indices(scores, lengths, 20, workspace=ws, first_digit_counted=1)
+        topk_indices(scores, lengths, 20, workspace=ws, first_digit_counted=1, tuning=tuning)
 
 
 def test_topk_bad_inputs(split_mode):
     scores, lengths = make_rows(0, 3, 40, "ties", DEVICE)
     i32 = dict(dtype=torch.int32, device=DEVICE)
-    good = dict(scores=scores, lengths=lengths, k=5)
+    good = dict(scores=scores, lengths=lengths, k=5, tuning=split_mode)
     bad = [
         (dict(scores=scores.half()), "scores: expected torch.float32"),
         (dict(scores=scores[0]), r"scores: expected torch.float32 \[\*, \*\]"),
@@ -271,8 +259,8 @@ def test_topk_empty_shapes():
 
 
 def test_topk_kernel_choice(monkeypatch):
-    """Rows of up to ROW_MAX_COLS columns, or ROW_MAX_COLS_MANY with at least ROW_MANY rows, go to the row kernel;
-    the rest to the split radix select's four launches (a host decision on the shape alone)."""
+    """Rows of up to `row_max_cols` columns, or `row_max_cols_many` with at least `row_many` rows, go to the row
+    kernel; the rest to the split radix select's four launches (a host decision on the shape alone)."""
     launches = []
 
     class Spy:
@@ -284,10 +272,10 @@ def test_topk_kernel_choice(monkeypatch):
 
     monkeypatch.setattr(topk_module, "_topk_row_kernel", Spy("row"))
     monkeypatch.setattr(topk_module, "_topk_kernel", Spy("split"))
-    monkeypatch.setattr(topk_module, "FUSED", False)
-    few, many = topk_module.ROW_MAX_COLS, topk_module.ROW_MAX_COLS_MANY
-    for rows, cols, want in ((1, few, "row"), (1, few + 1, "split"), (topk_module.ROW_MANY, many, "row"),
-                             (topk_module.ROW_MANY - 1, many, "split"), (topk_module.ROW_MANY, many + 1, "split")):
+    tuning = tuning_for(torch.device(DEVICE))
+    few, many, rows_many = tuning.row_max_cols, tuning.row_max_cols_many, tuning.row_many
+    for rows, cols, want in ((1, few, "row"), (1, few + 1, "split"), (rows_many, many, "row"),
+                             (rows_many - 1, many, "split"), (rows_many, many + 1, "split")):
         launches.clear()
         lengths = torch.full((rows,), cols, dtype=torch.int32, device=DEVICE)
         topk_indices(torch.zeros(rows, cols, device=DEVICE), lengths, 8)
@@ -299,16 +287,18 @@ def test_topk_row_kernel_needs_no_workspace():
     """A workspace for a shape the row kernel takes is int32 [R, 0]; the op accepts it, or none, or a split one."""
     scores, lengths = make_rows(3, 5, 300, "ties", DEVICE)
     ws = topk_workspace(5, 300, 9, DEVICE)
-    assert ws.shape == (5, 0) and topk_module._by_row(5, 300)
+    tuning = tuning_for(torch.device(DEVICE))
+    assert ws.shape == (5, 0) and topk_module._by_row(5, 300, tuning)
     for workspace in (ws, None, torch.zeros(5, 4000, dtype=torch.int32, device=DEVICE)):
         assert torch.equal(run(scores, lengths, 9, workspace=workspace), reference(scores, lengths, 9))
-    assert topk_workspace(5, topk_module.ROW_MAX_COLS + 1, 9, DEVICE).shape[1] > topk_module._HEADER
+    assert topk_workspace(5, tuning.row_max_cols + 1, 9, DEVICE).shape[1] > topk_module._HEADER
 
 
 def test_topk_splits_rows():
     """The interpreted cases above do split single rows across programs (and leave bigger batches whole)."""
-    assert topk_module._split(1, 300, torch.device("cpu"))[0] > 1
-    assert topk_module._split(7, 201, torch.device("cpu"))[0] == 1
+    cpu = torch.device("cpu")
+    assert topk_module._split(1, 300, cpu, tuning_for(cpu))[0] > 1
+    assert topk_module._split(7, 201, cpu, tuning_for(cpu))[0] == 1
 
 
 # --- GPU: V4 shapes (1M-token context at ratio 4) -----------------------------------------------------
@@ -343,7 +333,7 @@ def test_topk_gpu_batches(rows, cols, k, kind):
                          ids=lambda v: str(v))
 def test_topk_gpu_repeated_calls(rows, cols, k):
     """100 calls on one workspace, new scores each time: a phase that read another's data before it was complete
-    (the fused launch orders them by counters, not by kernel boundaries) would show as a wrong set."""
+    would show as a wrong set."""
     ws = topk_workspace(rows, cols, k, "cuda")
     out = torch.empty(rows, k, dtype=torch.int32, device="cuda")
     lengths = torch.full((rows,), cols, dtype=torch.int32, device="cuda")
@@ -358,23 +348,18 @@ def test_topk_gpu_repeated_calls(rows, cols, k):
 
 
 @cuda
-@pytest.mark.parametrize("fused", [False, True], ids=["phased", "fused"])
 @pytest.mark.parametrize("rows,cols,k", [(1, CONTEXT, 512), (64, 32768, 512), (9, 70001, 1024)], ids=lambda v: str(v))
-def test_topk_gpu_warp_counts(rows, cols, k, fused, monkeypatch):
-    """Phases A and B counting digits by warp (match.any + red into the workspace, the GPU's default) and by
-    tl.histogram: the same index sets on scores where a warp's lanes mostly share a digit (integers, one value) and
-    where they rarely do, in four launches and in one, call after call on one workspace whose suffix rows start as
-    junk."""
-    monkeypatch.setattr(topk_module, "FUSED", fused)
+def test_topk_gpu_warp_counts(rows, cols, k):
+    """Phases A and B counting digits by warp (match.any + red into the workspace): the reference's index sets on
+    scores where a warp's lanes mostly share a digit (integers, one value) and where they rarely do, call after call
+    on one workspace whose suffix rows start as junk."""
     ws = topk_workspace(rows, cols, k, "cuda")
     ws[:, topk_module._HEADER:] = 12345  # phases A and B zero the rows they count into; the rest is written first
     for i, kind in enumerate(("normal", "ties", "equal", "wide", "normal", "ties")):
         scores, lengths = make_rows(100 + i, rows, cols, kind, "cuda")
         want = reference(scores, lengths, k)
-        for warp_counts in (True, False):
-            monkeypatch.setattr(topk_module, "WARP_COUNTS", warp_counts)
-            assert torch.equal(run(scores, lengths, k, workspace=ws), want), (kind, warp_counts)
-            assert ws[:, :topk_module._HEADER].eq(0).all()
+        assert torch.equal(run(scores, lengths, k, workspace=ws), want), kind
+        assert ws[:, :topk_module._HEADER].eq(0).all()
 
 
 @cuda

@@ -1,15 +1,17 @@
-"""Window-path kernels (dsv4kv.kernels.window) against the reference, bit for bit, on 0xFF-poisoned pools:
+"""Window-path kernels (dsv4kv.ops.window.kernel) against the reference, bit for bit, on 0xFF-poisoned pools:
 
 - kv_insert == layout.write(pool, entries, slots, apply_rope(kv, positions, rope)), FP8 MODEL1 and bf16, on
   rows built to hit the encoders' corners (zero blocks, 1e-9, e4m3 subnormals, e4m3 and bf16 rounding ties,
   largest magnitudes, -0, NaN / inf blocks), with programs of 1, 4, 8 and 16 rows over row counts that are
   not multiples of them;
-- append_window (a byte copy of the step page into the ring) == ops.append.append_window, over random
+- append_window (a byte copy of the step page into the ring) == ops.window.reference.append_window, over random
   multi-request chunked schedules (chunks longer than the window too), exact and padded persistent plans.
 
 On the CPU the kernels run under Triton's interpreter; the GPU tests use V4-Flash / V4-Pro shapes.
 """
 
+
+import dataclasses
 
 import pytest
 import torch
@@ -18,10 +20,10 @@ from schedules import admit, random_steps, written_bytes
 from dsv4kv import CacheManager, ModelGeometry
 from dsv4kv.ops.shared.backend import interpreted
 from dsv4kv.geometry import RopeSpec
-from dsv4kv.ops.shared import encode
 from dsv4kv.ops.window import kernel as window
 from dsv4kv.ops.shared.encode import program_rows
 from dsv4kv.ops.window.kernel import append_window, kv_insert
+from dsv4kv.ops.window.tuning import tuning_for
 from dsv4kv.cache.layout import indexer_layout, main_layout
 from dsv4kv.ops.window import reference as reference
 from dsv4kv.ops.rope.reference import apply_rope, rope_cos_sin
@@ -129,11 +131,11 @@ def corner_rows(dim, rope, device, seed):
     return kv.to(torch.bfloat16).to(device), positions.to(torch.int32).to(device)
 
 
-def insert_both(kv, positions, rope, layout, entries, slots, pages):
+def insert_both(kv, positions, rope, layout, entries, slots, pages, tuning=None):
     """(kernel pool, reference pool), both 0xFF-poisoned before the write."""
     pool = torch.full((pages, layout.page_bytes(entries)), POISON, dtype=torch.uint8, device=kv.device)
     want = pool.clone()
-    kv_insert(kv, positions, rope, layout, pool, entries, slots)
+    kv_insert(kv, positions, rope, layout, pool, entries, slots, tuning=tuning)
     layout.write(want, entries, slots, apply_rope(kv, positions.long(), rope))
     return pool, want
 
@@ -145,13 +147,13 @@ def random_slots(n, capacity, g, device, skipped=(2, 9)):
     return slots.to(device)
 
 
-def check_insert(dim, fmt, device, seed, position_dtype=torch.int32, rope=None):
+def check_insert(dim, fmt, device, seed, position_dtype=torch.int32, rope=None, tuning=None):
     """kv_insert of `corner_rows` on random slots of a poisoned pool == the reference's bytes; returns the pool."""
     rope, layout = rope or ROPES[dim], main_layout(fmt, dim, 64)
     kv, positions = corner_rows(dim, rope, device, seed)
     entries, pages = 13, 5  # odd page size; the rows land on random slots of all pages
     slots = random_slots(kv.shape[0], entries * pages, gen(seed + 1), device)
-    pool, want = insert_both(kv, positions.to(position_dtype), rope, layout, entries, slots, pages)
+    pool, want = insert_both(kv, positions.to(position_dtype), rope, layout, entries, slots, pages, tuning)
     assert torch.equal(pool, want)
     untouched = ~written_bytes(layout, entries, pages, slots[slots >= 0].cpu()).to(device)
     assert (pool[untouched] == POISON).all(), "bytes of unwritten slots (and page padding) must keep the poison"
@@ -159,10 +161,10 @@ def check_insert(dim, fmt, device, seed, position_dtype=torch.int32, rope=None):
 
 
 @pytest.fixture
-def tile_rows(monkeypatch):
-    """Launches keep their tile's rows per program: without this, `program_rows` gives the small launches of these
-    tests one row per program (it spreads launches of fewer than 264 programs over the SMs)."""
-    monkeypatch.setattr(encode, "SPREAD_PROGRAMS", 1)
+def tile_rows():
+    """A config whose launches keep their tile's rows per program: with the default, `program_rows` gives the small
+    launches of these tests one row per program (it spreads launches of fewer than 264 programs over the SMs)."""
+    return dataclasses.replace(tuning_for(DEVICE), spread_programs=1)
 
 
 # --- kv_insert ----------------------------------------------------------------------------------------
@@ -171,7 +173,7 @@ def tile_rows(monkeypatch):
 def test_kv_insert_matches_reference_bit_for_bit(dim, fmt, tile_rows):
     """D512 is V4's head_dim (7 nope blocks); the default tile (16 rows per program, 34 and 23 rows here); on a GPU
     these run there too."""
-    pool = check_insert(dim, fmt, DEVICE, seed=dim)
+    pool = check_insert(dim, fmt, DEVICE, seed=dim, tuning=tile_rows)
     if fmt == "fp8":  # the corner blocks really hit the corners: e4m3 subnormal codes and -0 were written
         codes = pool[:, :13 * (dim + 64)].reshape(-1, dim + 64)[:, :dim - 64]
         assert ((codes & 0x7F) < 8).sum() > 100 and (codes == 0x80).any()
@@ -190,8 +192,9 @@ def test_kv_insert_wait_late_changes_no_byte(fmt, tile_rows):
     slots = random_slots(kv.shape[0], 13 * 5, gen(4), DEVICE)
     plain = torch.full((5, layout.page_bytes(13)), POISON, dtype=torch.uint8, device=DEVICE)
     late = plain.clone()
-    kv_insert(kv, positions, rope, layout, plain, 13, slots)
-    kv_insert(kv, positions, rope, layout, late, 13, slots, cos_sin=rope_cos_sin(rope, positions), wait_late=True)
+    kv_insert(kv, positions, rope, layout, plain, 13, slots, tuning=tile_rows)
+    kv_insert(kv, positions, rope, layout, late, 13, slots, cos_sin=rope_cos_sin(rope, positions), wait_late=True,
+              tuning=tile_rows)
     assert torch.equal(late, plain) and not torch.equal(plain, torch.full_like(plain, POISON))
 
 
@@ -218,23 +221,23 @@ def test_kv_insert_wait_late_waits_once_per_program(monkeypatch):
 
 @pytest.mark.parametrize("tile", [(1, 1), (4, 2), (8, 4)], ids=lambda t: f"R{t[0]}-W{t[1]}")
 @pytest.mark.parametrize("fmt", ["fp8", "bf16"])
-def test_kv_insert_rows_per_program(fmt, tile, tile_rows, monkeypatch):
-    """Other tiles of KV_INSERT_TILE (rows per program, warps): 23 rows of D512, not a multiple of 4 or 8, two of
+def test_kv_insert_rows_per_program(fmt, tile, tile_rows):
+    """Other tiles (`WindowTuning`: rows per program, warps): 23 rows of D512, not a multiple of 4 or 8, two of
     them skipped (slot -1), on a poisoned pool: the same bytes."""
-    monkeypatch.setattr(window, "KV_INSERT_TILE", tile)
-    check_insert(512, fmt, DEVICE, seed=13)
+    tuning = dataclasses.replace(tile_rows, kv_insert_rows=tile[0], kv_insert_warps=tile[1])
+    check_insert(512, fmt, DEVICE, seed=13, tuning=tuning)
 
 
 def test_program_rows_spreads_small_launches():
-    assert [program_rows(n, 16) for n in (65536, 8192, 4096, 2000, 264, 64, 1)] == [16, 16, 8, 4, 1, 1, 1]
-    assert program_rows(5000, 4) == 4 and program_rows(0, 4) == 1
+    assert [program_rows(n, 16, 264) for n in (65536, 8192, 4096, 2000, 264, 64, 1)] == [16, 16, 8, 4, 1, 1, 1]
+    assert program_rows(5000, 4, 264) == 4 and program_rows(0, 4, 264) == 1
 
 
 @pytest.mark.parametrize("dim", [128, 512], ids=["D128", "D512"])
 def test_kv_insert_nonfinite_block_fp8(dim, tile_rows):
     """A NaN or inf in a nope block: that block's scale byte is 0xFF (E8M0 NaN) and it decodes to NaN; the other
     blocks, the rope dims and the other entries are the reference's bytes. Data bytes of the NaN block may differ
-    from the reference's in the sign bit only (see kernels/encode.py)."""
+    from the reference's in the sign bit only (see ops/shared/encode.py)."""
     rope, layout, entries = ROPES[dim], main_layout("fp8", dim, 64), 5
     g = gen(11)
     kv = torch.randn(4, dim, generator=g)
@@ -244,7 +247,7 @@ def test_kv_insert_nonfinite_block_fp8(dim, tile_rows):
     kv = kv.to(torch.bfloat16).to(DEVICE)
     positions = torch.tensor([3, 90, 1000, 7], dtype=torch.int32, device=DEVICE)
     slots = torch.tensor([4, 0, 7, 2], dtype=torch.int32, device=DEVICE)
-    pool, want = insert_both(kv, positions, rope, layout, entries, slots, 2)
+    pool, want = insert_both(kv, positions, rope, layout, entries, slots, 2, tile_rows)
     bad = [(0, 0), (1, dim // 64 - 2), (2, (dim // 64 - 2) // 2)]  # (row, nope block)
     data, scales = layout.page_views(pool, entries)
     want_data, _ = layout.page_views(want, entries)
@@ -271,7 +274,7 @@ def test_kv_insert_nan_bf16_passes_through(tile_rows):
     kv[1, :64] = float("inf")
     kv = kv.to(torch.bfloat16).to(DEVICE)
     pool, want = insert_both(kv, torch.tensor([1, 2, 3], dtype=torch.int32, device=DEVICE), rope, layout, 4,
-                             torch.tensor([3, -1, 0], dtype=torch.int32, device=DEVICE), 1)
+                             torch.tensor([3, -1, 0], dtype=torch.int32, device=DEVICE), 1, tile_rows)
     assert torch.equal(pool, want)
 
 
@@ -419,10 +422,10 @@ def test_cuda_kv_insert_corners(preset, fmt):
 @needs_cuda
 @pytest.mark.parametrize("tile", [(1, 1), (4, 2), (8, 4), (16, 4), (16, 8), (32, 8)], ids=lambda t: f"R{t[0]}-W{t[1]}")
 @pytest.mark.parametrize("fmt", ["fp8", "bf16"])
-def test_cuda_kv_insert_prefill_tiles(fmt, tile, monkeypatch):
+def test_cuda_kv_insert_prefill_tiles(fmt, tile):
     """A prefill-sized launch (20001 rows of V4's 512 dims, YaRN rope) for every tile the lead may time: random
     positions, slots scattered over pages of 256 entries with every 7th row skipped, on a poisoned pool; bit for bit."""
-    monkeypatch.setattr(window, "KV_INSERT_TILE", tile)
+    tuning = dataclasses.replace(tuning_for(DEVICE), kv_insert_rows=tile[0], kv_insert_warps=tile[1])
     rope, layout, entries, n = FLASH.layers[2].rope, main_layout(fmt, 512, 64), 256, 20001
     g = gen(61)
     kv = (torch.randn(n, 512, generator=g) * 3).to(torch.bfloat16).to(DEVICE)
@@ -430,7 +433,7 @@ def test_cuda_kv_insert_prefill_tiles(fmt, tile, monkeypatch):
     pages = -(-n // entries) + 3
     slots = torch.randperm(pages * entries, generator=g)[:n].to(torch.int32)
     slots[::7] = -1
-    pool, want = insert_both(kv, positions, rope, layout, entries, slots.to(DEVICE), pages)
+    pool, want = insert_both(kv, positions, rope, layout, entries, slots.to(DEVICE), pages, tuning)
     assert torch.equal(pool, want)
 
 

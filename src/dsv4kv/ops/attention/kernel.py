@@ -1,5 +1,5 @@
 """Sparse attention with a sink, reading the paged cache directly (Triton): the kernel of
-`dsv4kv.ops.attention.sparse_attention` over the keys `ops.gather` would gather, without gathering them.
+`ops.attention.reference.sparse_attention` over the keys `ops.attention.gather` would gather, without gathering them.
 
 For token row t (position p >= 0 of request b) and head h:
 
@@ -27,12 +27,12 @@ writes (m_s, l_s, acc_s) to the workspace; a second kernel merges the splits tha
 so the sink counts once, a split without keys is never written nor read (no -inf - -inf), and a row without keys
 still gets acc = 0, l = 1. S = 1 is the single pass: no workspace, no merge.
 
-Work split. A program holds up to 64 heads of one row (BLOCK_H): they are the M dimension of both tensor-core
-products, so each key block is read and decoded once per 64 heads into one bf16 tile [BLOCK_N, D] that both
-products read (q . k through a transposed view of it, w . V = w . K), with the fp32 accumulator [64, D] split over
-two warpgroups; with two warpgroups each block's logits go through a scratch row (QK_SCRATCH), so each computes half
-of q . k instead of all of it. The window blocks and the entry blocks run in one loop (both address forms computed,
-one selected).
+Work split (`AttentionTuning`). A program holds up to 64 heads of one row (BLOCK_H): they are the M dimension of both
+tensor-core products, so each key block is read and decoded once per 64 heads into one bf16 tile [BLOCK_N, D] that
+both products read (q . k through a transposed view of it, w . V = w . K), with the fp32 accumulator [64, D] split
+over two warpgroups; with two warpgroups each block's logits go through a scratch row (QK_SCRATCH), so each computes
+half of q . k instead of all of it. The window blocks and the entry blocks run in one loop (both address forms
+computed, one selected).
 
 Numerics (docs/numerics.md). Keys are exact: e4m3 * 2^(ue8m0 - 127) and the rope dims are bf16 values; codes are
 not flushed (ue8m0 code 0 scales by 2^-127, code 0xFF is NaN, as `quant.ue8m0_decode`). q enters the product in
@@ -57,37 +57,9 @@ from ...checks import check_tensor
 from ..shared.encode import round_bf16
 from ..shared.launch import launch_options, wait_for_prior_grids
 from ..rope.kernel import check_cos_sin, rope_pairs
+from .tuning import AttentionTuning, tuning_for
 
 __all__ = ["sparse_attention_paged"]
-
-# Tiles from H200 timings (scripts/attention_variants.py, docs/bench/attention-variants-*.txt). A program holds up
-# to 64 heads of one row, the M dimension of both tensor-core products, so each key tile is read and decoded once
-# per 64 heads; its fp32 accumulator [64, D] is split over 2 warpgroups (128 registers per thread at D = 512).
-BLOCK_H = 64  # most heads per program
-SMALL_BLOCK_H = 16  # where even the split grid leaves most SMs idle (CSA batch 1: 17.7 us at 16 heads, 20-26 at 64)
-BLOCK_N = 32  # keys per online-softmax block in small grids (split rows); splits start on these boundaries
-LARGE_BLOCK_N = 64  # ... once the rows alone fill a third of the SMs (CSA batch 128: 121 us at 64 keys, 145 at 32)
-NUM_STAGES = 1  # 2 stages were slower at every decode shape (more registers, spills)
-# Fewest key blocks per split: a split's fixed cost (q load, partial write, its share of the merge) should not
-# dominate its work. With 16-head programs (a grid that leaves most SMs idle even split) a single block: CSA decode
-# core at batch 1 36.1 against 37.8 us at 16K, 56.8 against 59.0 at 1M, HCA at 4K 25.1 against 31.3; at batch 8
-# (64-head programs) 2 were faster (68.3 against 69.1 us; H100, 2026-11-26, docs/performance.md).
-MIN_SPLIT_BLOCKS = 2
-SMALL_MIN_SPLIT_BLOCKS = 1
-# Partial values a merge program holds at once (`_merge_tile`): 64 fp32 registers a thread at 4 warps.
-MERGE_ELEMS = 8192
-# Splits a merge program reads at once: the smallest of these that holds a launch's splits (else the largest, chunk
-# after chunk). Each is a compile-time constant: six values, so six merge compilations at most over every batch size.
-# 2 for batch 45-66's 2 splits (read 16 at a time: 17.0 against 8.1 us at batch 64 / 128K, H100, 2026-11-25).
-MERGE_CHUNKS = (2, 16, 32, 64, 128, 256)
-# Round-trip each block's logits through a per-program scratch row in global memory (L2) where a program has two
-# warpgroups (8 warps). Triton lays out a dot whose result feeds another dot with all warps along M (rows per warp,
-# for the softmax): with 64 heads over 8 warps both warpgroups then compute the whole QK^T. Through memory, QK^T is
-# no longer "chained" and gets the [4, 2] layout: half the QK^T wgmma per warp, 64-key loop 1,679 -> 1,130 SASS
-# instructions, spills 32 -> 0 B (scripts/attention_sass.py), for a 16 KB store, a load and two barriers per block.
-# H100, 2026-11-25 (docs/bench/attention-variants-4-h100.txt): 3-7% faster from batch 8 up and at HCA batch 1; the
-# 4-warp programs (16 heads) have one warpgroup and nothing to gain.
-QK_SCRATCH = True
 
 _WINDOW_ONLY, _ALL_VISIBLE, _PICKS = 0, 1, 2  # which compressed entries a row attends to
 _LOG2E = 1.4426950408889634
@@ -103,31 +75,32 @@ class _Config(NamedTuple):
     num_stages: int
 
 
-def _config(rows: int, heads: int, max_keys: int, device: torch.device) -> _Config:
+def _config(rows: int, heads: int, max_keys: int, device: torch.device, tuning: AttentionTuning) -> _Config:
     """Tiles and split count from fixed shapes only (the plan's padded rows, heads, the most keys a row can have),
     so the launch shape is the same at every replay of a captured graph.
 
     A program holds one SM (registers, shared memory), so a grid of rows x head blocks programs fills the GPU once
     it reaches the SM count. Split only where it leaves at least half the SMs idle (a grid of 0.5..1 waves gains
     little from splitting and would pay the merge): then as many splits as one wave holds, each keeping at least
-    MIN_SPLIT_BLOCKS key blocks of the longest row; if even that leaves half the SMs idle, 16-head blocks with
-    splits of SMALL_MIN_SPLIT_BLOCKS. Off CUDA (the interpreter) always the single pass with 32-key blocks; tests
-    force splits. V4-Flash decode on 132 SMs: CSA batch 1 (640 keys) -> 16 heads x 20 splits; HCA batch 1 at 1M
-    -> 64 heads x 130 splits; batch 8 -> 10 (CSA) / 16 (HCA) splits; batch 64 -> 64-key blocks, 2 splits; batch
-    >= 67 -> 64-key blocks, no split.
+    `min_split_blocks` key blocks of the longest row; if even that leaves half the SMs idle, `small_block_h`-head
+    blocks with splits of `small_min_split_blocks`. Off CUDA (the interpreter) always the single pass with `block_n`
+    keys a block; tests force splits. V4-Flash decode on 132 SMs: CSA batch 1 (640 keys) -> 16 heads x 20 splits;
+    HCA batch 1 at 1M -> 64 heads x 130 splits; batch 8 -> 10 (CSA) / 16 (HCA) splits; batch 64 -> 64-key blocks, 2
+    splits; batch >= 67 -> 64-key blocks, no split.
     """
-    block_h = max(16, min(BLOCK_H, triton.next_power_of_2(heads)))  # a tensor-core M of at least 16
+    t = tuning
+    block_h = max(16, min(t.block_h, triton.next_power_of_2(heads)))  # a tensor-core M of at least 16
     if device.type != "cuda":
-        return _Config(block_h, BLOCK_N, 1, 4 if block_h <= 32 else 8, NUM_STAGES)
+        return _Config(block_h, t.block_n, 1, 4 if block_h <= 32 else 8, t.num_stages)
     sms = sm_count(device)
     programs = max(rows, 1) * triton.cdiv(heads, block_h)
-    block_n = LARGE_BLOCK_N if 3 * programs >= sms else BLOCK_N
-    splits = _splits(programs, max_keys, block_n, sms, MIN_SPLIT_BLOCKS)
-    if programs * splits < sms // 2 and block_h > SMALL_BLOCK_H:
-        block_h = SMALL_BLOCK_H
+    block_n = t.large_block_n if 3 * programs >= sms else t.block_n
+    splits = _splits(programs, max_keys, block_n, sms, t.min_split_blocks)
+    if programs * splits < sms // 2 and block_h > t.small_block_h:
+        block_h = t.small_block_h
         programs = max(rows, 1) * triton.cdiv(heads, block_h)
-        splits = _splits(programs, max_keys, block_n, sms, SMALL_MIN_SPLIT_BLOCKS)
-    return _Config(block_h, block_n, splits, 4 if block_h <= 32 else 8, NUM_STAGES)
+        splits = _splits(programs, max_keys, block_n, sms, t.small_min_split_blocks)
+    return _Config(block_h, block_n, splits, 4 if block_h <= 32 else 8, t.num_stages)
 
 
 def _splits(programs: int, max_keys: int, block_n: int, sms: int, min_blocks: int) -> int:
@@ -207,7 +180,7 @@ def _attend(b_q, b_q_lo, b_k, valid, unread, m_i, l_i, acc, qk_scale, p_scratch,
     are NaN as the reference's reads of slot -1 are) into the running max m_i, sum l_i [BLOCK_H] and
     acc fp32 [BLOCK_H, D] (log2 domain), for bf16 queries b_q [BLOCK_H, D] (Q_SPLIT: b_q + b_q_lo, the two bf16 parts
     of an fp32 q). The key tile is the B operand of both products (V = K); the weights enter the second in bf16.
-    QK_SCRATCH: the logits pass through fp32 [BLOCK_H, BLOCK_N] at p_scratch (module constant QK_SCRATCH)."""
+    QK_SCRATCH: the logits pass through fp32 [BLOCK_H, BLOCK_N] at p_scratch (8-warp programs, see the wrapper)."""
     b_kt = tl.trans(b_k)
     b_s = _dot(b_q, b_kt, tl.zeros([b_q.shape[0], b_k.shape[0]], tl.float32), DOT_F32)
     if Q_SPLIT:
@@ -397,7 +370,7 @@ def _sparse_attention_kernel(
         o_w = tl.arange(0, BLOCK_H) * (D + 2) + D
         tl.store(p_w + o_w, m_i, mask=m_h)
         tl.store(p_w + o_w + 1, l_i, mask=m_h)
-    elif ROPE_HALF > 0:  # bf16 out: the inverse RoPE and the rounding of `query.rope_rows(fp32 out, inverse=True)`
+    elif ROPE_HALF > 0:  # bf16 out: the inverse RoPE and the rounding of `rope_rows(fp32 out, inverse=True)`
         b_o = rope_pairs(acc / l_i[:, None], p_cos, p_sin, i_t.to(tl.int64), BLOCK_H, D, 0, D // 2 - ROPE_HALF,
                           ROPE_HALF, True)
         tl.store(p_out + (i_t.to(tl.int64) * H + i_h * BLOCK_H) * D + o_hd, round_bf16(b_o).to(tl.bfloat16),
@@ -412,7 +385,7 @@ def _merge_kernel(p_ws, p_sinks, p_out, p_positions, p_cos, p_sin, n_picks, H, s
                   MERGE_S: tl.constexpr, ROPE_HALF: tl.constexpr, DIMS: tl.constexpr):
     """One program per (token row, head, DIMS of its D dims): merges the row's splits that hold keys (the first
     ceil(blocks / per_split)) with the sink, in fp32, into out [R, H, D]: fp32, or (ROPE_HALF > 0) with the layer's
-    inverse RoPE over the last 2 * ROPE_HALF dims and rounded to bf16, bit for bit `query.rope_rows(fp32 out,
+    inverse RoPE over the last 2 * ROPE_HALF dims and rounded to bf16, bit for bit `rope_rows(fp32 out,
     inverse=True)`. Splits are read MERGE_S at a time (`_merge_tile`: all of a launch's, up to 256): the loads of a
     chunk do not wait on the previous chunk's arithmetic. The programs of a head compute the same running max and
     sum (one tile, one order)."""
@@ -452,21 +425,17 @@ def _merge_kernel(p_ws, p_sinks, p_out, p_positions, p_cos, p_sin, n_picks, H, s
         tl.store(p_head, acc / l_i)
 
 
-def _merge_tile(splits: int, dim: int) -> tuple[int, int, int]:
-    """(splits read at once, head dims, warps) of a merge program: a launch's splits at once (MERGE_CHUNKS) over as
-    many of the head's dims as MERGE_ELEMS allows (32 at 256 splits), so a program has one load of its partials in
+def _merge_tile(splits: int, dim: int, tuning: AttentionTuning) -> tuple[int, int, int]:
+    """(splits read at once, head dims, warps) of a merge program: a launch's splits at once (`merge_chunks`) over as
+    many of the head's dims as `merge_elems` allows (32 at 256 splits), so a program has one load of its partials in
     flight rather than a chain of chunks, and rows of many splits spread over more programs. V4-Flash: 2 splits
     (batch 64) -> 2 x 512 dims; up to 16 -> 16 x 512; 20 (CSA batch 1) -> 32 x 256; 66 (HCA batch 1 at 512K) ->
-    128 x 64; 130 (1M) -> 256 x 32. H100, 2026-11-26 (docs/performance.md), against 16 splits at a time over all
-    512 dims: HCA decode core at batch 1 / 512K 33.4 -> 32.4 us, CSA at 1M 54.2 -> 53.6, at 16K 32.4 -> 32.0; 1M and
-    batch 8 / 64 unchanged. Reading a launch of 20 splits 128 at a time over 64 dims cost 1.0-1.5 us (CSA batch 1).
-    A sum of two terms and zeros is one rounding in any order, so 2 splits give the bytes of any tile; with more, the
-    tile sets the order of the fp32 sums over splits (on a GPU the dims too: the reduction's layout follows them).
-    Warps: 4, or 2 for a tile of at most 1024 values (batch 64's 2 x 512: merge 8.3 -> 7.0 us, HCA decode core 100.6
-    -> 99.3; 2 warps for every tile made HCA at 1M 38.9 -> 40.4, 8 warps were slower everywhere)."""
-    chunk = next((c for c in MERGE_CHUNKS if c >= splits), MERGE_CHUNKS[-1])
-    dims = min(dim, MERGE_ELEMS // chunk)
-    return chunk, dims, 2 if chunk * dims <= 1024 else 4
+    128 x 64; 130 (1M) -> 256 x 32. A sum of two terms and zeros is one rounding in any order, so 2 splits give the
+    bytes of any tile; with more, the tile sets the order of the fp32 sums over splits (on a GPU the dims too: the
+    reduction's layout follows them)."""
+    chunk = next((c for c in tuning.merge_chunks if c >= splits), tuning.merge_chunks[-1])
+    dims = min(dim, tuning.merge_elems // chunk)
+    return chunk, dims, 2 if chunk * dims <= tuning.merge_two_warps else 4
 
 
 def _layout_dims(layout: EntryLayout) -> tuple[int, int]:
@@ -485,7 +454,8 @@ def sparse_attention_paged(q: torch.Tensor, plan: StepPlan, *, sinks: torch.Tens
                            max_entries: int | None = None, splits: int | None = None,
                            workspace: torch.Tensor | None = None,
                            inverse_rope: tuple[torch.Tensor, torch.Tensor] | None = None,
-                           q_rope_dims: torch.Tensor | None = None) -> torch.Tensor:
+                           q_rope_dims: torch.Tensor | None = None,
+                           tuning: AttentionTuning | None = None) -> torch.Tensor:
     """Sparse attention with sink over the window (ring + this step's kv) and compressed entries -> fp32 [R, H, D]
     (bf16 with `inverse_rope`).
 
@@ -505,7 +475,7 @@ def sparse_attention_paged(q: torch.Tensor, plan: StepPlan, *, sinks: torch.Tens
             visible entry (HCA).
         out: optional fp32 [R, H, D] (bf16 with `inverse_rope`) to write, not overlapping q (nothing is allocated
             then, unless the split path needs a workspace and none is given, and the logits' scratch rows of 8-warp
-            programs (QK_SCRATCH): CUDA-graph capturable, torch's graph pool serves the allocations).
+            programs: CUDA-graph capturable, torch's graph pool serves the allocations).
         max_entries: HCA: a host bound on any row's visible entries (e.g. plan.max_seq_len // ratio), used only to
             choose the split count (a row with more entries is still exact); default block_table.shape[1] *
             page_tokens // ratio. Ignored for CSA (K picks) and window-only layers.
@@ -516,11 +486,12 @@ def sparse_attention_paged(q: torch.Tensor, plan: StepPlan, *, sinks: torch.Tens
             output [D], then the running max (log2 domain) and sum. Its S is the split count (unless `splits`
             says otherwise, then they must agree); S = 1 runs the single pass and leaves it untouched.
         inverse_rope: (cos, sin) fp32 [R, rope_dim // 2] of the rows' positions: the output then gets the layer's
-            inverse RoPE and is rounded to bf16, bit for bit `query.rope_rows(output, cos, sin, inverse=True)`
+            inverse RoPE and is rounded to bf16, bit for bit `rope_rows(output, cos, sin, inverse=True)`
             (`out`, if given, is bf16). The single pass applies it as it stores the output; with S > 1 splits the
             merge does.
-        q_rope_dims: bf16 [R, H, rope_dim], q's last rope_dim dims of each head, roped (`query.rope_rows(q, cos,
+        q_rope_dims: bf16 [R, H, rope_dim], q's last rope_dim dims of each head, roped (`rope_rows(q, cos,
             sin, out=q_rope_dims)`); q's own last dims are then never read, so q may be the query before its RoPE.
+        tuning: tiles and split thresholds (default: the device's).
     """
     require(isinstance(plan, StepPlan), f"plan: expected a StepPlan, got {type(plan).__name__}")
     require(isinstance(layout, EntryLayout), f"layout: expected an EntryLayout, got {type(layout).__name__}")
@@ -587,7 +558,8 @@ def sparse_attention_paged(q: torch.Tensor, plan: StepPlan, *, sinks: torch.Tens
         require(not overlaps(out, q_rope_dims), "out: overlaps q_rope_dims")
     require(splits is None or (isinstance(splits, int) and not isinstance(splits, bool) and 1 <= splits <= 65535),
             f"splits: expected an int in 1..65535 (a grid dimension) or None, got {splits!r}")
-    config = _config(rows, heads, max_keys, device)
+    tuning = tuning if tuning is not None else tuning_for(device)
+    config = _config(rows, heads, max_keys, device, tuning)
     if workspace is not None:
         check_tensor("workspace", workspace, dtype=torch.float32,
                      shape=(rows, splits if splits is not None else None, heads, dim + 2), device=device)
@@ -601,7 +573,10 @@ def sparse_attention_paged(q: torch.Tensor, plan: StepPlan, *, sinks: torch.Tens
     if split and workspace is None:
         workspace = torch.empty((rows, config.splits, heads, dim + 2), dtype=torch.float32, device=device)
     grid = (rows, triton.cdiv(heads, config.block_h), config.splits)
-    qk_scratch = QK_SCRATCH and config.num_warps == 8  # two warpgroups: see QK_SCRATCH
+    # with two warpgroups (8 warps) each block's logits pass through a scratch row in global memory (L2): Triton lays
+    # out a dot whose result feeds another dot with all warps along M, so both warpgroups would compute the whole
+    # q . k; through memory each computes half (no spills, fewer instructions, for a 16 KB store and two barriers)
+    qk_scratch = config.num_warps == 8
     scratch = out  # an unused stand-in pointer unless qk_scratch
     if qk_scratch:
         scratch = torch.empty(grid[0] * grid[1] * grid[2] * config.block_h * config.block_n, dtype=torch.float32,
@@ -621,12 +596,12 @@ def sparse_attention_paged(q: torch.Tensor, plan: StepPlan, *, sinks: torch.Tens
         SPLIT=split, QK_SCRATCH=qk_scratch, ROPE_HALF=rope_half if not split else 0,
         Q_ROPE_DIMS=q_rope_dims.shape[2] if q_rope_dims is not None else 0, num_warps=config.num_warps,
         num_stages=config.num_stages,
-        # the inverse RoPE's separately rounded products (`query.rope_rows`); the key loop is the same up to a few
+        # the inverse RoPE's separately rounded products (`rope_rows`); the key loop is the same up to a few
         # FMULs for FFMAs, and its outputs were byte-equal either way (docs/performance.md)
         enable_fp_fusion=False, **launch_options(device),
     )
     if split:
-        chunk, dims, warps = _merge_tile(config.splits, dim)
+        chunk, dims, warps = _merge_tile(config.splits, dim, tuning)
         _merge_kernel[(rows, heads, dim // dims)](
             workspace, sinks, out, plan.positions, cos, sin, n_picks, heads, config.splits,
             RATIO=max(ratio, 1), WINDOW=window, D=dim, ENTRIES=mode, BLOCK_N=config.block_n,

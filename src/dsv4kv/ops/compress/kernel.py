@@ -6,21 +6,21 @@ per channel with a softmax (CSA overlap: the previous block's low half and the o
 own block), applies the weighted RMSNorm and RoPE at j*m, rounds to bf16 and writes the entry in its layout (main
 FP8 MODEL1 / bf16, or the indexer's MXFP4 / FP8 / bf16 with the Hadamard rotation) into its page, in one pass.
 
-Work split (COMPRESS_TILES): a program takes BLOCK_E entries and pools their rows CHUNK at a time with an online
-softmax (running max, rescaled sums), reading every row once: all 8 rows of a CSA entry in one chunk, HCA's 128
-rows in chunks of 32 when it pools in one launch. Programs whose entries are all padding (a captured step's spare
-capacity) return at once. HCA by default (POOL_SPLIT) pools in a first launch whose programs take one entry's rows
-over a slice of its channels (a tile by the launch's entry count) into an fp32 buffer, and a second launch
-(POOLED_WARPS warps a program) norms, ropes and encodes from it: one entry's 512 KB of rows then spreads over 16 or
-more SMs instead of one.
+Work split (`CompressTuning`): a CSA program takes BLOCK_E entries and pools their rows CHUNK at a time with an
+online softmax (running max, rescaled sums), reading every row once (all 8 rows of an entry in one chunk). HCA pools
+in a first launch whose programs take one entry's rows over a slice of its channels (a tile by the launch's entry
+count) into an fp32 buffer, and a second launch norms, ropes and encodes from it: one entry's 512 KB of rows then
+spreads over 16 or more SMs instead of one. Programs whose entries are all padding (a captured step's spare
+capacity) return at once.
 
-Numerics. Same function as `ops.compress.compress_and_insert`; the softmax (Triton's exp, and across chunks the
-online rescaling), the norm (rsqrt) and the sums run in another order, and the indexer's Hadamard rotation is an
-exact +-1 butterfly scaled once by fl(d^-0.5) where the reference sums separately rounded fp32 products (see
-`encode.hadamard_rows`), so entries agree within the tolerance of tests/test_kernel_compress.py (one step of the
-format's grid, >= 99% of bytes equal) rather than bit for bit. The encoders themselves are exact (encode.py).
+Numerics. Same function as `ops.compress.reference.compress_and_insert`; the softmax (Triton's exp, and across
+chunks the online rescaling), the norm (rsqrt) and the sums run in another order, and the indexer's Hadamard
+rotation is an exact +-1 butterfly scaled once by fl(d^-0.5) where the reference sums separately rounded fp32
+products (see `encode.hadamard_rows`), so entries agree within the tolerance of tests/test_kernel_compress.py (one
+step of the format's grid, >= 99% of bytes equal) rather than bit for bit. The encoders themselves are exact
+(encode.py).
 
-`append_state` then copies the step's rows into the state rings (bit for bit `ops.append.append_state`);
+`append_state` then copies the step's rows into the state rings (bit for bit `ops.compress.reference.append_state`);
 it must run after every read of the rings in the step.
 """
 
@@ -38,6 +38,7 @@ from ..rope.reference import rope_cos_sin
 from ..shared.common import check_plan, check_pool, interpreted
 from ...checks import check_tensor
 from ..shared.launch import check_pair_ends, launch_options, let_next_grid_launch, wait_for_prior_grids
+from .tuning import CompressTuning, tuning_for
 from ..shared.encode import (
     last_block,
     program_rows,
@@ -51,42 +52,6 @@ from ..shared.encode import (
 __all__ = ["compress_insert", "append_state"]
 
 
-# (entries per program, rows per chunk, num_warps) of compress_insert per compressor; assign to time variants.
-# The kernel reads each entry's rows (fp32 kv and logits) once and is bound by that read in prefill and by latency
-# in decode: a chunk's loads are all issued at once, and the loop over chunks carries no loads, so a chunk is what
-# one program has in flight. Tiles are [rows, entries, d] with 4-value (16-byte) vectors along d; warps fill d
-# first, then entries, then rows (a row reduction across warps goes through shared memory).
-# - "csa_main" (d 512, 8 rows of one entry): [8, 1, 512] over 4 warps (d spans exactly 4 warps): 2 x 32 values per
-#   thread, row reductions in registers, ~80 registers; 8192 prefill rows make 2048 programs of 32 KB each.
-# - "csa_index" (d 128: one warp spans d): 4 entries per program over 4 warps, [8, 4, 128], the same 2 x 32 values
-#   per thread; 1/4 of the per-program work per entry.
-# - "hca" (d 512, 128 rows): [32, 1, 512] chunks over 16 warps (8 rows per thread, 4 warps across the rows), 4
-#   round trips per entry instead of 8 with 16-row chunks; 128 registers x 512 threads, one program per SM. With
-#   POOL_SPLIT (the default) it is not used: the second launch takes POOLED_WARPS.
-# Small launches (a decode step's few entries) get fewer entries per program (see `program_rows`); chunks shrink to
-# divide the entry's rows.
-COMPRESS_TILES = {"csa_main": (1, 8, 4), "csa_index": (4, 8, 4), "hca": (1, 32, 16)}
-# HCA pools in a first launch split over channels into fp32 [entries, d]; the norm, RoPE and encoding follow in a
-# second launch. One program per HCA entry pulled its 512 KB of rows alone. H200, decode (docs/performance.md): one
-# entry 28.1 -> 11.7 us, 64 entries 35.4 -> 23.8. None: one launch, as CSA.
-# Per program (channels, rows per chunk, warps, register cap or None), by the launch's entry count (a host fact):
-# - "few", up to POOL_FEW_ENTRIES entries: 1-warp programs of 4 channels that hold all 128 rows at once, their row
-#   reductions within the warp, so a lone entry's read spreads over 128 programs. H100, 2026-11-26, HCA core at batch
-#   1 / 1M: the "many" tile 40.3 us against 39.1 with 8 channels (pooling 5.1 -> 4.0-4.3); in another run 8
-#   channels 38.3 against 37.6 with 4 (pooling 4.2 -> 3.4; 16 on 1 or 2 warps 3.8-4.0). Past 8 entries it was equal
-#   or slower.
-# - "many": 4-warp programs of 32 channels, 64 rows a chunk (row reductions across warps: 9 CTA barriers a chunk)
-#   capped at 64 registers (no spills; 72 uncapped, sm_90a), so 8 fit an SM instead of 7 and batch 64's 1024 run in
-#   one wave (1.11 waves uncapped, ncu). H100: HCA core at batch 64 / 128K 102.6 -> 100.2 us (pooling 21.1 -> 19.5);
-#   the 1-warp tiles took 102.0-105.2 there.
-POOL_SPLIT: dict[str, tuple[int, int, int, int | None]] | None = {"few": (4, 128, 1, None), "many": (32, 64, 4, 64)}
-POOL_FEW_ENTRIES = 8
-# Warps of the second launch, which norms, ropes and encodes the pooled entries (one a program). H100, 2026-11-26
-# (docs/performance.md), 16 / 8 / 4 / 2 warps: the launch 2.6 / 2.2 / 2.1 / 2.5 us at batch 1 and 3.0 / 2.7 / 2.5 /
-# 2.7 at batch 64; HCA decode core at batch 1 / 1M 39.4 / 38.7 / 38.9 / 39.0, batch 8 40.3 / 40.0 / 39.7 / 40.1.
-POOLED_WARPS = 4
-
-
 def _chunk(chunk: int, span: int) -> int:
     """Rows per chunk: `chunk`, halved until it divides the entry's `span` rows."""
     chunk = min(chunk, triton.next_power_of_2(span))
@@ -95,9 +60,12 @@ def _chunk(chunk: int, span: int) -> int:
     return chunk
 
 
-def _compress_tile(overlap: bool, main: bool, span: int, count: int) -> tuple[int, int, int]:
-    block_e, chunk, warps = COMPRESS_TILES["hca" if not overlap else "csa_main" if main else "csa_index"]
-    return program_rows(count, block_e), _chunk(chunk, span), warps
+def _compress_tile(overlap: bool, main: bool, span: int, count: int, tuning: CompressTuning) -> tuple[int, int, int]:
+    """(entries a program, rows a chunk, warps) of the compress launch; HCA's reads its rows pooled (chunk unused)."""
+    if not overlap:
+        return program_rows(count, tuning.hca_entries, tuning.spread_programs), 1, tuning.pooled_warps
+    tile = tuning.csa_main if main else tuning.csa_index
+    return program_rows(count, tile.entries, tuning.spread_programs), _chunk(tile.chunk, span), tile.warps
 
 
 @triton.jit
@@ -126,8 +94,8 @@ def _pool(kv_rows_ptr, logit_rows_ptr, state_kv_ptr, state_logit_ptr, m_e, j, sl
     SPAN: tl.constexpr = 2 * RATIO if OVERLAP else RATIO
     first = (j - 1) * RATIO if OVERLAP else j * RATIO  # [E]: the window's first token (< 0 before the sequence)
     # per channel: running max, sum of exp(logit - max) and sum of kv * exp(logit - max). Tiles are
-    # [rows, entries, channels], warps over channels first: COMPRESS_TILES' one-launch tiles reduce rows within a
-    # thread or across warps, the split's 32-channel slices across threads too.
+    # [rows, entries, channels], warps over channels first: CSA's tiles reduce rows within a thread or across
+    # warps, HCA's channel slices across threads too.
     b_max = tl.full((BLOCK_E, o_d.shape[0]), float("-inf"), tl.float32)
     b_sum = tl.zeros((BLOCK_E, o_d.shape[0]), tl.float32)
     b_acc = tl.zeros((BLOCK_E, o_d.shape[0]), tl.float32)
@@ -251,20 +219,20 @@ def compress_insert(state_kv: torch.Tensor, state_logits: torch.Tensor, plan, kv
                     logit_rows: torch.Tensor, *, ratio: int, overlap: bool, norm_weight: torch.Tensor, eps: float,
                     rope: RopeSpec, out_dtype: torch.dtype, layout: EntryLayout, pool: torch.Tensor,
                     page_tokens: int, main: bool, cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None,
-                    wait_late: bool = False, launch_next: bool = False) -> None:
+                    wait_late: bool = False, launch_next: bool = False, tuning: CompressTuning | None = None) -> None:
     """Every entry of `ratio` completing in the plan, pooled, normed, roped, rounded to `out_dtype` and encoded
-    into `pool` at the plan's slots (`ops.compress.compress_and_insert`, without its return value).
+    into `pool` at the plan's slots (`ops.compress.reference.compress_and_insert`, without its return value).
 
     state_kv / state_logits: fp32 [max_requests, ring, w] (w = 2d with overlap, d without); kv_rows /
     logit_rows: fp32 [R, w] (R = the plan's padded rows); norm_weight fp32 [d]; main: a main entry (FP8
-    MODEL1 / bf16) or an indexer key (MXFP4 / FP8 / bf16). cos_sin: `ops.rope.rope_cos_sin(rope,
+    MODEL1 / bf16) or an indexer key (MXFP4 / FP8 / bf16). cos_sin: `ops.rope.reference.rope_cos_sin(rope,
     plan.entries[ratio].index * ratio)` when the caller already has it (computed here otherwise).
     wait_late: the second kernel of a pair (`launch`'s module docstring: beside the layer's indexer query), its wait
-    last; needs the caller's cos_sin and one launch (not HCA's split pooling). launch_next: the first kernel of a pair
+    last; needs the caller's cos_sin and one launch (CSA: HCA pools in two). launch_next: the first kernel of a pair
     (the layer's indexer query beside it); one launch too, made even where no entry completes (one program that
-    returns), since the second kernel's wait is on it.
-    Tiles: COMPRESS_TILES, and POOL_SPLIT (by the entry count) for HCA's pooling."""
+    returns), since the second kernel's wait is on it. tuning: the tiles (default: the device's)."""
     device = pool.device
+    tuning = tuning if tuning is not None else tuning_for(device)
     check_plan(plan, device)
     rows = plan.positions.shape[0]
     d = layout.dim
@@ -282,8 +250,8 @@ def compress_insert(state_kv: torch.Tensor, state_logits: torch.Tensor, plan, kv
     check_tensor("norm_weight", norm_weight, dtype=torch.float32, shape=(d,), device=device)
     check_pool("pool", pool, layout, page_tokens // ratio, device)
     check_pair_ends("compress_insert", launch_next, wait_late, cos_sin is not None)
-    require(not (wait_late or launch_next) or POOL_SPLIT is None or overlap,
-            "compress_insert: wait_late / launch_next need one launch (overlap, or POOL_SPLIT = None)")
+    require(not (wait_late or launch_next) or overlap,
+            "compress_insert: wait_late / launch_next need one launch (CSA: HCA pools in two)")
     writes = plan.entries[ratio]
     count = writes.slots.shape[0]
     # nothing to compress; the first kernel of a pair launches all the same (one program that returns), since the
@@ -296,24 +264,25 @@ def compress_insert(state_kv: torch.Tensor, state_logits: torch.Tensor, plan, kv
     # the reference matrix's entries, fl(d^-0.5), scale the kernel's exact +-1 butterfly (a CPU tensor: no sync)
     h_scale = float(quant.hadamard_matrix(d)[0, 0]) if layout.rotated else 1.0
     span = 2 * ratio if overlap else ratio
-    block_e, chunk, warps = _compress_tile(overlap, main, span, count)
+    block_e, chunk, warps = _compress_tile(overlap, main, span, count, tuning)
     entry_args = (writes.slots, writes.request, writes.index, plan.request_slots, plan.query_start, plan.seq_lens)
     pooled = None
-    if POOL_SPLIT is not None and not overlap:
-        channels, pool_chunk, pool_warps, cap = POOL_SPLIT["few" if count <= POOL_FEW_ENTRIES else "many"]
-        channels = min(channels, d)
+    if not overlap:
+        tile = tuning.pool_few if count <= tuning.few_entries else tuning.pool_many
+        channels = min(tile.channels, d)
         pooled = torch.empty(count, d, dtype=torch.float32, device=device)
+        cap = {"maxnreg": tile.max_registers} if tile.max_registers and not interpreted() else {}
         _pool_kernel[(count, d // channels)](
             kv_rows, logit_rows, state_kv, state_logits, *entry_args, pooled, count, RATIO=ratio, OVERLAP=overlap,
-            D=d, RING=state_kv.shape[1], CHANNELS=channels, BLOCK_E=1, CHUNK=_chunk(pool_chunk, span),
-            num_warps=pool_warps, **launch_options(device), **({"maxnreg": cap} if cap and not interpreted() else {}))
+            D=d, RING=state_kv.shape[1], CHANNELS=channels, BLOCK_E=1, CHUNK=_chunk(tile.chunk, span),
+            num_warps=tile.warps, **launch_options(device), **cap)
     _compress_kernel[(max(triton.cdiv(count, block_e), 1),)](
         kv_rows, logit_rows, state_kv, state_logits, norm_weight, cos, sin, *entry_args,
         pool, pooled if pooled is not None else kv_rows, count, pool.shape[1], page_tokens // ratio, h_scale, eps,
         RATIO=ratio, OVERLAP=overlap, D=d, LOG_D=d.bit_length() - 1, RING=state_kv.shape[1], MAIN=main,
         FORMAT=_format_code(layout, main), ROUND=out_dtype == torch.bfloat16, DATA_BYTES=layout.data_bytes,
         SCALE_BYTES=max(layout.scale_bytes, 1), BLOCK_E=block_e, CHUNK=chunk, POOLED=pooled is not None,
-        WAIT_LATE=wait_late, LAUNCH_NEXT=launch_next, num_warps=POOLED_WARPS if pooled is not None else warps,
+        WAIT_LATE=wait_late, LAUNCH_NEXT=launch_next, num_warps=warps,
         **launch_options(device))
 
 
@@ -339,7 +308,7 @@ def _append_state_kernel(kv_rows_ptr, logit_rows_ptr, state_kv_ptr, state_logit_
 def append_state(state_kv: torch.Tensor, state_logits: torch.Tensor, plan, kv_rows: torch.Tensor,
                  logit_rows: torch.Tensor) -> None:
     """Write kv_rows / logit_rows fp32 [R, w] into the state rings fp32 [max_requests, ring, w] at position % ring
-    (each request's last `ring` tokens of the step), as `ops.append.append_state`."""
+    (each request's last `ring` tokens of the step), as `ops.compress.reference.append_state`."""
     device = state_kv.device
     check_plan(plan, device)
     rows = plan.positions.shape[0]

@@ -1,4 +1,5 @@
-"""Lightning-indexer scores over the paged indexer-key pool (Triton), the kernel of `ops.indexer.indexer_scores`.
+"""Lightning-indexer scores over the paged indexer-key pool (Triton), the kernel of
+`ops.indexer.reference.indexer_scores`.
 
     out[t, j] = sum_h w[t, h] * ReLU(q[t, h] . K_j) * D^-0.5     for j < visible(t) = (positions[t] + 1) // ratio
     out[t, j] = -inf (fill=True) or left as it was (fill=False)   for j >= visible(t) and for padding rows
@@ -8,7 +9,7 @@ copy): MXFP4 (packed e2m1, element 2i in the low nibble, one ue8m0 scale per 32 
 0x00 = 2^-127), FP8 (e4m3 values, one fp32 scale per key) or bf16. Never-written or unallocated entries
 are never loaded (masked loads), so a NaN-poisoned pool cannot leak into visible scores.
 
-Numerics. The query arrives already in the keys' numerics (`ops.indexer.indexer_query`): for MXFP4 and
+Numerics. The query arrives already in the keys' numerics (`ops.indexer.reference.indexer_query`): for MXFP4 and
 FP8 every q and K value is a 2- or 4-bit-mantissa float times a power of two, hence exactly a bf16
 value; bf16 keys are bf16 by definition and the exact-mode query is a bf16-valued fp32. So the bf16
 `tl.dot` with fp32 accumulation forms every product q_d * K_d exactly (8 x 8 significant bits fit in
@@ -35,8 +36,7 @@ loads q[t] ([H, D] = [64, 128] for V4, as bf16 q^T) and the head weights once, t
 [BLOCK_J, D] keys in registers and runs a [BLOCK_J, D] x [D, H] MMA (the keys are the A operand so the
 decoded registers feed it directly). Decode (R small, J up to 2^18) gets its parallelism from the chunks.
 
-MXFP4 keys on FP8 MMAs (row kernel and, below, stacked kernel; D <= 128; `FP8_MIN_PROGRAMS_PER_SM` can keep small
-row-kernel grids on the bf16 path).
+MXFP4 keys on FP8 MMAs (row kernel and, below, stacked kernel; D <= 128; `IndexerTuning.fp8_mma`).
 A packed byte becomes two e4m3 bytes by moving bits (`_e2m1_e4m3`: e2m1 * 2^-6 exactly, five ALU ops per eight
 values instead of ~6 per value). The query's operand is made once per row, not per program (`fp8_query_operand`:
 by the layer's query kernel, or by `indexer_query_fp8` here): each head of q is shifted by its own power of two 2^-c
@@ -48,7 +48,7 @@ are exact, so this moves no rounding). Each 32-value scale block is one K = 32 F
 reference's and only the fp32 summation order differs, as on the bf16 path (on V4 shapes the two paths' scores are
 bit-equal: MXFP4 dot products are mostly exact in fp32 either way). Where a page holds whole tiles (P % BLOCK_J == 0,
 as the 256 entries of a default 1024-token CSA page do) a tile is addressed from its page, and its block id and
-scale words are read a tile ahead (`PAGE_TILES`); elsewhere each entry reads its own block id.
+scale words are read a tile ahead (`IndexerTuning.page_tiles`); elsewhere each entry reads its own block id.
 A row with a head whose query is not MXFP4-valued and exact in e4m3 after its shift takes the bf16 path. Edges that
 differ from the reference, both from the shifts: a block sum is the reference's times 2^-c (q's largest value
 scaled to ~2^8): up to 32 * 384 * 6 = 2^16.2 times its key scale, and D / 32 such sums add up. So from key scales of
@@ -67,10 +67,9 @@ works), each over the entries its rows see. Per key value the decode (~6 CUDA-co
 BLOCK_T * H MMA columns instead of H, and q is loaded once per segment for up to BLOCK_T x BLOCK_J * iters
 (row, entry) pairs. The products and their fp32 accumulation are those of the row kernel (equal results
 up to summation order: bit-identical in most scores under the interpreter). MXFP4 keys take FP8 MMAs there too
-(`STACK_FP8`, per segment whose rows' queries all pass `fp8_query_operand`'s check, else bf16): the row kernel's
-per-block MMAs and scalings (`_mxfp4_fp8_dot`) over q's operands stacked in N, 2 rows of 64 heads. Each (key, row,
-head) then costs four scaled fp32 adds on the CUDA cores where the bf16 path has none, about what the halved MMA
-time saves: about 6% faster on the H100, bit-equal scores.
+(per segment whose rows' queries all pass `fp8_query_operand`'s check, else bf16): the row kernel's per-block MMAs
+and scalings (`_mxfp4_fp8_dot`) over q's operands stacked in N, 2 rows of 64 heads. Each (key, row, head) then costs
+four scaled fp32 adds on the CUDA cores where the bf16 path has none, a little less than the halved MMA time saves.
 
 Top-k's first digit (`digit_counts`, decode). After its tiles a row-kernel program reads back the scores it stored
 (after a CTA barrier, 1024 a tile so no lane is replicated) and counts their top-k digit 1 by warp into the row's
@@ -98,6 +97,7 @@ from ...checks import check_tensor
 from ..shared.encode import e4m3_grid_code, e4m3_round, round_bf16
 from ..shared.launch import launch_options, wait_for_prior_grids
 from ..topk.kernel import count_first_digits
+from .tuning import IndexerTuning, Tiles, tuning_for
 
 __all__ = ["indexer_scores_paged", "indexer_query_fp8", "fp8_query_wanted", "counts_digits"]
 
@@ -105,38 +105,6 @@ KEYS_BF16, KEYS_FP8, KEYS_MXFP4 = 0, 1, 2
 _SIGN = tl.constexpr(-(2 ** 31))  # fp32 sign bit as an int32 constant
 _E2M1_MAG = tl.constexpr(0x01C00000)  # fp32 bits 22..24
 _TWO_126 = tl.constexpr(2.0 ** 126)
-_FILL_ELEMS = 2048  # elements per -inf store tile: 16 per thread at 4 warps, i.e. four 16-B stores
-_COUNT_BLOCK = tl.constexpr(1024)  # scores per tile of the digit count (`digit_counts`): >= 32 lanes x warps
-
-# Tile choices, read at each call (scripts/bench_variants.py reassigns them to time variants; the defaults are
-# the fastest measured: on the H200, and the row kernel's single stage on the H100; docs/performance.md).
-_ROW_TILES = {"block_j": 64, "max_iters": 16, "num_warps": 4, "num_stages": 1}
-_STACK_TILES = {"block_t": 4, "block_j": 128, "max_iters": 32, "num_warps": 8, "num_stages": 3}
-# The stacked kernel's FP8 MMA path (`STACK_FP8`) and its tiles: each scale block's MMA result and the running sum
-# are both [BLOCK_J, BLOCK_T * BLOCK_H] fp32, so 2 rows of 64 heads over 4 warps (255 registers; 36 B of spills at 2
-# stages on the sm_90a proxy, none at 1). H100, 8192 rows after 56K tokens (docs/performance.md): 5.59-5.69 ms against
-# the bf16 path's 5.96-6.08 (1 stage: 5.71-5.79), scores bit-equal; 4 rows over 8 warps 6.06-6.27, 2 rows of 128-key
-# tiles over 8 warps 8.4
-STACK_FP8 = True
-_STACK_FP8_TILES = {"block_t": 2, "block_j": 64, "max_iters": 64, "num_warps": 4, "num_stages": 2}
-# MXFP4 keys on FP8 MMAs in the row kernel (`_mxfp4_fp8_scores`) from this many programs per SM up (the
-# interpreter counts as one SM; tests raise it to force the bf16 path). 0 since the query's FP8 operand is made once
-# per row: the FP8 path is the faster at every grid timed (H100, 2026-11-25: 26.5 against 29.9 us at batch 1 / 1M,
-# 3.9 programs per SM; 142.6 against 171.8 us at batch 64 / 128K). While each program checked and converted q itself
-# it lost at 3.9 programs per SM (30.4 against 29.9 us; 1.12-1.14x in an earlier run).
-FP8_MIN_PROGRAMS_PER_SM = 0
-PAGE_TILES = True  # the FP8 path addresses a tile from its page and reads ahead where tiles lie within pages
-BF16_BITS = True  # the row kernel's bf16 path decodes MXFP4 by bit moves (`_e2m1_bf16`, Hopper) rather than via fp32
-FP8_MAX_REGISTERS = 128  # the FP8 path's register cap: 4 programs of 4 warps per SM (see the launch)
-# The top-k digit counts (`digit_counts`) of score rows wider than this many columns (a host fact: the rows' capacity,
-# not their visible length) go through a scratch row per program, read back and added to the row's histogram once per
-# bin; narrower rows' counts go straight to the histogram. Every program counts as it ends, so straight counts of one
-# long row meet at its few busy bins at once. H200, 2026-11-26
-# (docs/performance.md), CSA decode core, top-k counting / straight / scratch: batch 1 at 64K context (16K entries)
-# 42.0 / 40.5 / 40.6 us, at 1M (262K) 59.3 / 60.0 / 57.9; batch 64 at 128K (32K) 210.7 / 208.3 / 209.9.
-DIGIT_COUNT_SCRATCH_ABOVE = 65536
-_GRID_WAVES = 3  # programs per SM the chunking aims for: one decode row at 1M, 29 us at 3 against 36 us at 1
-_STACK_MIN_ROWS_PER_REQUEST = 2  # the automatic choice of the stacked kernel (`_stacked`)
 
 
 @triton.jit
@@ -159,7 +127,7 @@ def _e2m1_pair(byte):
 
 
 # `_e2m1_e4m3`'s PTX, four packed bytes per 32-bit register: sign (bit 3 -> 7) and magnitude (bits 0..2 -> 2..4) of
-# the low nibbles into $0, of the high nibbles into $1 (also read by scripts/indexer_gluon_probe.py)
+# the low nibbles into $0, of the high nibbles into $1
 _E2M1_E4M3_ASM = tl.constexpr("""{
             .reg .b32 t0, t1;
             shl.b32 t0, $2, 4;
@@ -321,8 +289,8 @@ def _scale_words(p_page, o_row, m_j, P: tl.constexpr, DATA_BYTES: tl.constexpr, 
     """The ue8m0 codes of the entries at rows o_row of their pages p_page as one int32 word per key, byte b block
     b's code (masked entries 127: scale 2^0). The scale rows follow the P data rows and SCALE_BYTES (1, 2 or 4)
     divides both offsets, so with the pool's base aligned to SCALE_BYTES (`indexer_scores_paged` checks it) the
-    loads are aligned. (The pointer is cast before the row is added: where p_page is one page, a byte offset per
-    entry instead made the FP8 path spill on the H200.)"""
+    loads are aligned. (The pointer is cast before the row is added: a byte offset per entry made the FP8 path
+    spill where p_page is one page.)"""
     p_rows = p_page + P * DATA_BYTES
     if SCALE_BYTES == 4:
         word = tl.load(p_rows.to(tl.pointer_type(tl.int32)) + o_row, mask=m_j, other=0x7F7F7F7F)
@@ -423,9 +391,8 @@ def _mxfp4_fp8_scores(pool_ptr, p_table, p_out, chunk_lo, hi, visible, num_entri
     blocks, in block order, of exact per-block MMAs (`_mxfp4_block_mma`), then ReLU and the head weights.
     PAGE_TILES (every tile within one page, P % BLOCK_J == 0): a tile is addressed from its page, its block id read
     one tile before its bytes and its scale words one tile before their use (a scalar and a word per key row a thread
-    holds; 10% less time at batch 64 on the H200). Its values are loaded in their own iteration: held a tile ahead in
-    registers they spill under the 4-programs-per-SM register cap, or leave 3 programs per SM, and the compiler's
-    two-stage pipelining of them through shared memory was no faster (docs/performance.md)."""
+    holds). Its values are loaded in their own iteration: held a tile ahead in registers they would spill under the
+    register cap (`IndexerTuning.fp8_max_registers`)."""
     o_b = tl.arange(0, BLOCK_J)
     if PAGE_TILES:
         block = tl.load(p_table + chunk_lo // P)
@@ -527,7 +494,7 @@ def _indexer_scores_kernel(
     DATA_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_J: tl.constexpr, FILL_J: tl.constexpr, DOT: tl.constexpr,
     FILL: tl.constexpr, MMA8: tl.constexpr, ASM: tl.constexpr, BITS: tl.constexpr, PAGE_TILES: tl.constexpr,
-    COUNT: tl.constexpr, SCRATCH: tl.constexpr,
+    COUNT: tl.constexpr, SCRATCH: tl.constexpr, COUNT_BLOCK: tl.constexpr,
 ):
     """The row kernel: one token row, one chunk of `chunk` entries (a multiple of BLOCK_J). MMA8: MXFP4 keys on FP8
     MMAs (`_mxfp4_fp8_scores`) when every head of the row's query passed `fp8_query_operand`'s check, else the bf16
@@ -577,7 +544,7 @@ def _indexer_scores_kernel(
             tl.debug_barrier()
             p_scratch = scratch_ptr + (t * tl.num_programs(1) + i_c) * 256
             count_first_digits(p_out, chunk_lo, tl.minimum(chunk_hi, visible), counts_ptr + t * counts_stride,
-                               p_scratch, ASM, _COUNT_BLOCK, SCRATCH)
+                               p_scratch, ASM, COUNT_BLOCK, SCRATCH)
 
     if FILL:  # the rest of the chunk is past visible(t): one wide streaming store (FILL_J = the chunk)
         fill_lo = tl.maximum(chunk_lo, tl.cdiv(visible, BLOCK_J) * BLOCK_J)
@@ -697,32 +664,27 @@ def _indexer_scores_stacked_kernel(
                      cache_modifier=".cs")
 
 
-def _row_takes_fp8(fmt: int, dim: int, rows: int, entries: int, device: torch.device) -> bool:
-    """The row kernel's host choice of the FP8 MMA path for scores [rows, entries]: MXFP4 keys, D <= 128, a Hopper
-    or later GPU (the tested target) and a grid of at least FP8_MIN_PROGRAMS_PER_SM programs per SM (the interpreter
-    counts as one SM, so its tests take both paths). Host facts only, so a captured graph keeps its choice; the
-    wrapper's launch and `fp8_query_wanted` both ask here."""
-    block_j, iters, _ = _config(rows, entries, device)
-    programs = rows * triton.cdiv(entries, block_j * iters)
-    sms = sm_count(device) if device.type == "cuda" else 1
-    return _fp8_mma_keys(fmt, dim, device) and programs >= FP8_MIN_PROGRAMS_PER_SM * sms
+def _row_takes_fp8(fmt: int, dim: int, device: torch.device, tuning: IndexerTuning) -> bool:
+    """The row kernel's host choice of the FP8 MMA path: MXFP4 keys that the FP8 paths serve, unless the config turns
+    them off. Host facts only, so a captured graph keeps its choice; the wrapper's launch and `fp8_query_wanted` both
+    ask here."""
+    return tuning.fp8_mma and _fp8_mma_keys(fmt, dim, device)
 
 
-def _iters(programs_per_chunk: int, tiles: int, device: torch.device, max_iters: int) -> int:
-    """Tiles per program: grow (q is loaded once per program) while the grid still gives every SM
-    `_GRID_WAVES` programs (latency hiding: a program's tiles run one after another)."""
-    target = 1 if device.type != "cuda" else _GRID_WAVES * sm_count(device)
+def _iters(programs_per_chunk: int, tiles: int, device: torch.device, max_iters: int, waves: int) -> int:
+    """Tiles per program: grow (q is loaded once per program) while the grid still gives every SM `waves` programs
+    (latency hiding: a program's tiles run one after another)."""
+    target = 1 if device.type != "cuda" else waves * sm_count(device)
     iters = 1
     while iters < max_iters and programs_per_chunk * triton.cdiv(tiles, 2 * iters) >= target:
         iters *= 2
     return iters
 
 
-def _config(rows: int, entries: int, device: torch.device) -> tuple[int, int, int]:
-    """Row kernel tiles: (BLOCK_J, ITERS, num_warps). A decode row's MMA is [64, D] x [D, 64 heads]; the
-    chunks (up to 16 tiles) give a few long rows the whole GPU."""
-    t = _ROW_TILES
-    return t["block_j"], _iters(rows, triton.cdiv(entries, t["block_j"]), device, t["max_iters"]), t["num_warps"]
+def _config(rows: int, entries: int, device: torch.device, tuning: IndexerTuning) -> tuple[int, int, int]:
+    """Row kernel tiles: (BLOCK_J, ITERS, num_warps)."""
+    t = tuning.row
+    return t.block_j, _iters(rows, triton.cdiv(entries, t.block_j), device, t.max_iters, tuning.grid_waves), t.num_warps
 
 
 def _fp8_mma_keys(fmt: int, dim: int, device: torch.device) -> bool:
@@ -731,32 +693,24 @@ def _fp8_mma_keys(fmt: int, dim: int, device: torch.device) -> bool:
     return fmt == KEYS_MXFP4 and dim <= 128 and (device.type != "cuda" or hopper_or_later(device))
 
 
-def _stack_takes_fp8(fmt: int, dim: int, device: torch.device) -> bool:
-    """The stacked kernel's host choice of the FP8 MMA path (`STACK_FP8`)."""
-    return STACK_FP8 and _fp8_mma_keys(fmt, dim, device)
+def _stack_takes_fp8(fmt: int, dim: int, device: torch.device, tuning: IndexerTuning) -> bool:
+    """The stacked kernel's host choice of the FP8 MMA path, as the row kernel's."""
+    return tuning.fp8_mma and _fp8_mma_keys(fmt, dim, device)
 
 
-def _stack_config(rows: int, entries: int, block_h: int, device: torch.device,
-                  fp8: bool = False) -> tuple[int, int, int, int, int]:
-    """Stacked kernel tiles: (BLOCK_T, BLOCK_J, ITERS, num_warps, num_stages); BLOCK_T * block_h <= 256. The bf16
-    path's below; the FP8 path's (fp8: `_STACK_FP8_TILES`) at their definition.
-
-    BLOCK_T = 4 rows of 64 heads make N = 256, the widest wgmma, so the decode (~6 CUDA-core ops per key value)
-    is shared by 256 MMA columns; what is left per (row, entry, head) is the epilogue's max + FMA. Measured on
-    the H200 (8192 rows after 56K tokens, MXFP4): 128-key tiles over 8 warps 6.18 ms (333 TFLOP/s), 64-key
-    tiles over 4 warps 6.45 ms, 2 rows 7.16 ms, 64 keys over 8 warps at 2 stages 12.8 ms. Up to 32 tiles per
-    program (4096 entries) amortise the 128 KB fp32 q of 4 rows; fewer when the grid would not fill the GPU."""
-    t = _STACK_FP8_TILES if fp8 else _STACK_TILES
-    block_t, block_j = min(t["block_t"], max(1, 256 // block_h)), t["block_j"]
-    iters = _iters(triton.cdiv(rows, block_t), triton.cdiv(entries, block_j), device, t["max_iters"])
-    return block_t, block_j, iters, t["num_warps"], t["num_stages"]
+def _stack_config(rows: int, entries: int, block_h: int, device: torch.device, tiles: Tiles,
+                  waves: int) -> tuple[int, int, int, int, int]:
+    """Stacked kernel tiles: (BLOCK_T, BLOCK_J, ITERS, num_warps, num_stages); BLOCK_T * block_h <= 256."""
+    block_t = min(tiles.block_t, max(1, 256 // block_h))
+    iters = _iters(triton.cdiv(rows, block_t), triton.cdiv(entries, tiles.block_j), device, tiles.max_iters, waves)
+    return block_t, tiles.block_j, iters, tiles.num_warps, tiles.num_stages
 
 
-def _stacked(plan: StepPlan) -> bool:
-    """The stacked kernel when requests average at least two rows: a decode row in it costs an MMA and an
-    epilogue BLOCK_T times wider than in the row kernel, a chunk's rows share their key tiles. Host facts
-    only (`plan.num_tokens`, `plan.request_ids`), so the choice never reads the device."""
-    return plan.num_tokens >= _STACK_MIN_ROWS_PER_REQUEST * max(len(plan.request_ids), 1)
+def _stacked(plan: StepPlan, tuning: IndexerTuning) -> bool:
+    """The stacked kernel when requests average at least `stack_min_rows_per_request` rows: a decode row in it costs
+    an MMA and an epilogue BLOCK_T times wider than in the row kernel, a chunk's rows share their key tiles. Host
+    facts only (`plan.num_tokens`, `plan.request_ids`), so the choice never reads the device."""
+    return plan.num_tokens >= tuning.stack_min_rows_per_request * max(len(plan.request_ids), 1)
 
 
 def key_format(layout: EntryLayout) -> int:
@@ -771,21 +725,25 @@ def key_format(layout: EntryLayout) -> int:
     return KEYS_BF16
 
 
-def counts_digits(plan: StepPlan) -> bool:
-    """Whether `indexer_scores_paged` over `plan` (the automatic kernel choice) takes the row kernel, which can count
-    the top-k's first digit as it writes the scores (`digit_counts=`). A host fact, as the wrapper's own choice."""
-    return not _stacked(plan)
+def counts_digits(plan: StepPlan, tuning: IndexerTuning | None = None) -> bool:
+    """Whether `indexer_scores_paged` over `plan` (the automatic kernel choice, with `tuning`, default the device's)
+    takes the row kernel, which can count the top-k's first digit as it writes the scores (`digit_counts=`). A host
+    fact, as the wrapper's own choice."""
+    return not _stacked(plan, tuning if tuning is not None else tuning_for(plan.positions.device))
 
 
-def fp8_query_wanted(plan: StepPlan, layout: EntryLayout, entries: int) -> bool:
-    """Whether `indexer_scores_paged` over `plan` with `entries` score columns (the automatic kernel choice) runs
-    an FP8 MMA path (the row kernel's, or the stacked kernel's for prefill steps), which reads q's FP8 operand
-    (`q_fp8=`). Host facts only, as the wrapper's own choice, so a caller makes the operand only where it is read."""
+def fp8_query_wanted(plan: StepPlan, layout: EntryLayout, entries: int, tuning: IndexerTuning | None = None) -> bool:
+    """Whether `indexer_scores_paged` over `plan` with `entries` score columns (the automatic kernel choice, with
+    `tuning`, default the device's) runs an FP8 MMA path (the row kernel's, or the stacked kernel's for prefill
+    steps), which reads q's FP8 operand (`q_fp8=`). Host facts only, as the wrapper's own choice, so a caller makes
+    the operand only where it is read."""
     if not isinstance(layout, IndexerMXFP4Layout) or entries <= 0:
         return False
-    if _stacked(plan):
-        return _stack_takes_fp8(KEYS_MXFP4, layout.dim, plan.positions.device)
-    return _row_takes_fp8(KEYS_MXFP4, layout.dim, padded_rows(plan), entries, plan.positions.device)
+    device = plan.positions.device
+    tuning = tuning if tuning is not None else tuning_for(device)
+    if _stacked(plan, tuning):
+        return _stack_takes_fp8(KEYS_MXFP4, layout.dim, device, tuning)
+    return _row_takes_fp8(KEYS_MXFP4, layout.dim, device, tuning)
 
 
 def _q8_args(q: torch.Tensor, q_fp8: tuple[torch.Tensor, torch.Tensor] | None, mma8: bool
@@ -821,26 +779,28 @@ def indexer_scores_paged(q: torch.Tensor, weights: torch.Tensor, plan, key_pool:
                          *, ratio: int, page_tokens: int, out: torch.Tensor | None = None,
                          max_entries: int | None = None, stack_rows: bool | None = None,
                          fill: bool = False, q_fp8: tuple[torch.Tensor, torch.Tensor] | None = None,
-                         digit_counts: torch.Tensor | None = None) -> torch.Tensor:
+                         digit_counts: torch.Tensor | None = None, tuning: IndexerTuning | None = None
+                         ) -> torch.Tensor:
     """Indexer scores of every plan row against its request's compressed keys -> fp32 [R, J].
 
     Args:
         q: fp32 or bf16 [R, H, D] contiguous, R = plan.positions.shape[0] (padding rows included): the roped
-            indexer query already in the keys' numerics (`ops.indexer.indexer_query(q_raw, layout)`, whose values
-            are bf16 values, so either dtype gives the same scores).
+            indexer query already in the keys' numerics (`ops.indexer.reference.indexer_query(q_raw, layout)`,
+            whose values are bf16 values, so either dtype gives the same scores).
         weights: fp32 [R, H] contiguous, head weights already multiplied by H^-0.5.
         plan: the step's `StepPlan` (positions, token_request, request_slots, block_table are read).
         key_pool: uint8 [pages, layout.page_bytes(page_tokens // ratio)] contiguous: the CSA layer's keys, its first
             byte aligned to the widest word the kernels load (a key's scales, at most 4 bytes; 2 for bf16 keys).
-        layout: `dsv4kv.layout.indexer_layout("mxfp4" | "fp8" | "bf16", D)`.
+        layout: `dsv4kv.cache.layout.indexer_layout("mxfp4" | "fp8" | "bf16", D)`.
         ratio: the layer's compression ratio; page_tokens: original tokens per block (a multiple of ratio).
         out: optional fp32 [R, J] contiguous, overwritten entirely (for CUDA-graph capture).
         max_entries: J when `out` is not given; default block_table.shape[1] * page_tokens // ratio. Triton
             specializes the kernels on J (== 1, a multiple of 16): a caller whose J changes from call to call keeps
             one compiled kernel by rounding it up to a multiple of 16 (the columns past visible(t) cost nothing).
         stack_rows: True = the stacked (prefill) kernel, False = the row (decode) kernel, None = the stacked
-            one when the plan's requests average at least two rows (`plan.num_tokens`, `plan.request_ids`:
-            host facts, so a captured graph replays correctly whatever the later plans hold).
+            one when the plan's requests average at least two rows (`IndexerTuning.stack_min_rows_per_request`;
+            `plan.num_tokens`, `plan.request_ids`: host facts, so a captured graph replays correctly whatever the
+            later plans hold).
         fill: also write -inf to every column j >= visible(t) and to padding rows. By default those columns
             are left as they were (beyond the -inf a score tile stores up to its end): top-k never reads them.
 
@@ -850,16 +810,19 @@ def indexer_scores_paged(q: torch.Tensor, weights: torch.Tensor, plan, key_pool:
             each program adds the digit-1 counts of the scores it wrote (columns < visible(t) other than -inf), so
             `topk_indices(out, visible, k, first_digit_counted=True)` skips its first pass. Row kernel only
             (`counts_digits`); each warp adds its counts of a digit in one reduction, straight to the row's histogram,
-            or, for scores wider than DIGIT_COUNT_SCRATCH_ABOVE columns, to a scratch row per program first
-            (allocated here).
+            or, for scores wider than `IndexerTuning.digit_count_scratch_above` columns, to a scratch row per
+            program first (allocated here).
+        tuning: tiles and path choices (default: the device's, `tuning_for`).
 
-    MXFP4 keys run on FP8 MMAs in the row kernel when its grid has at least FP8_MIN_PROGRAMS_PER_SM programs per SM
-    and every head of the row's q is MXFP4-valued (`fp8_query_operand`), and in the stacked kernel (`STACK_FP8`) for
-    each segment whose rows all are; the scores are those of the bf16 path up to summation order.
+    MXFP4 keys run on FP8 MMAs (`IndexerTuning.fp8_mma`) in the row kernel when every head of the row's q is
+    MXFP4-valued (`fp8_query_operand`), and in the stacked kernel for each segment whose rows all are; the scores are
+    those of the bf16 path up to summation order.
 
     Returns `out`: scores for j < visible(t); -inf elsewhere with fill=True, else unspecified there.
     """
     require(isinstance(plan, StepPlan), f"plan: expected a StepPlan, got {type(plan).__name__}")
+    require(tuning is None or isinstance(tuning, IndexerTuning),
+            f"tuning: expected an IndexerTuning, got {type(tuning).__name__}")
     fmt = key_format(layout)
     dim = layout.dim
     require(isinstance(ratio, int) and ratio > 0, f"ratio: expected a positive int, got {ratio!r}")
@@ -889,7 +852,8 @@ def indexer_scores_paged(q: torch.Tensor, weights: torch.Tensor, plan, key_pool:
         require(isinstance(q_fp8, tuple) and len(q_fp8) == 2, "q_fp8: expected (codes, scales) from indexer_query_fp8")
         check_tensor("q_fp8 codes", q_fp8[0], dtype=torch.uint8, shape=tuple(q.shape), device=device)
         check_tensor("q_fp8 scales", q_fp8[1], dtype=torch.float32, shape=(rows, heads), device=device)
-    stacked = _stacked(plan) if stack_rows is None else stack_rows
+    tuning = tuning if tuning is not None else tuning_for(device)
+    stacked = _stacked(plan, tuning) if stack_rows is None else stack_rows
     if digit_counts is not None:
         check_tensor("digit_counts", digit_counts, dtype=torch.int32, shape=(rows, 256), device=device,
                      contiguous=False)
@@ -919,31 +883,30 @@ def indexer_scores_paged(q: torch.Tensor, weights: torch.Tensor, plan, key_pool:
               "DOT": tl.float32 if interpreted() else tl.bfloat16, "FILL": fill}
     args = (q, weights, plan.positions, plan.token_request, plan.request_slots, plan.block_table, key_pool, out)
     if stacked:
-        mma8 = _stack_takes_fp8(fmt, dim, device)
-        block_t, block_j, iters, num_warps, num_stages = _stack_config(rows, entries, block_h, device, mma8)
+        mma8 = _stack_takes_fp8(fmt, dim, device, tuning)
+        block_t, block_j, iters, num_warps, num_stages = _stack_config(
+            rows, entries, block_h, device, tuning.stacked_fp8 if mma8 else tuning.stacked, tuning.grid_waves)
         chunk = block_j * iters  # a runtime int (a multiple of 16 for Triton): no compilation per chunk size
         grid = (triton.cdiv(rows, block_t), triton.cdiv(entries, chunk))
         q8, q8_scale = _q8_args(q, q_fp8, mma8)
         _indexer_scores_stacked_kernel[grid](
             *args, q8, q8_scale, rows, heads, entries, plan.block_table.stride(0), dim ** -0.5, chunk, **common,
             BLOCK_T=block_t, BLOCK_J=block_j,
-            FILL_J=min(chunk, max(block_j, _FILL_ELEMS // block_t)) if fill else block_j, MMA8=mma8,
+            FILL_J=min(chunk, max(block_j, tuning.fill_elems // block_t)) if fill else block_j, MMA8=mma8,
             ASM=not interpreted(), num_warps=num_warps, num_stages=num_stages, **launch_options(device))
     else:
-        block_j, iters, num_warps = _config(rows, entries, device)
+        block_j, iters, num_warps = _config(rows, entries, device, tuning)
         chunk = block_j * iters
         grid = (rows, triton.cdiv(entries, chunk))
-        mma8 = _row_takes_fp8(fmt, dim, rows, entries, device)
+        mma8 = _row_takes_fp8(fmt, dim, device, tuning)
         q8, q8_scale = _q8_args(q, q_fp8, mma8)
-        # the FP8 build takes 167 registers uncapped (sm_90a, scripts/indexer_sass.py), 3 programs per SM; capped at
-        # 128 it has no spills and 4 programs fit
-        cap = {"maxnreg": FP8_MAX_REGISTERS} if mma8 and not interpreted() else {}
-        bits = BF16_BITS and device.type == "cuda" and hopper_or_later(device) and not interpreted()  # bf16x2: sm_90
-        require(digit_counts is None or _COUNT_BLOCK.value >= 32 * num_warps,
-                f"digit_counts: a {_COUNT_BLOCK.value}-score tile over {num_warps} warps would replicate lanes, "
-                "which the warp counts would count twice (_ROW_TILES)")
+        cap = {"maxnreg": tuning.fp8_max_registers} if mma8 and not interpreted() else {}
+        bits = device.type == "cuda" and hopper_or_later(device) and not interpreted()  # bf16x2 multiplies: sm_90
+        require(digit_counts is None or tuning.count_block >= 32 * num_warps,
+                f"digit_counts: a {tuning.count_block}-score tile over {num_warps} warps would replicate lanes, "
+                "which the warp counts would count twice (IndexerTuning.count_block)")
         count = digit_counts is not None
-        scratch = count and entries > DIGIT_COUNT_SCRATCH_ABOVE
+        scratch = count and entries > tuning.digit_count_scratch_above
         counts = (digit_counts if count else out, digit_counts.stride(0) if count else 0,  # `out`: unread stand-ins
                   torch.empty(grid[0] * grid[1] * 256, dtype=torch.int32, device=device) if scratch else out)
         # FILL_J (the chunk, a tile shape) matters only with fill: without, one kernel serves every chunk size
@@ -951,9 +914,9 @@ def indexer_scores_paged(q: torch.Tensor, weights: torch.Tensor, plan, key_pool:
                                      dim ** -0.5, chunk,
                                      **common, BLOCK_J=block_j, FILL_J=chunk if fill else block_j, MMA8=mma8,
                                      ASM=not interpreted(), BITS=bits,
-                                     PAGE_TILES=mma8 and PAGE_TILES and per_page % block_j == 0,
-                                     COUNT=count, SCRATCH=scratch,
+                                     PAGE_TILES=mma8 and tuning.page_tiles and per_page % block_j == 0,
+                                     COUNT=count, SCRATCH=scratch, COUNT_BLOCK=tuning.count_block,
                                      num_warps=num_warps,
-                                     num_stages=_ROW_TILES["num_stages"],
+                                     num_stages=tuning.row.num_stages,
                                      **cap, **launch_options(device))
     return out

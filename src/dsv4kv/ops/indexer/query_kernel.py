@@ -30,36 +30,25 @@ from ..shared.encode import (
     pow2_exponent,
     program_rows,
     rotate_keys,
-    round_bf16,
 )
 from .kernel import KEYS_BF16, KEYS_MXFP4, fp8_query_operand
 from .kernel import key_format as _layout_format
 from ..rope.kernel import check_cos_sin, rope_pairs
 from ..shared.launch import check_pair_ends, launch_options, let_next_grid_launch, wait_for_prior_grids
+from .tuning import QueryTuning, query_tuning_for
 
 __all__ = ["indexer_query_and_weights", "indexer_query_rows"]
 
 _ROTATED = 3  # test hook: store the bf16-rounded rotation itself (fp32), no quantization
 
-# (BLOCK_H, num_warps): [16, 128] through the butterfly (7 shuffles of the tile through shared memory)
-TILES = {"indexer": (16, 4)}
-# The indexer query of a small launch (a decode step's rows) takes fewer heads per program, down to this many, while
-# it would have fewer than `encode.SPREAD_PROGRAMS` programs: its time is the latency of one program's chain (the
-# butterfly's exchanges, the quantizers' reductions), which is shorter with fewer values per thread. H100, 2026-11-26
-# (docs/performance.md): CSA decode core at batch 1 / 1M 59.7 -> 56.8 us with 4 heads a program, at batch 8 / 128K
-# 66.3 -> 63.9; at 8192 prefill rows 4 heads took 464 us against 406 with 16.
-INDEXER_MIN_BLOCK_H = 4
 
-
-def _tiles(kind: str, heads: int, rows: int | None = None) -> tuple[int, int]:
-    """(BLOCK_H, num_warps) of `kind` for [rows, heads]. Given rows (the indexer query's launch), a small launch
-    spreads: BLOCK_H halves while it would have fewer than `encode.SPREAD_PROGRAMS` programs, down to
-    `INDEXER_MIN_BLOCK_H` (V4: 4 heads up to 32 rows, 8 up to 65, 16 from 66)."""
-    block_h, warps = TILES[kind]
-    block_h = min(block_h, triton.next_power_of_2(heads))
-    if rows is not None:
-        block_h = max(min(block_h, INDEXER_MIN_BLOCK_H), program_rows(rows * heads, block_h))
-    return block_h, warps
+def _tiles(heads: int, rows: int, tuning: QueryTuning) -> tuple[int, int]:
+    """(BLOCK_H, num_warps) for [rows, heads]: a small launch spreads, BLOCK_H halving while it would have fewer than
+    `tuning.spread_programs` programs, down to `tuning.min_block_h` (V4: 4 heads up to 32 rows, 8 up to 65, 16 from
+    66)."""
+    block_h = min(tuning.block_h, triton.next_power_of_2(heads))
+    block_h = max(min(block_h, tuning.min_block_h), program_rows(rows * heads, block_h, tuning.spread_programs))
+    return block_h, tuning.warps
 
 
 @triton.jit
@@ -123,7 +112,7 @@ def _indexer_query_kernel(q_ptr, cos_ptr, sin_ptr, out_ptr, w_ptr, w_out_ptr, q8
 
 
 def _indexer_query(q, cos, sin, layout, out, weights, scale, weights_out, fmt=None, fp8_out=None,
-                   launch_next=False, wait_late=False) -> torch.Tensor:
+                   launch_next=False, wait_late=False, tuning: QueryTuning | None = None) -> torch.Tensor:
     require(isinstance(layout, EntryLayout), f"layout: expected an EntryLayout, got {type(layout).__name__}")
     fmt = _layout_format(layout) if fmt is None else fmt
     require(isinstance(q, torch.Tensor), f"q: expected a tensor, got {type(q).__name__}")
@@ -154,7 +143,7 @@ def _indexer_query(q, cos, sin, layout, out, weights, scale, weights_out, fmt=No
         check_tensor("fp8_out codes", fp8_out[0], dtype=torch.uint8, shape=(n, heads, dim), device=device)
         check_tensor("fp8_out scales", fp8_out[1], dtype=torch.float32, shape=(n, heads), device=device)
     if out.numel() > 0:
-        block_h, warps = _tiles("indexer", heads, n)
+        block_h, warps = _tiles(heads, n, tuning if tuning is not None else query_tuning_for(device))
         # the matrix entries of quant.hadamard_matrix: D^-0.5 rounded once to fp32
         h_scale = float(torch.tensor(dim ** -0.5, dtype=torch.float64).float())
         _indexer_query_kernel[(n, triton.cdiv(heads, block_h))](
@@ -168,20 +157,22 @@ def _indexer_query(q, cos, sin, layout, out, weights, scale, weights_out, fmt=No
 
 
 def indexer_query_rows(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: EntryLayout, *,
-                       out: torch.Tensor | None = None) -> torch.Tensor:
-    """The indexer query in its keys' numerics: `ops.indexer.indexer_query(apply_rope(q, positions, rope), layout)`
-    (bit for bit for bf16 keys; see the module docstring for the Hadamard rotation of MXFP4 / FP8 keys).
+                       out: torch.Tensor | None = None, tuning: QueryTuning | None = None) -> torch.Tensor:
+    """The indexer query in its keys' numerics: `ops.indexer.reference.indexer_query(apply_rope(q, positions, rope),
+    layout)` (bit for bit for bf16 keys; see the module docstring for the Hadamard rotation of MXFP4 / FP8 keys).
 
     q: bf16 [N, H, layout.dim], contiguous (q_b_proj's output, not yet roped); cos, sin: fp32 [N, rope_dim // 2];
-    layout: the indexer-key layout (`layout.indexer_layout`); out: fp32 [N, H, layout.dim], contiguous."""
-    return _indexer_query(q, cos, sin, layout, out, None, None, None)
+    layout: the indexer-key layout (`layout.indexer_layout`); out: fp32 [N, H, layout.dim], contiguous; tuning: heads
+    a program (default: the device's)."""
+    return _indexer_query(q, cos, sin, layout, out, None, None, None, tuning=tuning)
 
 
 def indexer_query_and_weights(q: torch.Tensor, weights: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                               layout: EntryLayout, *, scale: float, out: torch.Tensor | None = None,
                               weights_out: torch.Tensor | None = None,
                               fp8_out: tuple[torch.Tensor, torch.Tensor] | None = None, launch_next: bool = False,
-                              wait_late: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                              wait_late: bool = False, tuning: QueryTuning | None = None
+                              ) -> tuple[torch.Tensor, torch.Tensor]:
     """`indexer_query_rows` and, in the same launch, the head weights `weights.float() * scale` (bit for bit).
 
     weights: bf16 or fp32 [N, H] (weights_proj's output); scale: e.g. index_n_heads^-0.5 (applied as an fp32,
@@ -189,9 +180,9 @@ def indexer_query_and_weights(q: torch.Tensor, weights: torch.Tensor, cos: torch
     fp8_out (MXFP4 keys): (uint8 [N, H, D], fp32 [N, H]) for the scores kernel's FP8 operand of the query, written in
     the same launch, bit for bit `indexer.indexer_query_fp8(query)`; launch_next / wait_late: the first / second
     kernel of a pair (`launch`'s module docstring), beside `compress_insert(wait_late=True)` /
-    `compress_insert(launch_next=True)`. Every input is the caller's, as a wait_late kernel needs.
-    Returns (query fp32 [N, H, D], weights fp32 [N, H])."""
+    `compress_insert(launch_next=True)`. Every input is the caller's, as a wait_late kernel needs. tuning: as
+    `indexer_query_rows`'s. Returns (query fp32 [N, H, D], weights fp32 [N, H])."""
     require(weights is not None, "weights: expected a tensor, got None")
     check_pair_ends("indexer_query_and_weights", launch_next, wait_late, tables_given=True)  # cos, sin: the caller's
     return _indexer_query(q, cos, sin, layout, out, weights, scale, weights_out, fp8_out=fp8_out,
-                          launch_next=launch_next, wait_late=wait_late)
+                          launch_next=launch_next, wait_late=wait_late, tuning=tuning)

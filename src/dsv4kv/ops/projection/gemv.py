@@ -1,10 +1,8 @@
 """The layer's bf16 projections of one row (decode at batch 1): `gemv_rows(x, weight)` = x @ weight.T.
 
 With one row a projection reads its weight once and does almost no arithmetic: its time is the weight's bytes over
-the rate at which one kernel reads them. On these shapes cuBLAS reads slower than this kernel does (H100,
-docs/performance.md, section "The bench's L2 flush; one-row projections"): q_a's 8.4 MB 10.4 -> 9.4 us, the indexer's
-q_b 16.8 MB 11.2 -> 10.7, q_b, o_a and o_b 67 MB each 27.5 -> 27.1, 27.5 -> 27.2 and 29.3 -> 27.7, near what a plain
-read of 64 MiB takes (26.2 us).
+the rate at which one kernel reads them. On these shapes cuBLAS reads them slower than this kernel does, which comes
+near a plain read of the weight (docs/performance.md, "The bench's L2 flush; one-row projections").
 
 Work split. One program owns BLOCK_N weight rows (output columns) and walks K in BLOCK_K tiles; each lane keeps fp32
 partial sums of the exact products bf16 x * bf16 w, which `tl.sum` then adds across the tile. `groups` serves the
@@ -27,14 +25,11 @@ from ...checks import check_tensor
 from ..shared.common import overlaps
 from ..shared.encode import round_bf16
 from ..shared.launch import launch_options, wait_for_prior_grids
+from .tuning import ProjectionTuning, tuning_for
 
 __all__ = ["gemv_rows", "MAX_ROWS"]
 
-# Steps of up to MAX_ROWS rows take this kernel; it computes one row. A tile of 4 rows (the weights broadcast against
-# [4, K] in registers) took 1.1-1.6x a one-row tile's time in a first, masked version of this kernel (H100,
-# docs/device/2026-11-27-gemv-rows-h100.log), and batch-1 decode is the latency case
-MAX_ROWS = 1
-_BLOCK_K = 128
+MAX_ROWS = 1  # the rows the kernel computes (batch-1 decode, the latency case); steps of more take torch's GEMM
 
 
 @triton.jit
@@ -60,29 +55,28 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, N, K, group_rows, BLOCK_N: tl.constexpr,
     tl.store(out_ptr + o_n, round_bf16(tl.sum(acc, axis=1)).to(tl.bfloat16), mask=o_n < N)
 
 
-def _block_n(k: int, groups: int, group_rows: int) -> int:
-    """Weight rows per program: 8 for short rows (K <= 2048), 4 for long ones (H100: q_b and the indexer's q_b at 8,
-    q_a and o_b at 4 were the fastest of 4 / 8 / 16 / 32); with groups, halved until it divides a group (a program's
+def _block_n(k: int, groups: int, group_rows: int, tuning: ProjectionTuning) -> int:
+    """Weight rows per program (`gemv_block_n`, by K); with groups, halved until it divides a group (a program's
     rows read one group of x). Without groups a last partial block is masked."""
-    block = 8 if k <= 2048 else 4
+    block = tuning.gemv_block_n[k > tuning.gemv_long_k]
     while groups > 1 and group_rows % block:
         block //= 2
     return block
 
 
 def gemv_rows(x: torch.Tensor, weight: torch.Tensor, *, groups: int = 1,
-              out: torch.Tensor | None = None) -> torch.Tensor:
-    """bf16 x [M, groups * K] (M <= 1) and bf16 weight [N, K] (N a multiple of groups), contiguous -> bf16
+              out: torch.Tensor | None = None, tuning: ProjectionTuning | None = None) -> torch.Tensor:
+    """bf16 x [M, groups * K] (M <= MAX_ROWS = 1) and bf16 weight [N, K] (N a multiple of groups), contiguous -> bf16
     [M, N]: out[m, n] = sum_k x[m, g(n) * K + k] * weight[n, k], g(n) = n // (N / groups), in fp32
     (`torch.mm(x, weight.t())` for groups = 1; for more, torch's grouped o_a, `DSV4Attention._grouped_o_a`).
-    out: bf16 [M, N], contiguous, overlapping neither input."""
+    out: bf16 [M, N], contiguous, overlapping neither input. tuning: the tiles (default: the device's)."""
     require(isinstance(groups, int) and not isinstance(groups, bool) and groups >= 1,
             f"groups: expected an int >= 1, got {groups!r}")
     require(isinstance(weight, torch.Tensor) and weight.dim() == 2, "weight: expected a bf16 tensor [N, K]")
     n, k = weight.shape
     require(isinstance(x, torch.Tensor) and x.dim() == 2, "x: expected a bf16 tensor [M, groups * K]")
     rows = x.shape[0]
-    require(rows <= 1, f"x: {rows} rows, gemv_rows takes one (a GEMM serves more)")
+    require(rows <= MAX_ROWS, f"x: {rows} rows, gemv_rows takes one (a GEMM serves more)")
     require(n % groups == 0, f"weight: {n} rows do not split into {groups} groups")
     check_tensor("weight", weight, dtype=torch.bfloat16, shape=(n, k), device=weight.device)
     check_tensor("x", x, dtype=torch.bfloat16, shape=(rows, groups * k), device=weight.device)
@@ -94,9 +88,10 @@ def gemv_rows(x: torch.Tensor, weight: torch.Tensor, *, groups: int = 1,
         return out
     if k == 0:
         return out.zero_()
+    tuning = tuning if tuning is not None else tuning_for(x.device)
     group_rows = n // groups
-    block_n = _block_n(k, groups, group_rows)
+    block_n, block_k = _block_n(k, groups, group_rows, tuning), tuning.gemv_block_k
     _gemv_kernel[(triton.cdiv(n, block_n),)](
-        x, weight, out, n, k, group_rows, BLOCK_N=block_n, BLOCK_K=_BLOCK_K, EVEN_N=n % block_n == 0,
-        EVEN_K=k % _BLOCK_K == 0, num_warps=8, **launch_options(x.device))
+        x, weight, out, n, k, group_rows, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_N=n % block_n == 0,
+        EVEN_K=k % block_k == 0, num_warps=tuning.gemv_warps, **launch_options(x.device))
     return out

@@ -1,20 +1,21 @@
 """The glue around the layer's input projections (`DSV4Attention.project`), one launch each instead of torch op chains:
 
-- `rms_norm_rows`: the RMS norm of each row's last dim, bf16 in and out: `ops.norm.rms_norm` with a weight (q_a's and
-  kv's norms) or `ops.norm.unit_rms_norm` without one (the query's per-head norm, in place). The torch form takes
-  5-7 kernels and, for a prefill chunk's query (8192 rows x 64 heads x 512), ~2 ms of fp32 temporaries.
-- `compressor_rows`: each compressor's kv rows and logit rows (gate + positional bias, `ops.append.compressor_logits`),
-  split out of the one fp32 GEMM the layer runs for all its compressors' projections.
+- `rms_norm_rows`: the RMS norm of each row's last dim, bf16 in and out: `ops.projection.reference.rms_norm` with a
+  weight (q_a's and kv's norms) or `unit_rms_norm` without one (the query's per-head norm, in place). The torch form
+  takes 5-7 kernels and, for a prefill chunk's query (8192 rows x 64 heads x 512), ~2 ms of fp32 temporaries.
+- `compressor_rows`: each compressor's kv rows and logit rows (gate + positional bias,
+  `ops.compress.reference.compressor_logits`), split out of the one fp32 GEMM the layer runs for all its compressors'
+  projections.
 
 Numerics. The norms do the references' fp32 operations with separately rounded products (compiled without FMA
 contraction), but sum the squares in the kernel's order: the mean may differ in its last bit, and then a bf16 result,
 rarely, by one unit (tests/test_kernel_projection.py counts them). `compressor_rows` copies and adds one fp32 value:
 bit for bit.
 
-Work split: `rms_norm_rows`, max(1, 4096 // next_pow2(D)) rows of the flattened [rows, D] per program whatever the
-row count, so that one compilation per (D, weighted) serves every step (a step-dependent tile would compile anew on
-new step shapes, tests/test_engine_compiles.py); `compressor_rows`, one row and BLOCK columns of one compressor per
-program.
+Work split (`ProjectionTuning`): `rms_norm_rows`, max(1, 4096 // next_pow2(D)) rows of the flattened [rows, D] per
+program whatever the row count, so that one compilation per (D, weighted) serves every step (a step-dependent tile
+would compile anew on new step shapes, tests/test_engine_compiles.py); `compressor_rows`, one row and BLOCK columns
+of one compressor per program.
 """
 
 from __future__ import annotations
@@ -28,11 +29,9 @@ from ...checks import check_tensor
 from ..shared.common import overlaps
 from ..shared.encode import round_bf16
 from ..shared.launch import launch_options, wait_for_prior_grids
+from .tuning import ProjectionTuning, tuning_for
 
 __all__ = ["rms_norm_rows", "compressor_rows"]
-
-_NORM_VALUES = 4096  # values per rms_norm_rows program (32 per thread at 4 warps), or one row if D is wider
-_SPLIT_BLOCK = 256  # columns per compressor_rows program
 
 
 @triton.jit(do_not_specialize=["rows"])  # a step's row count: one compilation for all
@@ -55,9 +54,10 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, rows, eps, D: tl.constexpr, BLOCK_D:
 
 
 def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor | None, eps: float, *,
-                  out: torch.Tensor | None = None) -> torch.Tensor:
-    """RMS norm over the last dim of bf16 x [..., D], contiguous -> bf16 like x: `ops.norm.rms_norm(x, weight, eps)`
-    with a weight (float [D]), `ops.norm.unit_rms_norm(x, eps)` with None. out: bf16 like x, may be x itself."""
+                  out: torch.Tensor | None = None, tuning: ProjectionTuning | None = None) -> torch.Tensor:
+    """RMS norm over the last dim of bf16 x [..., D], contiguous -> bf16 like x: `ops.projection.reference.rms_norm(x,
+    weight, eps)` with a weight (float [D]), `unit_rms_norm(x, eps)` with None. out: bf16 like x, may be x itself.
+    tuning: values and warps a program (default: the device's)."""
     require(isinstance(x, torch.Tensor), f"x: expected a bf16 tensor [..., D], got {type(x).__name__}")
     shape = tuple(x.shape)
     require(len(shape) >= 1, "x: expected a bf16 tensor [..., D], got a scalar")
@@ -74,11 +74,12 @@ def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor | None, eps: float, *,
     rows = x.numel() // max(dim, 1)
     if rows == 0 or dim == 0:
         return out
+    tuning = tuning if tuning is not None else tuning_for(x.device)
     block_d = triton.next_power_of_2(dim)
-    block_r = max(1, _NORM_VALUES // block_d)
+    block_r = max(1, tuning.norm_values // block_d)
     _rms_norm_kernel[(triton.cdiv(rows, block_r),)](
         x, weight if weight is not None else x, out, rows, float(eps), D=dim, BLOCK_D=block_d, BLOCK_R=block_r,
-        WEIGHTED=weight is not None, num_warps=4, enable_fp_fusion=False, **launch_options(x.device))
+        WEIGHTED=weight is not None, num_warps=tuning.norm_warps, enable_fp_fusion=False, **launch_options(x.device))
     return out
 
 
@@ -110,12 +111,12 @@ def _compressor_rows_kernel(y_ptr, positions_ptr, bias0_ptr, kv0_ptr, logits0_pt
 
 
 def compressor_rows(y: torch.Tensor, positions: torch.Tensor, biases: list[torch.Tensor], *,
-                    out: list[tuple[torch.Tensor, torch.Tensor]] | None = None
-                    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+                    out: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+                    tuning: ProjectionTuning | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The compressors' state rows out of one GEMM: y fp32 [N, sum of 2 w_i] holds compressor i's [kv | gate] columns
     in turn; biases: its positional biases fp32 [m, w_i] (one or two compressors, one m). -> [(kv fp32 [N, w_i],
-    logits fp32 [N, w_i])], bit for bit `(kv_i, ops.append.compressor_logits(gate_i, bias_i, positions))`; into `out`
-    when given (contiguous, apart from y)."""
+    logits fp32 [N, w_i])], bit for bit `(kv_i, ops.compress.reference.compressor_logits(gate_i, bias_i, positions))`;
+    into `out` when given (contiguous, apart from y). tuning: columns and warps a program (default: the device's)."""
     require(isinstance(biases, (list, tuple)) and len(biases) in (1, 2),
             f"biases: expected a list of one or two tensors, got {type(biases).__name__} of "
             f"{len(biases) if isinstance(biases, (list, tuple)) else '?'}")
@@ -144,9 +145,12 @@ def compressor_rows(y: torch.Tensor, positions: torch.Tensor, biases: list[torch
     outs = [tuple(pair) for pair in out]
     if rows == 0:
         return outs
+    tuning = tuning if tuning is not None else tuning_for(device)
+    block = tuning.split_block
     w1 = widths[1] if len(widths) > 1 else 0
     second = (biases[1], *outs[1]) if w1 else (biases[0], *outs[0])  # unread without a second compressor
-    blocks = triton.cdiv(widths[0], _SPLIT_BLOCK) + triton.cdiv(w1, _SPLIT_BLOCK)
+    blocks = triton.cdiv(widths[0], block) + triton.cdiv(w1, block)
     _compressor_rows_kernel[(rows, blocks)](y, positions, biases[0], *outs[0], *second, RATIO=ratio, W0=widths[0],
-                                            W1=w1, BLOCK=_SPLIT_BLOCK, num_warps=2, **launch_options(device))
+                                            W1=w1, BLOCK=block, num_warps=tuning.split_warps,
+                                            **launch_options(device))
     return outs

@@ -22,16 +22,14 @@ from ...checks import check_tensor, require
 from ..shared.common import overlaps
 from ..shared.encode import round_bf16
 from ..shared.launch import launch_options, let_next_grid_launch, wait_for_prior_grids
+from .tuning import RopeTuning, tuning_for
 
 __all__ = ["rope_rows", "rope_pairs", "check_cos_sin"]
 
-# (BLOCK_H, num_warps): memory- or launch-bound, so the tiles aim at 16-32 values per thread (16 B vector accesses)
-# and many small programs. "rope": whole heads [8, 512]; "rope_inplace": the rope dims [16, 64] only.
-TILES = {"rope": (8, 4), "rope_inplace": (16, 2)}
 
-
-def _tiles(kind: str, heads: int) -> tuple[int, int]:
-    block_h, warps = TILES[kind]
+def _tiles(dims_only: bool, heads: int, tuning: RopeTuning) -> tuple[int, int]:
+    """(BLOCK_H, num_warps) for `heads` heads, whole or (dims_only) their rope dims."""
+    block_h, warps = tuning.rope_dims if dims_only else tuning.heads
     return min(block_h, triton.next_power_of_2(heads)), warps
 
 
@@ -91,15 +89,17 @@ def check_cos_sin(cos, sin, rows: int, dim: int, device: torch.device) -> int:
 
 
 def rope_rows(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, inverse: bool = False,
-              out: torch.Tensor | None = None, launch_next: bool = False) -> torch.Tensor:
+              out: torch.Tensor | None = None, launch_next: bool = False,
+              tuning: RopeTuning | None = None) -> torch.Tensor:
     """Interleaved RoPE on the last rope_dim dims of every head, result bf16, bit for bit
     `apply_rope(x, positions, rope, inverse=inverse).to(torch.bfloat16)`.
 
     x: bf16 or fp32 [N, H, D], contiguous (fp32: the attention output; its nope dims are rounded to bf16 too);
-    cos, sin: fp32 [N, rope_dim // 2] = `ops.rope.rope_cos_sin(rope, positions)`, computed once per step.
+    cos, sin: fp32 [N, rope_dim // 2] = `ops.rope.reference.rope_cos_sin(rope, positions)`, computed once per step.
     out: bf16 [N, H, D], contiguous; may be x itself (bf16 x), then only the rope dims are read and written; or
         bf16 [N, H, rope_dim]: the rope dims only (`sparse_attention_paged(q_rope_dims=)` reads q's other dims from x).
     launch_next: the first kernel of a pair (`launch`'s module docstring): the next one may launch while this runs.
+    tuning: heads and warps a program (default: the device's).
     """
     require(isinstance(x, torch.Tensor), f"x: expected a tensor, got {type(x).__name__}")
     check_tensor("x", x, dtype=(torch.bfloat16, torch.float32), shape=(None, None, None), device=x.device)
@@ -117,7 +117,7 @@ def rope_rows(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, inverse:
         return out
     dims_only = in_place or rope_only  # only the rope dims are read and written
     start = dim - 2 * half if dims_only else 0
-    block_h, warps = _tiles("rope_inplace" if dims_only else "rope", heads)
+    block_h, warps = _tiles(dims_only, heads, tuning if tuning is not None else tuning_for(x.device))
     _rope_rows_kernel[(n, triton.cdiv(heads, block_h))](
         x, cos, sin, out, H=heads, D=dim, HALF=half, START=start, COLS=triton.next_power_of_2(dim - start),
         OUT_D=out.shape[2], BLOCK_H=block_h, INVERSE=inverse, LAUNCH_NEXT=launch_next, num_warps=warps,

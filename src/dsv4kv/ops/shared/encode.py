@@ -1,4 +1,4 @@
-"""Triton device functions that encode entries into the cache's byte formats (`dsv4kv.layout`), bit for bit.
+"""Triton device functions that encode entries into the cache's byte formats (`dsv4kv.cache.layout`), bit for bit.
 
 Every rounding is exact in both Triton's interpreter and on the GPU: the interpreter truncates fp32 -> bf16 / e4m3
 casts where the GPU rounds to nearest even, and the same code must give the same bytes in both. So values are
@@ -23,14 +23,14 @@ import triton
 import triton.language as tl
 
 SCALE_EPS = tl.constexpr(1e-4)  # quant.SCALE_EPS (a constexpr: jit code reads no other globals)
-SPREAD_PROGRAMS = 264  # 2 per SM of an H200 (132 SMs)
 
 
-def program_rows(n: int, rows: int) -> int:
-    """Rows (entries) per program for n rows: `rows`, halved while the launch would have fewer than SPREAD_PROGRAMS
-    programs, so a small launch (a decode step) spreads over the SMs in short programs instead of queueing its
-    rows in a few long ones. A function of the host-side n only: a captured graph keeps its choice."""
-    while rows > 1 and -(-n // rows) < SPREAD_PROGRAMS:
+def program_rows(n: int, rows: int, programs: int) -> int:
+    """Rows (entries) per program for n rows: `rows`, halved while the launch would have fewer than `programs`
+    programs (an op's `spread_programs`), so a small launch (a decode step) spreads over the SMs in short programs
+    instead of queueing its rows in a few long ones. A function of the host-side n only: a captured graph keeps its
+    choice."""
+    while rows > 1 and -(-n // rows) < programs:
         rows //= 2
     return rows
 
@@ -151,7 +151,7 @@ def e2m1_bits(y):
 @triton.jit
 def rope_block(x, cos, sin, INVERSE: tl.constexpr = False, ROUND: tl.constexpr = True):
     """Interleaved RoPE (pairs 2i, 2i+1) of the rope dims x fp32 [R, 64] with cos / sin fp32 [R, 32], as
-    `ops.rope.apply_rope`: `even * cos - odd * sin`, `odd * cos + even * sin` (compile without fp fusion for
+    `ops.rope.reference.apply_rope`: `even * cos - odd * sin`, `odd * cos + even * sin` (compile without fp fusion for
     torch's separately rounded products); with ROUND rounded to bf16 like the reference's `.to(bf16)` (fp32
     activations stay fp32)."""
     R: tl.constexpr = x.shape[0]

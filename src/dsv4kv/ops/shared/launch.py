@@ -14,9 +14,7 @@ ours may be any kernel (a torch op): our wait covers it all the same. Copies and
 dependencies.
 
 As a rule no kernel lets the next one launch early (`griddepcontrol.launch_dependents` right after the wait): the
-next grid's programs would then hold SM slots while they wait. Measured on the H100, `dsv4kv bench decode --quick`,
-CSA core: without PDL 43.3 / 73.7 / 265.5 us (16K and 1M at batch 1, 128K at batch 64), with PDL 38.5 / 70.6 /
-262.7, with PDL and the early trigger on every kernel 40.8 / 72.0 / 286.4 (docs/performance.md).
+next grid's programs would then hold SM slots while they wait (slower than PDL alone, docs/performance.md).
 
 Two pairs run side by side on purpose: the CSA layer's indexer compress and its indexer query
 (`compress_insert(launch_next=True)`, `indexer_query_and_weights(wait_late=True)`; either may go first), and a window
@@ -29,11 +27,15 @@ refuses to make its RoPE tables itself). And the first must launch, as the secon
 `compress_insert(launch_next=True)` launches one program where no entry completes.
 
 PDL and the wait's instruction need Hopper (sm_90) or later: on older GPUs the wait is compiled out and kernels are
-launched plainly. `DEPENDENT_LAUNCH = False` launches plainly everywhere (read at each launch). The interpreter runs
-no inline PTX and launches nothing early, so there the wait is a plain function that does nothing.
+launched plainly. Inside `with dependent_launch(False):` kernels launch plainly everywhere (a context variable,
+read at each launch: the current thread and context only). The interpreter runs no inline PTX and launches nothing
+early, so there the wait is a plain function that does nothing.
 """
 
 from __future__ import annotations
+
+import contextlib
+import contextvars
 
 import torch
 import triton
@@ -44,15 +46,27 @@ from .backend import interpreted
 from ...checks import require
 from .common import hopper_or_later
 
-__all__ = ["DEPENDENT_LAUNCH", "launch_options", "wait_for_prior_grids", "let_next_grid_launch", "check_wait_late"]
+__all__ = ["dependent_launch", "launch_options", "wait_for_prior_grids", "let_next_grid_launch", "check_wait_late"]
 
-DEPENDENT_LAUNCH = True
+_dependent_launch = contextvars.ContextVar("dependent_launch", default=True)
+
+
+@contextlib.contextmanager
+def dependent_launch(enabled: bool):
+    """Launch this package's kernels with PDL (`enabled`, the default outside any such block) or plainly, inside the
+    block (e.g. a test's eager twin of a captured graph)."""
+    require(isinstance(enabled, bool), f"enabled: expected a bool, got {enabled!r}")
+    token = _dependent_launch.set(enabled)
+    try:
+        yield
+    finally:
+        _dependent_launch.reset(token)
 
 
 def launch_options(device: torch.device) -> dict:
-    """Launch keywords for a kernel of this package on `device`: PDL on a Hopper or later GPU while DEPENDENT_LAUNCH
-    is set."""
-    return {"launch_pdl": True} if DEPENDENT_LAUNCH and device.type == "cuda" and hopper_or_later(device) else {}
+    """Launch keywords for a kernel of this package on `device`: PDL on a Hopper or later GPU, unless inside
+    `dependent_launch(False)`."""
+    return {"launch_pdl": True} if _dependent_launch.get() and device.type == "cuda" and hopper_or_later(device) else {}
 
 
 def check_wait_late(op: str, wait_late, tables_given: bool) -> None:

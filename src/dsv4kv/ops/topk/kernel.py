@@ -6,14 +6,14 @@ many rows of moderate length) or a radix select split over programs (long rows).
 
 Row r's candidates are columns 0..lengths[r]-1 (lengths clamped to [0, J]) whose score is not -inf;
 columns past the length are never read. Among equal scores the lower column wins, so the set is the one
-`dsv4kv.ops.indexer.topk_picks` gives (a stable descending sort); -0.0 and +0.0 count as equal. NaN
+`ops.topk.reference.topk_picks` gives (a stable descending sort); -0.0 and +0.0 count as equal. NaN
 scores inside the length are unspecified (they get some rank; nothing is written out of bounds).
 
-Row kernel (`_topk_row_kernel`; rows of up to ROW_MAX_COLS columns, or ROW_MAX_COLS_MANY when there are ROW_MANY
-rows or more). One program holds its row's keys (below) in registers and finds the k-th largest key T by bisection
-on the int32 key space (`_kth_key`). The picks are every key > T and the first k - #(key > T) keys == T in column
-order, stored in column order by a running count. No workspace is used. One SM per row makes a long lone row slow, hence
-the split kernel past those sizes.
+Row kernel (`_topk_row_kernel`; rows of up to `TopkTuning.row_max_cols` columns, or `row_max_cols_many` when there
+are `row_many` rows or more). One program holds its row's keys (below) in registers and finds the k-th largest key T
+by bisection on the int32 key space (`_kth_key`). The picks are every key > T and the first k - #(key > T) keys == T
+in column order, stored in column order by a running count. No workspace is used. One SM per row makes a long lone
+row slow, hence the split kernel past those sizes.
 
 Split kernel. A score becomes an int32 key whose signed order is the float order (sign-magnitude flipped,
 -0.0 folded onto +0.0); the top 16 bits of the k-th largest key T are found one 8-bit digit at a time (a radix
@@ -22,14 +22,14 @@ from the top reaches the number still needed), the low 16 bits by bisection amon
 (or by two more digits where those candidates are too many for registers). Then the selection is: every key > T,
 plus the first `need` keys == T in column order, where `need` = k - #(key > T). With fewer than k candidates the
 descent bottoms out at T = int32 min and everything is taken. Each row is split into S chunks (S grows
-as R shrinks, so one long decode row still fills the GPU). Four phases:
+as R shrinks, so one long decode row still fills the GPU). Four phases, one launch each:
 
 A  [S per row]  histogram of digit 1 (bits 31..24) of a chunk                     -> atomics into hist1[r]
 B  [S per row]  digit 1 from hist1; histogram of digit 2 among keys of that top digit -> atomics into
                 hist2[r]; the chunk's count of keys >= each 16-bit prefix that could be chosen, suffix[r, s, :]
-                With `WARP_COUNTS` (the default) A and B zero a chunk's row suffix[r, s, :], count the chunk's
-                digits into it (on a GPU by warp: the lanes that share a digit add their count in one reduction to
-                global memory) and read that back as the chunk's histogram; B then overwrites it with the suffix.
+                A and B zero a chunk's row suffix[r, s, :], count the chunk's digits into it (on a GPU by warp:
+                the lanes that share a digit add their count in one reduction to global memory) and read that
+                back as the chunk's histogram; B then overwrites it with the suffix.
                 A does not run where the scores' producer counted digit 1 into hist1 (`first_digit_counted`: the
                 indexer of a decode step, `indexer_scores_paged(digit_counts=)`).
 C  [S per row]  digit 2 from hist2, i.e. the 16-bit prefix P of T; the chunk's candidates with key >> 16 >= P
@@ -40,25 +40,15 @@ D  [1 per row]  the low 16 bits of T, then the picks (running counts, ties count
                 (`_kth_key`, at most 16 steps of one compare per key); else three passes over the buffer, digits 3
                 and 4 from two histograms. It zeroes the row's histograms and counters for the next call.
 
-One launch (`FUSED = True`; four launches are the default, faster on the H200): every program of row r takes a
-ticket from the row's counter when it starts and the ticket gives its role: tickets 0..S-1 run phase A on chunk t,
-S..2S-1 phase B, 2S..3S-1 phase C, 3S phase D. A phase waits (polling a counter) until every program of the phase
-before it has signalled, and a program only ever waits for programs with lower tickets, which have already started:
-it cannot deadlock however many programs the GPU holds at once (CUB's decoupled look-back rests on the same rule),
-and under Triton's interpreter, which runs programs one after another, nothing ever waits. A signal is a CTA
-barrier, then a release increment by one thread; a wait polls with acquire reads by one thread, then a CTA barrier
-(CUTLASS's `GenericBarrier` does the same); data another program wrote is read past L1 (".cg").
-`FUSED = False` launches the four phases as four kernels instead (the same code, no tickets, no waits).
-
 Passes over the scores: three (phases A-C, chunks in parallel; after the first, from L2; two where the producer
 counted digit 1), then the M buffered candidates. If M exceeds the buffer's capacity (e.g. tens of thousands of equal
 scores), phase D makes its three passes over the whole row instead: exact, only slower.
 
-Workspace (int32 [R, 640 + 256 * S + 2 * capacity], see `topk_workspace`): counters [4 x 32] (ticket, A, B, C, each on
-its own 128-byte line), hist1 [256], hist2 [256], suffix [S, 256], buffer keys [capacity], buffer columns [capacity].
-The counters and histograms must be zero on entry (hist1 may instead hold the producer's digit-1 counts,
-`first_digit_counted`) and every call leaves them zero, so a workspace from `topk_workspace` can be reused call after
-call (suffix needs no zeros: phases A and B zero a chunk's row before they count into it). For a CUDA graph, allocate
+Workspace (int32 [R, 512 + 256 * S + 2 * capacity], see `topk_workspace`): hist1 [256], hist2 [256], suffix [S, 256],
+buffer keys [capacity], buffer columns [capacity]. The histograms must be zero on entry (hist1 may instead hold the
+producer's digit-1 counts, `first_digit_counted`) and every call leaves them zero, so a workspace from
+`topk_workspace` can be reused call after call (suffix needs no zeros: phases A and B zero a chunk's row before they
+count into it). For a CUDA graph, allocate
 `out` and the workspace before capture and pass both: the op then allocates nothing, reads nothing back to the host,
 and launches the same kernel for fixed (R, J, k).
 """
@@ -75,125 +65,94 @@ from ...checks import require
 from ...checks import check_tensor
 from ..shared.common import sm_count
 from ..shared.launch import launch_options, wait_for_prior_grids
+from .tuning import SplitTiling, TopkTuning, default, tuning_for
 
 __all__ = ["topk_indices", "topk_workspace", "first_digit_counts", "count_first_digits", "takes_first_digit_counts",
            "MAX_K"]
 
 MAX_K = 2048
-# The one-program-per-row kernel (`_topk_row_kernel`: the row in registers, the k-th largest key by bisection) for
-# rows of up to ROW_MAX_COLS columns, and up to ROW_MAX_COLS_MANY when there are at least ROW_MANY rows; the split
-# radix select otherwise. H100 (docs/performance.md): 1 x 4096 14.3 us against 19.5; 128 x 16K 34.9 against 49.9;
-# 8192 x 16K 1504 against 1731; but 1 x 16K 29.6 against 20.2 and 64 x 32K 76 against 54 (one SM per row is slow)
-ROW_MAX_COLS, ROW_MAX_COLS_MANY, ROW_MANY = 4096, 16384, 64
-# The row kernel's keys per thread (its warps), below / from ROW_MANY rows: the faster on the H100, fewer warps a row
-# when rows fill the GPU.
-ROW_KEYS_PER_THREAD = (32, 64)
-_ROW_BLOCK = 4096  # the row kernel's smallest row tile: shorter rows share its compilation
-FUSED = False  # four launches; True: one launch ordered by tickets. H200 (docs/bench/topk-variants-h200.txt): four
-# launches 22.9 / 38.2 / 53.9 us at 256K / 1M / 64 x 32K, one launch 26.9 / 53.3 / 69.2 (the waits cost more than
-# launches)
-# The split kernel's (programs per SM and phase, columns per tile) on a GPU, for problems below / from BIG_FROM scores
-# (S = programs per SM x SMs / R; a workspace's size depends on it). H100, 2026-11-25 (docs/performance.md): 2 / 1024
-# 22.1 us at 1 x 262K against 24.2 with 4 / 2048; 4 / 2048 36.2 against 37.1 at 1 x 1M, 47.6 against 53.3 at 64 x 32K,
-# 47.8 against 54.6 at 8 x 262K. Two compilations, one per tiling (the tile width and SPLITS).
-SPLIT_TILING = {"small": (2, 1024), "big": (4, 2048)}
-BIG_FROM = 1 << 20
-# Whether phases A-C load a chunk's first tile before their histogram reads (its latency overlaps theirs) rather than
-# after them, per tiling. H200, 2026-11-26 (docs/performance.md), ahead / not: with 2 programs per SM the latency
-# shows, 1 x 262K 18.0-18.6 / 18.5-18.7 us; with 4 the other programs hide it, and the tile held across the reads
-# costs registers (phase B 96 -> 119 on the proxy: 4 programs per SM instead of 5), 64 x 32K 35.4-35.7 / 33.6-34.0.
-FIRST_TILE_AHEAD = {"small": True, "big": False}
-# Phases A and B count digits into global memory (`_count_digits`: on a GPU one reduction per group of a warp's
-# lanes holding the same digit, PTX match.any + red; under the interpreter an atomic per key) instead of a 256-bin
-# tl.histogram per tile (~73 SASS instructions per key). H200, 64 x 32K 45.4 -> 34.4 us, 1 x 1M 33.5 -> 30.2
-# (docs/performance.md, "Top-k's digits counted by warp").
-WARP_COUNTS = True
 _BINS = 256  # 8-bit digits: four levels cover the 32-bit key
-_LINE = 32  # int32s per 128-byte line: each counter on its own line, so spinning readers do not share a line
-_TICKET, _DONE_A, _DONE_B, _DONE_C = 0, _LINE, 2 * _LINE, 3 * _LINE
-_HIST1 = 4 * _LINE
+_HIST1 = 0
 _HIST2 = _HIST1 + _BINS
-_HEADER = _HIST2 + _BINS  # counters, hist1, hist2; then suffix [S, 256] and the buffer
-_CPU_TILING = (6, 64)  # the interpreter's programs and tile columns: small, so tests split rows (S > 1)
+_HEADER = _HIST2 + _BINS  # hist1, hist2; then suffix [S, 256] and the buffer
 
 
-def _size(rows: int, cols: int) -> str:
-    """The split kernel's tiling key for scores [rows, cols] ("small" / "big")."""
-    return "big" if rows * cols >= BIG_FROM else "small"
+def _split_tiling(rows: int, cols: int, tuning: TopkTuning) -> SplitTiling:
+    """The split kernel's tiling for scores [rows, cols]: `tuning.big` from `tuning.big_from` scores."""
+    return tuning.big if rows * cols >= tuning.big_from else tuning.small
 
 
-def _tiling(rows: int, cols: int, device: torch.device) -> tuple[int, int]:
-    """(programs per phase the split aims for, columns per tile) for a [rows, cols] problem (`SPLIT_TILING`)."""
-    if device.type != "cuda":
-        return _CPU_TILING
-    per_sm, block = SPLIT_TILING[_size(rows, cols)]
-    return per_sm * sm_count(device), block
+def _tiling(rows: int, cols: int, device: torch.device, tuning: TopkTuning) -> tuple[int, int]:
+    """(programs per phase the split aims for, columns per tile) for a [rows, cols] problem."""
+    tiling = _split_tiling(rows, cols, tuning)
+    return tiling.programs_per_sm * (sm_count(device) if device.type == "cuda" else 1), tiling.block
 
 
-def _split(rows: int, cols: int, device: torch.device) -> tuple[int, int, int, int]:
+def _split(rows: int, cols: int, device: torch.device, tuning: TopkTuning) -> tuple[int, int, int, int]:
     """(splits S, chunk columns, tile columns, programs per phase the tiling aims for) for a [rows, cols] problem
     (`_tiling`)."""
-    programs, block = _tiling(rows, cols, device)
+    programs, block = _tiling(rows, cols, device, tuning)
     splits = max(1, min(-(-programs // max(rows, 1)), -(-cols // block)))
     chunk = max(1, -(-(-(-cols // splits)) // block)) * block
     return max(1, -(-cols // chunk)), chunk, block, programs
 
 
-def _select_block(k: int, device: torch.device) -> int:
+def _select_block(k: int, tuning: TopkTuning) -> int:
     """Buffered candidates phase D holds in registers (a power of two): ~k plus one fine bin must fit."""
-    if device.type != "cuda":
-        return 64  # small under the interpreter, so tests take both the register path and the looped one
-    return max(1024, triton.next_power_of_2(k + k // 2))
+    return min(tuning.select_max, max(tuning.select_min, triton.next_power_of_2(k + k // 2)))
 
 
-def _by_row(rows: int, cols: int) -> bool:
+def _by_row(rows: int, cols: int, tuning: TopkTuning) -> bool:
     """Whether scores [rows, cols] go to the one-program-per-row kernel (a host decision on the shape alone)."""
-    return cols <= (ROW_MAX_COLS_MANY if rows >= ROW_MANY else ROW_MAX_COLS)
+    return cols <= (tuning.row_max_cols_many if rows >= tuning.row_many else tuning.row_max_cols)
 
 
-def takes_first_digit_counts(rows: int, cols: int) -> bool:
+def takes_first_digit_counts(rows: int, cols: int, tuning: TopkTuning | None = None) -> bool:
     """Whether `topk_indices` over scores [rows, cols] can use a producer's digit-1 counts (`first_digit_counted`):
-    the split kernel in four launches. A host fact of the shape, as `first_digit_counts` finds it in a workspace."""
-    return not _by_row(rows, cols) and not FUSED
+    the split kernel. A host fact of the shape, as `first_digit_counts` finds it in a workspace. tuning: the config
+    `topk_indices` runs with (default: `tuning.default()`, whose row kernel thresholds every device shares)."""
+    return not _by_row(rows, cols, tuning if tuning is not None else default())
 
 
-def topk_workspace(rows: int, cols: int, k: int, device: torch.device | str, *,
-                   capacity: int | None = None) -> torch.Tensor:
-    """A zeroed workspace int32 [rows, 640 + 256 * S + 2 * capacity] for `topk_indices` on scores
-    [rows, cols] of `device` (S depends on rows, cols and the device); int32 [rows, 0] where those scores go to the
-    row kernel, which needs none. `capacity` (default 3k) candidates per row fit the buffer; any capacity >= 0 is
-    exact, rows that overflow it take the slower path."""
+def topk_workspace(rows: int, cols: int, k: int, device: torch.device | str, *, capacity: int | None = None,
+                   tuning: TopkTuning | None = None) -> torch.Tensor:
+    """A zeroed workspace int32 [rows, 512 + 256 * S + 2 * capacity] for `topk_indices` on scores [rows, cols] of
+    `device` (S depends on rows, cols, the device and `tuning`, default the device's); int32 [rows, 0] where those
+    scores go to the row kernel, which needs none. `capacity` (default 3k) candidates per row fit the buffer; any
+    capacity >= 0 is exact, rows that overflow it take the slower path."""
     device = torch.device(device)
+    tuning = tuning if tuning is not None else tuning_for(device)
     capacity = 3 * k if capacity is None else capacity
     require(capacity >= 0, f"topk_workspace: capacity must be >= 0, got {capacity}")
-    if _by_row(rows, cols):
+    if _by_row(rows, cols, tuning):
         return torch.zeros(rows, 0, dtype=torch.int32, device=device)
-    splits = _split(rows, cols, device)[0]
+    splits = _split(rows, cols, device, tuning)[0]
     return torch.zeros(rows, _HEADER + _BINS * splits + 2 * capacity, dtype=torch.int32, device=device)
 
 
 def first_digit_counts(workspace: torch.Tensor) -> torch.Tensor | None:
     """The row histograms of digit 1 inside a `topk_workspace` (int32 [rows, 256] view), for a kernel that writes the
     scores to count their first digit as it goes (`indexer_scores_paged(digit_counts=...)`) so that `topk_indices(...,
-    first_digit_counted=True)` skips phase A; None where top-k counts its own: a workspace of the row kernel (no
-    histograms), or the one-launch variant (`FUSED`)."""
+    first_digit_counted=True)` skips phase A; None for a workspace of the row kernel (no histograms)."""
     require(isinstance(workspace, torch.Tensor), f"workspace: expected a tensor, got {type(workspace).__name__}")
     check_tensor("workspace", workspace, dtype=torch.int32, shape=(None, None), device=workspace.device)
-    return workspace[:, _HIST1:_HIST1 + _BINS] if workspace.shape[1] >= _HEADER and not FUSED else None
+    return workspace[:, _HIST1:_HIST1 + _BINS] if workspace.shape[1] >= _HEADER else None
 
 
 def topk_indices(scores: torch.Tensor, lengths: torch.Tensor, k: int, *, out: torch.Tensor | None = None,
-                 workspace: torch.Tensor | None = None, first_digit_counted: bool = False) -> torch.Tensor:
+                 workspace: torch.Tensor | None = None, first_digit_counted: bool = False,
+                 tuning: TopkTuning | None = None) -> torch.Tensor:
     """Top-k columns of each row -> int32 [R, k]: ascending column order, -1 past min(k, candidates).
 
     scores: fp32 [R, J] contiguous (Triton specializes on J == 1 / a multiple of 16: a J that changes from call to
     call is best rounded up to a multiple of 16); lengths: int32 [R], row r's candidates are columns < lengths[r]
     (clamped to [0, J]) with a score other than -inf; k: 1..2048; out: int32 [R, k] (allocated when None);
-    workspace: from `topk_workspace(R, J, k, device)` (allocated when None and the split kernel runs), counters
-    and histograms zero on entry (every call leaves them so); the row kernel reads none (any width is accepted).
+    workspace: from `topk_workspace(R, J, k, device)` (allocated when None and the split kernel runs), histograms
+    zero on entry (every call leaves them so); the row kernel reads none (any width is accepted).
     first_digit_counted: `first_digit_counts(workspace)` already holds, per row, the count of each digit 1 (key >>
     24, + 128) among the row's candidates for these `lengths`, exactly (the scores' producer counted them: wrong counts
-    give wrong picks), so phase A does not run. The split kernel only, in four launches, with the workspace given.
+    give wrong picks), so phase A does not run. The split kernel only, with the workspace given.
+    tuning: the kernel choice and tiles (default: the device's; a workspace must be made with the same).
     """
     device = scores.device if isinstance(scores, torch.Tensor) else None
     check_tensor("scores", scores, dtype=torch.float32, shape=(None, None), device=device)
@@ -201,20 +160,20 @@ def topk_indices(scores: torch.Tensor, lengths: torch.Tensor, k: int, *, out: to
     check_tensor("lengths", lengths, dtype=torch.int32, shape=(rows,), device=device)
     require(isinstance(k, int) and not isinstance(k, bool) and 1 <= k <= MAX_K,
             f"k: expected an int in 1..{MAX_K}, got {k!r}")
+    tuning = tuning if tuning is not None else tuning_for(device)
     if out is None:
         out = torch.empty(rows, k, dtype=torch.int32, device=device)
     check_tensor("out", out, dtype=torch.int32, shape=(rows, k), device=device)
-    splits, chunk, block, programs = _split(rows, cols, device)
-    by_row = _by_row(rows, cols)
+    splits, chunk, block, programs = _split(rows, cols, device, tuning)
+    by_row = _by_row(rows, cols, tuning)
     require(isinstance(first_digit_counted, bool),
             f"first_digit_counted: expected a bool, got {first_digit_counted!r}")
-    require(not first_digit_counted or (not by_row and not FUSED),
-            f"first_digit_counted: scores {list(scores.shape)} take the "
-            f"{'row kernel, which has no digit histograms' if by_row else 'one-launch split kernel (FUSED)'}")
+    require(not first_digit_counted or not by_row,
+            f"first_digit_counted: scores {list(scores.shape)} take the row kernel, which has no digit histograms")
     require(not first_digit_counted or workspace is not None,
             "first_digit_counted: pass the workspace whose histograms hold the counts (first_digit_counts)")
     if workspace is None and not by_row:
-        workspace = topk_workspace(rows, cols, k, device)
+        workspace = topk_workspace(rows, cols, k, device, tuning=tuning)
     if workspace is not None:
         check_tensor("workspace", workspace, dtype=torch.int32, shape=(rows, None), device=device)
         require(by_row or workspace.shape[1] >= _HEADER + _BINS * splits,
@@ -225,39 +184,48 @@ def topk_indices(scores: torch.Tensor, lengths: torch.Tensor, k: int, *, out: to
     if cols == 0:
         return out.fill_(-1)
     if by_row:
-        # two row sizes only (4096, else the power of two above: 16384 by default), so a context that grows from step
-        # to step compiles no new kernel (test_engine_compiles)
-        row_tile = max(_ROW_BLOCK, triton.next_power_of_2(cols))
-        per_thread = ROW_KEYS_PER_THREAD[rows >= ROW_MANY]
-        _topk_row_kernel[(rows,)](scores, lengths, out, cols, k, BLOCK=row_tile,
-                                  OUT_BLOCK=min(triton.next_power_of_2(k), 1024),
-                                  num_warps=max(4, min(32, row_tile // (32 * per_thread))),
-                                  **launch_options(device))
-        return out
-    width = workspace.shape[1]
-    capacity = (width - _HEADER - _BINS * splits) // 2
-    select = _select_block(k, device)
-    args = (scores, lengths, workspace, out, cols, width, chunk, splits, capacity, k)
-    # SPLITS (the width of the per-chunk count vector) is the tiling's bound, not this call's S, and S is a plain
-    # runtime int (do_not_specialize): S follows the row count, so it would otherwise compile a kernel per step shape
-    warps = 4 if select <= 1024 else 8
-    asm = WARP_COUNTS and device.type == "cuda" and not interpreted()
-    require(not asm or block >= 32 * warps, f"top-k: a {block}-column tile over {warps} warps would replicate keys, "
-            "which the warp counts would count twice (SPLIT_TILING)")
-    meta = dict(BLOCK=block, SPLITS=triton.next_power_of_2(programs), SELECT=select, WARP_COUNTS=WARP_COUNTS, ASM=asm,
-                AHEAD=FIRST_TILE_AHEAD[_size(rows, cols)],
-                num_warps=warps, **launch_options(device))
-    if FUSED:
-        _topk_kernel[(rows, 3 * splits + 1)](*args, PHASE=-1, **meta)
+        _launch_row_kernel(scores, lengths, out, k, tuning)
     else:
-        for phase in range(1 if first_digit_counted else 0, 3):
-            _topk_kernel[(rows, splits)](*args, PHASE=phase, **meta)
-        _topk_kernel[(rows, 1)](*args, PHASE=3, **meta)
+        _launch_split_kernel(scores, lengths, out, k, workspace, first_digit_counted, tuning)
     return out
 
 
+def _launch_row_kernel(scores: torch.Tensor, lengths: torch.Tensor, out: torch.Tensor, k: int,
+                       tuning: TopkTuning) -> None:
+    rows, cols = scores.shape
+    # two row sizes only (row_block, else the power of two above: 16384 by default), so a context that grows from
+    # step to step compiles no new kernel (test_engine_compiles)
+    row_tile = max(tuning.row_block, triton.next_power_of_2(cols))
+    per_thread = tuning.row_keys_per_thread[rows >= tuning.row_many]
+    _topk_row_kernel[(rows,)](scores, lengths, out, cols, k, BLOCK=row_tile,
+                              OUT_BLOCK=min(triton.next_power_of_2(k), 1024),
+                              num_warps=max(4, min(32, row_tile // (32 * per_thread))),
+                              **launch_options(scores.device))
+
+
+def _launch_split_kernel(scores: torch.Tensor, lengths: torch.Tensor, out: torch.Tensor, k: int,
+                         workspace: torch.Tensor, first_digit_counted: bool, tuning: TopkTuning) -> None:
+    rows, cols = scores.shape
+    device = scores.device
+    splits, chunk, block, programs = _split(rows, cols, device, tuning)
+    width = workspace.shape[1]
+    capacity = (width - _HEADER - _BINS * splits) // 2
+    select = _select_block(k, tuning)
+    args = (scores, lengths, workspace, out, cols, width, chunk, splits, capacity, k)
+    warps = 4 if select <= 1024 else 8
+    asm = device.type == "cuda" and not interpreted()
+    require(not asm or block >= 32 * warps, f"top-k: a {block}-column tile over {warps} warps would replicate keys, "
+            "which the warp counts would count twice (SplitTiling.block)")
+    # SPLITS (the width of the per-chunk count vector) is the tiling's bound, not this call's S, and S is a plain
+    # runtime int (do_not_specialize): S follows the row count, so it would otherwise compile a kernel per step shape
+    meta = dict(BLOCK=block, SPLITS=triton.next_power_of_2(programs), SELECT=select, ASM=asm,
+                AHEAD=_split_tiling(rows, cols, tuning).first_tile_ahead, num_warps=warps, **launch_options(device))
+    for phase in range(1 if first_digit_counted else 0, 3):
+        _topk_kernel[(rows, splits)](*args, PHASE=phase, **meta)
+    _topk_kernel[(rows, 1)](*args, PHASE=3, **meta)
+
+
 # the workspace offsets as constexprs (jit code reads no other globals)
-_C_TICKET, _C_DONE_A, _C_DONE_B, _C_DONE_C = (tl.constexpr(v) for v in (_TICKET, _DONE_A, _DONE_B, _DONE_C))
 _C_HIST1, _C_HIST2, _C_HEADER = tl.constexpr(_HIST1), tl.constexpr(_HIST2), tl.constexpr(_HEADER)
 
 
@@ -329,8 +297,8 @@ def count_first_digits(p_row, lo, hi, p_hist, p_scratch, ASM: tl.constexpr, BLOC
     (`first_digit_counted`; its stores of those scores must precede this, a CTA barrier). Straight into the row's
     histogram, or (SCRATCH) into the program's own 256-count row p_scratch first, then added once per bin: many
     programs of one long row would meet at its few busy bins. AHEAD: the first tile's loads issued first, before
-    the scratch row is zeroed, and that tile counted outside the loop (`FIRST_TILE_AHEAD`). BLOCK >= 32 x warps
-    (`_count_digits`)."""
+    the scratch row is zeroed, and that tile counted outside the loop (`SplitTiling.first_tile_ahead`). BLOCK >= 32
+    x warps (`_count_digits`)."""
     first = lo  # where the loop starts: past the first tile when that is loaded ahead
     if AHEAD:
         o_c, b_key, m_c = _row_tile(p_row, lo, hi, BLOCK)
@@ -393,84 +361,43 @@ def _buffered(p_ws, d2, S, SPLITS: tl.constexpr):
 
 
 @triton.jit
-def _signal(p_count):
-    """Publish this program's writes, then count it done (every thread's writes precede the barrier, the
-    release orders them before the increment for whoever acquires the count)."""
-    tl.debug_barrier()
-    tl.atomic_add(p_count, 1, sem="release")
+def _phase_a(p_row, p_ws, i_s, lo, hi, BLOCK: tl.constexpr, ASM: tl.constexpr, AHEAD: tl.constexpr):
+    # counted into this chunk's row of the workspace (the row's histogram itself would take every program's
+    # reductions at its few busy bins: 1.7x slower at 1M columns), then added to it
+    count_first_digits(p_row, lo, hi, p_ws + _C_HIST1, p_ws + _C_HEADER + i_s * 256, ASM, BLOCK, True, AHEAD)
 
 
 @triton.jit
-def _wait(p_count, target):
-    """Spin until `target` programs have signalled on p_count, acquiring their writes. A scalar atomic is one
-    request per program (one thread's, the result shared through shared memory): hundreds of programs can
-    poll one counter without flooding its L2 slice, as a load by every thread would."""
-    seen = tl.atomic_add(p_count, 0, sem="acquire")
-    while seen < target:
-        seen = tl.atomic_add(p_count, 0, sem="acquire")
-    tl.debug_barrier()
-
-
-@triton.jit
-def _phase_a(p_row, p_ws, i_s, lo, hi, BLOCK: tl.constexpr, WARP_COUNTS: tl.constexpr, ASM: tl.constexpr,
-             AHEAD: tl.constexpr):
-    if WARP_COUNTS:
-        # counted into this chunk's row of the workspace (the row's histogram itself would take every program's
-        # reductions at its few busy bins: 1.7x slower at 1M columns), then added to it
-        count_first_digits(p_row, lo, hi, p_ws + _C_HIST1, p_ws + _C_HEADER + i_s * 256, ASM, BLOCK, True, AHEAD)
-    else:
-        o_b = tl.arange(0, 256)
-        first = lo
-        b_h = tl.zeros([256], dtype=tl.int32)
-        if AHEAD:  # the first tile in flight before anything else (`FIRST_TILE_AHEAD`), outside the loop
-            o_c, b_key, m_c = _row_tile(p_row, lo, hi, BLOCK)
-            first = lo + BLOCK
-            b_h = _histogram((b_key >> 24) + 128, m_c, BLOCK)
-        for start in range(first, hi, BLOCK):
-            o_c, b_key, m_c = _row_tile(p_row, start, hi, BLOCK)
-            b_h += _histogram((b_key >> 24) + 128, m_c, BLOCK)
-        tl.atomic_add(p_ws + _C_HIST1 + o_b, b_h, mask=b_h != 0, sem="relaxed")
-
-
-@triton.jit
-def _digit2_tile(p_chunk, b_key, m_c, top, b_above, b_h, BLOCK: tl.constexpr, WARP_COUNTS: tl.constexpr,
-                 ASM: tl.constexpr):
-    """Phase B over one tile: its keys above top digit `top` added to b_above, its digit 2 among keys of that top
-    digit counted (into p_chunk, or added to b_h). Returns (b_above, b_h)."""
+def _digit2_tile(p_chunk, b_key, m_c, top, b_above, ASM: tl.constexpr):
+    """Phase B over one tile: its keys above top digit `top` added to b_above (returned), its digit 2 among keys of
+    that top digit counted into p_chunk."""
     b_above += (m_c & ((b_key >> 24) > top)).to(tl.int32)
-    if WARP_COUNTS:
-        _count_digits(p_chunk, (b_key >> 16) & 255, m_c & ((b_key >> 24) == top), ASM)
-    else:
-        b_h += _histogram((b_key >> 16) & 255, m_c & ((b_key >> 24) == top), BLOCK)
-    return b_above, b_h
+    _count_digits(p_chunk, (b_key >> 16) & 255, m_c & ((b_key >> 24) == top), ASM)
+    return b_above
 
 
 @triton.jit
-def _phase_b(p_row, p_ws, i_s, lo, hi, k, BLOCK: tl.constexpr, WARP_COUNTS: tl.constexpr, ASM: tl.constexpr,
-             AHEAD: tl.constexpr):
+def _phase_b(p_row, p_ws, i_s, lo, hi, k, BLOCK: tl.constexpr, ASM: tl.constexpr, AHEAD: tl.constexpr):
     o_b = tl.arange(0, 256)
     first = lo
     if AHEAD:  # the first tile's loads in flight with hist1's
         o_c, b_key, m_c = _row_tile(p_row, lo, hi, BLOCK)
         first = lo + BLOCK
     p_chunk = p_ws + _C_HEADER + i_s * 256  # this chunk's digit-2 counts, then its suffix
-    if WARP_COUNTS:  # counted from zero: the row holds phase A's counts, or the previous call's suffix
-        tl.store(p_chunk + o_b, tl.zeros([256], dtype=tl.int32))
+    # counted from zero: the row holds phase A's counts, or the previous call's suffix
+    tl.store(p_chunk + o_b, tl.zeros([256], dtype=tl.int32))
     d1, _ = _pick(_shared(p_ws + _C_HIST1 + o_b), k)
     top = d1 - 128  # digit 1 as key >> 24
-    if WARP_COUNTS:
-        tl.debug_barrier()  # the zeros before any warp's counts
+    tl.debug_barrier()  # the zeros before any warp's counts
     b_above = tl.zeros([BLOCK], dtype=tl.int32)  # keys whose top digit is higher: all in the buffer
-    b_h = tl.zeros([256], dtype=tl.int32)
     if AHEAD:  # outside the loop, as in phase A
-        b_above, b_h = _digit2_tile(p_chunk, b_key, m_c, top, b_above, b_h, BLOCK, WARP_COUNTS, ASM)
+        b_above = _digit2_tile(p_chunk, b_key, m_c, top, b_above, ASM)
     for start in range(first, hi, BLOCK):
         o_c, b_key, m_c = _row_tile(p_row, start, hi, BLOCK)
-        b_above, b_h = _digit2_tile(p_chunk, b_key, m_c, top, b_above, b_h, BLOCK, WARP_COUNTS, ASM)
-    if WARP_COUNTS:
-        tl.debug_barrier()  # every warp's counts are in
-        b_h = _shared(p_chunk + o_b)
-        tl.debug_barrier()  # read by every warp before the suffix overwrites them
+        b_above = _digit2_tile(p_chunk, b_key, m_c, top, b_above, ASM)
+    tl.debug_barrier()  # every warp's counts are in
+    b_h = _shared(p_chunk + o_b)
+    tl.debug_barrier()  # read by every warp before the suffix overwrites them
     tl.atomic_add(p_ws + _C_HIST2 + o_b, b_h, mask=b_h != 0, sem="relaxed")
     # this chunk's keys with key >> 16 >= (top, b), for each digit b that phase C may choose
     b_suffix = tl.sum(b_above) + tl.sum(b_h) - tl.cumsum(b_h, 0) + b_h
@@ -482,8 +409,7 @@ def _buffer_tile(p_keys, CAP, o_c, b_key, m_c, prefix, at):
     """Phase C over one tile: its keys with key >> 16 >= prefix into the buffer from slot `at`, in column order.
     Returns how many."""
     m_keep = m_c & ((b_key >> 16) >= prefix)
-    # a flat cumsum: the rows-of-4 scan (`_running_sum`, then of a mask) made this phase slower (122 registers
-    # against 110; docs/performance.md)
+    # a flat cumsum: the rows-of-4 scan (`_running_sum`, then of a mask) made this phase slower (more registers)
     o_buf = at + tl.cumsum(m_keep.to(tl.int32), 0) - 1
     tl.store(p_keys + o_buf, b_key, mask=m_keep)
     tl.store(p_keys + CAP + o_buf, o_c, mask=m_keep)
@@ -503,7 +429,7 @@ def _phase_c(p_row, p_ws, i_s, lo, hi, S, CAP, k, BLOCK: tl.constexpr, SPLITS: t
     at = tl.sum(tl.where(o_s < i_s, b_count, 0))
     hi = tl.where(tl.sum(b_count) <= CAP, hi, lo)  # an overflowing row is read whole by phase D
     p_keys = p_ws + _C_HEADER + S * 256
-    if AHEAD:  # outside the loop, as in phase A (carried by it, 168 registers at 2048-column tiles on the proxy)
+    if AHEAD:  # outside the loop, as in phase A (a tile carried by the loop costs registers)
         at += _buffer_tile(p_keys, CAP, o_c, b_key, m_c & (o_c < hi), prefix, at)
     written = tl.full((), 0, tl.int32)
     for start in range(first, hi, BLOCK):
@@ -543,9 +469,8 @@ def _kth_key(b_key, lo, hi, k):
 @triton.jit
 def _running_sum(values, BLOCK: tl.constexpr):
     """int32 [BLOCK]: the sum of values up to and including each lane (tl.cumsum's result). Scanned as rows of 4
-    lanes, each within a thread, and a scan of the row totals: 36-51% fewer instructions than a scan of the flat
-    vector, which shuffles each lane's value through its warp (a compaction loop's sm_90a SASS,
-    docs/device/2026-11-26-topk-sass-cpu.log)."""
+    lanes, each within a thread, and a scan of the row totals: a third to a half fewer instructions than a scan of
+    the flat vector, which shuffles each lane's value through its warp."""
     b_rows = tl.reshape(values, (BLOCK // 4, 4))
     b_totals = tl.sum(b_rows, 1)
     return tl.reshape(tl.cumsum(b_rows, 1) + (tl.cumsum(b_totals, 0) - b_totals)[:, None], (BLOCK,))
@@ -595,8 +520,8 @@ def _select_looped(p_row, p_keys, p_cols, p_out, buffer_end, row_end, prefix16, 
     for start in range(0, end, BLOCK):
         o_c, b_key, m_c = _candidates(p_row, p_keys, p_cols, start, buffer_end, row_end, BLOCK)
         m_tie = m_c & (b_key == prefix)
-        # flat cumsums: the rows-of-4 scan (`_running_sum`, then of a mask) made phase D spill at k = 512 (sm_90a
-        # proxy), register path included
+        # flat cumsums: the rows-of-4 scan (`_running_sum`, then of a mask) made phase D spill at k = 512, register
+        # path included
         m_pick = (m_c & (b_key > prefix)) | (m_tie & (ties + tl.cumsum(m_tie.to(tl.int32), 0) <= need))
         o_out = written + tl.cumsum(m_pick.to(tl.int32), 0) - 1
         tl.store(p_out + o_out, o_c, mask=m_pick & (o_out < k))
@@ -663,47 +588,25 @@ def _topk_row_kernel(scores_ptr, lengths_ptr, out_ptr, J, k, BLOCK: tl.constexpr
 
 @triton.jit(do_not_specialize=["S"])
 def _topk_kernel(scores_ptr, lengths_ptr, ws_ptr, out_ptr, J, W, CHUNK, S, CAP, k, BLOCK: tl.constexpr,
-                 SPLITS: tl.constexpr, SELECT: tl.constexpr, PHASE: tl.constexpr, WARP_COUNTS: tl.constexpr,
-                 ASM: tl.constexpr, AHEAD: tl.constexpr):
-    """Row i_r. PHASE -1: one launch of 3S + 1 programs per row, the role from a ticket; 0..3: that phase
-    alone (grid (R, S), or (R, 1) for D), ordered by the launches."""
+                 SPLITS: tl.constexpr, SELECT: tl.constexpr, PHASE: tl.constexpr, ASM: tl.constexpr,
+                 AHEAD: tl.constexpr):
+    """Row i_r, phase PHASE (0..3 = A..D): grid (R, S) for A-C, (R, 1) for D, ordered by the launches."""
     wait_for_prior_grids()
     i_r = tl.program_id(0)
+    i_s = tl.program_id(1)
     n = tl.minimum(tl.maximum(tl.load(lengths_ptr + i_r), 0), J)
     p_row = scores_ptr + i_r.to(tl.int64) * J
     p_ws = ws_ptr + i_r.to(tl.int64) * W
-    if PHASE < 0:
-        ticket = tl.atomic_add(p_ws + _C_TICKET, 1, sem="relaxed")
-        role = tl.minimum(ticket // S, 3)
-        i_s = ticket - role * S
-    else:
-        role = PHASE
-        i_s = tl.program_id(1)
     lo = i_s * CHUNK
     hi = tl.minimum(lo + CHUNK, n)
-    if role == 0:
-        _phase_a(p_row, p_ws, i_s, lo, hi, BLOCK, WARP_COUNTS, ASM, AHEAD)
-        if PHASE < 0:
-            _signal(p_ws + _C_DONE_A)
-    elif role == 1:
-        if PHASE < 0:
-            _wait(p_ws + _C_DONE_A, S)
-        _phase_b(p_row, p_ws, i_s, lo, hi, k, BLOCK, WARP_COUNTS, ASM, AHEAD)
-        if PHASE < 0:
-            _signal(p_ws + _C_DONE_B)
-    elif role == 2:
-        if PHASE < 0:
-            _wait(p_ws + _C_DONE_B, S)
+    if PHASE == 0:
+        _phase_a(p_row, p_ws, i_s, lo, hi, BLOCK, ASM, AHEAD)
+    elif PHASE == 1:
+        _phase_b(p_row, p_ws, i_s, lo, hi, k, BLOCK, ASM, AHEAD)
+    elif PHASE == 2:
         _phase_c(p_row, p_ws, i_s, lo, hi, S, CAP, k, BLOCK, SPLITS, AHEAD)
-        if PHASE < 0:
-            _signal(p_ws + _C_DONE_C)
     else:
-        if PHASE < 0:
-            _wait(p_ws + _C_DONE_A, S)  # all three: then every ticket is taken and no program touches
-            _wait(p_ws + _C_DONE_B, S)  # the row's workspace again, so it can be zeroed below
-            _wait(p_ws + _C_DONE_C, S)
         _phase_d(p_row, p_ws, out_ptr + i_r.to(tl.int64) * k, n, S, CAP, k, BLOCK, SPLITS, SELECT)
-        # leave the counters and histograms zero for the next call
+        # leave the histograms zero for the next call
         tl.debug_barrier()
-        o_h = tl.arange(0, 1024)
-        tl.store(p_ws + o_h, tl.zeros([1024], dtype=tl.int32), mask=o_h < _C_HEADER)
+        tl.store(p_ws + tl.arange(0, _C_HEADER), tl.zeros([_C_HEADER], dtype=tl.int32))

@@ -8,9 +8,9 @@ request (decode) the layer runs it beside attention instead, as the entry a row'
 window) is in no row's window. The bytes are those of `layout.write(pool, ..., apply_rope(kv, positions, rope))`, bit
 for bit (tests/test_kernel_window.py).
 
-kv_insert runs KV_INSERT_TILE[0] rows per program (fewer for small launches): the rows' kv is one contiguous
-[rows, D] block, loaded as 16-byte vectors and encoded as [rows, D // 64, 64] tiles; e4m3 codes leave as 16-byte
-stores. The rope dims are loaded a second time as their own [rows, 64] tile (an L1 hit) and rotated alone.
+kv_insert runs `WindowTuning.kv_insert_rows` rows per program (fewer for small launches): the rows' kv is one
+contiguous [rows, D] block, loaded as 16-byte vectors and encoded as [rows, D // 64, 64] tiles; e4m3 codes leave as
+16-byte stores. The rope dims are loaded a second time as their own [rows, 64] tile (an L1 hit) and rotated alone.
 Its cost per value is ~8.5 instructions (encode.py), so it is bound by its bytes, not by the bit operations.
 """
 
@@ -28,6 +28,7 @@ from ..shared.common import check_plan, check_pool
 from ...checks import check_tensor
 from ..shared.encode import program_rows, rope_block, store_main_entries
 from ..shared.launch import check_wait_late, launch_options, wait_for_prior_grids
+from .tuning import WindowTuning, tuning_for
 
 __all__ = ["kv_insert", "append_window", "check_main_layout"]
 
@@ -37,15 +38,6 @@ def check_main_layout(layout: EntryLayout, rope: RopeSpec) -> None:
     blocks = layout.dim // 64
     require(rope.dim == 64 and layout.dim % 64 == 0 and blocks & (blocks - 1) == 0,
             f"the kernels handle 64 rope dims and head_dim = 64 * a power of two, got {rope.dim} and {layout.dim}")
-
-
-# (rows per program, num_warps) of kv_insert; assign to time variants. With the encoding at ~8.5 fp32/int ops per
-# value (see encode.py) the kernel is bound by its bytes (1 KB of kv in, 584 B out per row): 16 rows x 512 dims over 4
-# warps is 64 values per thread (eight 16-byte kv loads, four 16-byte e4m3 stores), ~80 registers, 6 programs and
-# ~130 KB of loads in flight per SM, and ~265 warp-instructions per row (8 rows: ~300; more rows per thread amortize
-# the per-row work: slot, page division, the rope dims). 65536 rows make 4096 programs; a small launch (a decode
-# batch) takes fewer rows per program (`encode.program_rows`).
-KV_INSERT_TILE = (16, 4)
 
 
 # n, page_bytes and entries follow the step's row count (the engine encodes a step's kv into a page of its own)
@@ -83,12 +75,12 @@ def _kv_insert_kernel(kv_ptr, cos_ptr, sin_ptr, slots_ptr, pool_ptr, n, page_byt
 
 def kv_insert(kv: torch.Tensor, positions: torch.Tensor, rope: RopeSpec, layout: EntryLayout, pool: torch.Tensor,
               entries: int, slots: torch.Tensor, *, cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None,
-              wait_late: bool = False) -> None:
+              wait_late: bool = False, tuning: WindowTuning | None = None) -> None:
     """Rotate kv bf16 [N, D] (normed, not yet roped) at positions int [N], encode it in `layout` and write row i
     to pool slot slots[i] (int32 [N]; -1 = skip). pool: uint8 [pages, layout.page_bytes(entries)].
-    cos_sin: `ops.rope.rope_cos_sin(rope, positions)` when the caller already has it (computed here otherwise).
-    One program encodes KV_INSERT_TILE[0] rows. wait_late: the second kernel of a pair (`launch`'s module docstring:
-    beside the window layer's q RoPE), its wait last; needs the caller's cos_sin."""
+    cos_sin: `ops.rope.reference.rope_cos_sin(rope, positions)` when the caller already has it (computed here
+    otherwise). wait_late: the second kernel of a pair (`launch`'s module docstring: beside the window layer's q
+    RoPE), its wait last; needs the caller's cos_sin. tuning: rows and warps a program (default: the device's)."""
     n = kv.shape[0] if isinstance(kv, torch.Tensor) else -1
     check_main_layout(layout, rope)
     check_tensor("kv", kv, dtype=torch.bfloat16, shape=(None, layout.dim), device=pool.device)
@@ -101,8 +93,8 @@ def kv_insert(kv: torch.Tensor, positions: torch.Tensor, rope: RopeSpec, layout:
     cos, sin = cos_sin if cos_sin is not None else rope_cos_sin(rope, positions)
     check_tensor("cos", cos, dtype=torch.float32, shape=(n, rope.dim // 2), device=pool.device)
     check_tensor("sin", sin, dtype=torch.float32, shape=(n, rope.dim // 2), device=pool.device)
-    block_r, warps = KV_INSERT_TILE
-    block_r = program_rows(n, block_r)
+    tuning = tuning if tuning is not None else tuning_for(pool.device)
+    block_r, warps = program_rows(n, tuning.kv_insert_rows, tuning.spread_programs), tuning.kv_insert_warps
     _kv_insert_kernel[(triton.cdiv(n, block_r),)](
         kv, cos, sin, slots, pool, n, pool.shape[1], entries, NB=layout.dim // 64, FP8=layout.name == "fp8",
         DATA_BYTES=layout.data_bytes, SCALE_BYTES=max(layout.scale_bytes, 1), BLOCK_R=block_r,

@@ -365,7 +365,7 @@ def _decode_layer(ctx: Context, cache: CacheManager, layer: DSV4Attention, plan,
     if streams.CONCURRENT:
         ctx.log("    (the core runs on two streams: the kernel times below overlap, their sum exceeds the core's)")
     if not launch_options(ctx.device):
-        ctx.log("    (kernels launched without programmatic dependent launch: kernels.launch.DEPENDENT_LAUNCH is off)")
+        ctx.log("    (kernels launched without programmatic dependent launch: inside launch.dependent_launch(False))")
     if kind == "csa":
         ctx.log(f"    indexer scores of {keys} keys on {'FP8' if fp8 else 'bf16'} MMAs (the host's choice: the FP8 "
                 f"path serves MXFP4 keys; a row whose query fails its exactness check takes bf16)")
