@@ -3,6 +3,11 @@
 `ModelGeometry.from_hf_config` reads a transformers `DeepseekV4Config`, a config dict or a
 `config.json` path (modern `layer_types` or legacy `compress_ratios` form) or a preset name, and
 refuses anything it cannot serve (V4.1, multi-head KV, malformed fields) naming the field.
+
+Presets (`presets/<name>.json`; attention geometry only, no weights; `dsv4kv plan --help` lists them with their layers):
+`flash` is DeepSeek-V4-Flash (43 layers), `pro` DeepSeek-V4-Pro (61 layers); `tiny` (4 layers, 8 heads x 128, window
+16, HCA ratio 16) and `mini` (4 layers, 16 heads x 512, window 128, V4's ratios) are small test geometries. None is
+the model `dsv4kv demo` builds (`demo-cpu`, `demo-gpu`: tools/demo.py).
 """
 
 from __future__ import annotations
@@ -16,9 +21,12 @@ from functools import cached_property
 from importlib import resources
 from typing import Any, Mapping
 
-__all__ = ["LayerKind", "YarnScaling", "RopeSpec", "LayerSpec", "ModelGeometry", "PRESETS", "GeometryError"]
+__all__ = ["LayerKind", "YarnScaling", "RopeSpec", "LayerSpec", "ModelGeometry", "PRESETS", "PRESET_NOTES",
+           "GeometryError"]
 
 PRESETS = ("flash", "pro", "tiny", "mini")
+PRESET_NOTES = {"flash": "DeepSeek-V4-Flash", "pro": "DeepSeek-V4-Pro", "tiny": "a small test geometry",
+                "mini": "a small test geometry with V4's head size"}  # what each preset is, for `dsv4kv plan --help`
 
 
 class GeometryError(ValueError):

@@ -32,11 +32,25 @@ class KVFormat(str, enum.Enum):
     FP8 = "fp8"
     BF16 = "bf16"
 
+    @classmethod
+    def _missing_(cls, value):
+        _refuse_format("kv_format", cls, value)
+
 
 class IndexerFormat(str, enum.Enum):
     MXFP4 = "mxfp4"
     FP8 = "fp8"
     BF16 = "bf16"
+
+    @classmethod
+    def _missing_(cls, value):
+        _refuse_format("indexer_format", cls, value)
+
+
+def _refuse_format(name: str, formats: type[enum.Enum], value) -> None:
+    # enum raises this ValueError in place of its own "'fp4' is not a valid KVFormat", which lists nothing
+    valid = ", ".join(repr(f.value) for f in formats)
+    raise ValueError(f"{name}: expected one of {valid}, got {value!r}")
 
 
 def _round_up(n: int, multiple: int) -> int:

@@ -228,14 +228,17 @@ class Engine:
     # --- offline API --------------------------------------------------------------------------------
     def generate(self, prompts: Sequence[Sequence[int]],
                  params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
-        """Serve every prompt to completion (with any requests already queued); outputs in prompt order. Every
-        prompt and params is checked before any is queued."""
+        """Serve every prompt to completion (with any requests already queued); outputs in prompt order. `params`:
+        one SamplingParams for every prompt, or a list of one per prompt (None: the defaults). Every prompt and params
+        is checked before any is queued."""
         prompts = self._check_prompts(prompts)
         if params is None or isinstance(params, SamplingParams):
             params = [params] * len(prompts)
+        elif isinstance(params, (str, bytes)) or not isinstance(params, Sequence):  # a dict included
+            raise TypeError(f"params: expected a SamplingParams (or a list of them), got {type(params).__name__}")
         elif len(params) != len(prompts):
             raise ValueError(f"params: {len(params)} SamplingParams for {len(prompts)} prompts")
-        params = [self._check_params(q) for q in params]
+        params = [self._check_params(q, f"params[{i}]") for i, q in enumerate(params)]
         ids = [self._add(prompt, q) for prompt, q in zip(prompts, params)]
         while not all(self._requests[i].finished for i in ids):
             self.step()
@@ -299,11 +302,15 @@ class Engine:
             raise RequestError(f"unknown request id {request_id!r} (never added, or its finished output was read)")
         return request
 
-    def _check_params(self, params) -> SamplingParams:
+    def _check_params(self, params, name: str = "params") -> SamplingParams:
         if params is None:
             return SamplingParams()
         if not isinstance(params, SamplingParams):
-            raise TypeError(f"params: expected SamplingParams, got {type(params).__name__}")
+            raise TypeError(f"{name}: expected a SamplingParams, got {type(params).__name__}")
+        vocab = self.model.vocab_size  # SamplingParams checked the ids are ints >= 0; the engine knows the vocabulary
+        bad = [t for t in params.stop_token_ids if t >= vocab]
+        if bad:
+            raise ValueError(f"{name}.stop_token_ids: {len(bad)} outside the vocabulary [0, {vocab}), first {bad[0]}")
         return params
 
     def _check_prompts(self, prompts) -> list[tuple[int, ...]]:
@@ -322,8 +329,13 @@ class Engine:
         if len(prompt) == 0:
             raise ValueError(f"{name}: empty prompt")
         vocab = self.model.embed_tokens.num_embeddings
-        bad = [(i, t) for i, t in enumerate(prompt)
-               if not isinstance(t, numbers.Integral) or isinstance(t, bool) or not 0 <= t < vocab]
+        not_ints = [(i, t) for i, t in enumerate(prompt) if not isinstance(t, numbers.Integral) or isinstance(t, bool)]
+        if not_ints:  # a float (even 2.0) or a bool is not a token id
+            i, t = not_ints[0]
+            more = f" ({len(not_ints)} entries are not ints)" if len(not_ints) > 1 else ""
+            raise ValueError(f"{name}: token ids must be ints in the vocabulary [0, {vocab}), got {t!r} "
+                             f"(a {type(t).__name__}) at {i}{more}")
+        bad = [(i, t) for i, t in enumerate(prompt) if not 0 <= t < vocab]
         if bad:
             i, t = bad[0]
             raise ValueError(f"{name}: {len(bad)} token ids outside the vocabulary [0, {vocab}), first {t!r} at {i}")

@@ -23,7 +23,8 @@ class SamplingParams:
         top_k: keep the k most likely tokens (0 = all).
         seed: seeds this request's own generator, so the same seed gives the same tokens whatever else
             runs in the batch; None draws a fresh seed when the request is added.
-        stop_token_ids: generation stops after emitting one of these (it is kept in the output).
+        stop_token_ids: generation stops after emitting one of these (it is kept in the output). Ints >= 0 here;
+            the engine, which knows the vocabulary, refuses ids outside it.
         logprobs: 0 (default) or up to MAX_LOGPROBS: with each generated token, the log-probabilities of that
             position's `logprobs` most likely tokens (at most the vocabulary), best first, and the sampled token's
             own (`RequestOutput.logprobs`, `token_logprobs`). They are log_softmax of the model's fp32 logits, before
@@ -54,7 +55,8 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids: expected a sequence of token ids, got {stops!r}")
         stops = tuple(stops)
         if not all(_is_int(t) and t >= 0 for t in stops):
-            raise ValueError(f"stop_token_ids: expected ints >= 0, got {stops!r}")
+            raise ValueError(f"stop_token_ids: expected int token ids >= 0 (a float or bool is not a token id), "
+                             f"got {stops!r}")
         if not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs: expected an int in [0, {MAX_LOGPROBS}] (0 = none), got {self.logprobs!r}")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in stops))

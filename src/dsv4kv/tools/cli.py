@@ -7,7 +7,7 @@ import argparse
 import json
 import sys
 
-from ..geometry import PRESETS, GeometryError, ModelGeometry
+from ..geometry import PRESET_NOTES, PRESETS, GeometryError, LayerKind, ModelGeometry
 from ..cache.layout import IndexerFormat, KVFormat
 from ..cache.planner import MemoryPlan, parse_bytes
 from ..cache.spec import DEFAULT_PAGE_TOKENS, CacheSpec
@@ -24,14 +24,15 @@ def _plan(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
     import torch
 
-    from .demo import render, run_demo  # imports the engine and transformers only when asked
+    from .demo import demo_device, render, run_demo  # imports the engine and transformers only when asked
 
-    if args.device in (None, "cpu") and not torch.cuda.is_available():
-        # the tiny model's ops are too small to gain from threads, and spinning threads slow it several times
+    device = demo_device(args.device)  # a device that cannot run refuses here, in one line
+    if device.type == "cpu" and not torch.cuda.is_available():
+        # the demo-cpu model's ops are too small to gain from threads, and spinning threads slow it several times
         # over when other processes share the cores
         torch.set_num_threads(1)
 
-    result = run_demo(device=args.device, kv_format=args.kv_format, indexer_format=args.indexer_format,
+    result = run_demo(device=device, kv_format=args.kv_format, indexer_format=args.indexer_format,
                       seed=args.seed, progress=not args.no_progress, compare=not args.no_compare)
     render(result)
     return 0
@@ -54,15 +55,38 @@ def _bench(args: argparse.Namespace) -> int:
     return 1 if any(r.refused for r in report.results) else 0
 
 
+KV_FORMAT_HELP = "cache entry format: fp8 (the official numerics) or bf16 (the exact mode) (default %(default)s)"
+INDEXER_FORMAT_HELP = ("CSA indexer key format: mxfp4 (the official numerics), fp8, or bf16 (the exact mode) "
+                       "(default %(default)s)")
+
+
+def _presets_epilog() -> str:
+    """`plan --help`'s list of presets: what each is, its layers by kind and ratio, its heads."""
+    lines = ["presets (attention geometry only, no weights; `dsv4kv demo` builds models of its own,",
+             "demo-cpu and demo-gpu, which are none of these):"]
+    for name in PRESETS:
+        g = ModelGeometry.preset(name)
+        kinds = ", ".join(f"{len(g.layers_of(k))} {k.short}" + (f" ratio {g.layers_of(k)[0].ratio}"
+                                                                 if k is not LayerKind.WINDOW else "")
+                          for k in LayerKind if g.layers_of(k))
+        lines.append(f"  {name:6} {PRESET_NOTES[name]}: {g.num_layers} layers,")
+        lines.append(f"         {kinds}; {g.num_heads} heads x {g.head_dim}, window {g.window}")
+    return "\n".join(lines)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dsv4kv", description="DeepSeek-V4 KV cache substrate")
     sub = parser.add_subparsers(dest="command", required=True)
-    plan = sub.add_parser("plan", help="bytes per token / request, and how many requests fit in memory")
-    plan.add_argument("--model", default="flash", help=f"preset ({', '.join(PRESETS)}) or path to a config.json")
+    plan = sub.add_parser("plan", help="bytes per token / request, and how many requests fit in memory",
+                          epilog=_presets_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter)
+    plan.add_argument("--model", default="flash", help=f"a preset ({', '.join(PRESETS)}: listed below) or the path "
+                                                       f"of a config.json (default flash)")
     plan.add_argument("--context", type=int, default=1 << 20, help="tokens per request (default 1048576)")
     plan.add_argument("--memory", default="141GiB", help="memory for the cache, e.g. 141GiB, 80GB (default 141GiB)")
-    plan.add_argument("--kv-format", default=KVFormat.FP8.value, choices=[f.value for f in KVFormat])
-    plan.add_argument("--indexer-format", default=IndexerFormat.MXFP4.value, choices=[f.value for f in IndexerFormat])
+    plan.add_argument("--kv-format", default=KVFormat.FP8.value, choices=[f.value for f in KVFormat],
+                      help=KV_FORMAT_HELP)
+    plan.add_argument("--indexer-format", default=IndexerFormat.MXFP4.value, choices=[f.value for f in IndexerFormat],
+                      help=INDEXER_FORMAT_HELP)
     plan.add_argument("--page-tokens", type=int, default=DEFAULT_PAGE_TOKENS,
                       help=f"original tokens per block, a multiple of 128 (default {DEFAULT_PAGE_TOKENS})")
     plan.add_argument("--json", action="store_true", help="print the figures as JSON")
@@ -70,12 +94,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser("demo", help="generate tokens with a random DeepSeek-V4 model through the engine and "
                                         "compare with transformers")
-    demo.add_argument("--device", default=None, help="default: cuda when available (V4-Flash attention geometry, "
-                                                    "bf16), else cpu (the tiny model, fp32)")
-    demo.add_argument("--kv-format", default=KVFormat.FP8.value, choices=[f.value for f in KVFormat])
+    demo.add_argument("--device", default=None, help="cpu or cuda[:index] (default: cuda when available, else cpu). "
+                                                    "On cuda the model is demo-gpu (V4-Flash attention geometry, 4 "
+                                                    "layers, bf16); on cpu demo-cpu (3 layers: window, CSA, HCA; "
+                                                    "fp32). Neither is a `dsv4kv plan` preset")
+    demo.add_argument("--kv-format", default=KVFormat.FP8.value, choices=[f.value for f in KVFormat],
+                      help=KV_FORMAT_HELP)
     demo.add_argument("--indexer-format", default=IndexerFormat.MXFP4.value,
-                      choices=[f.value for f in IndexerFormat])
-    demo.add_argument("--seed", type=int, default=0)
+                      choices=[f.value for f in IndexerFormat], help=INDEXER_FORMAT_HELP)
+    demo.add_argument("--seed", type=int, default=0, help="seed of the random weights and prompts (default 0)")
     demo.add_argument("--no-progress", action="store_true", help="no progress bar")
     demo.add_argument("--no-compare", action="store_true", help="skip the comparison with transformers")
     demo.set_defaults(run=_demo)
@@ -88,7 +115,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--out", default="docs/bench", help="folder for the JSON and PNG files (default docs/bench)")
     bench.add_argument("--name", default=None, help="JSON file name without .json (default bench-<date>-<gpu>)")
     bench.add_argument("--runs", type=int, default=50, help="timed runs per figure (the median is reported)")
-    bench.add_argument("--device", default="cuda")
+    bench.add_argument("--device", default="cuda", help="the CUDA device to time, e.g. cuda:1 (default cuda: the "
+                                                        "current device)")
     bench.add_argument("--plot", metavar="JSON", help="only draw the plots of an earlier run's JSON into --out")
     bench.set_defaults(run=_bench)
     return parser
@@ -99,7 +127,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.run(args)
     except (GeometryError, ValueError) as error:
-        print(f"dsv4kv {args.command}: {error}", file=sys.stderr)
+        prefix, message = f"dsv4kv {args.command}", str(error)
+        if message.startswith(prefix):  # a message that names the command already ("dsv4kv bench needs a ...")
+            message = message[len(prefix):].lstrip(": ")
+        print(f"{prefix}: {message}", file=sys.stderr)
         return 2
 
 
