@@ -11,6 +11,8 @@
 On the CPU the kernel runs under Triton's interpreter; the GPU test uses V4-Flash shapes.
 """
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -102,7 +104,6 @@ def test_gemv_rows_edges_and_refusals():
 
 def test_kernel_layer_takes_the_gemv_for_few_rows(monkeypatch):
     """A step of one row projects through gemv_rows and more rows through torch: counted by a wrapper."""
-    from dsv4kv.model import layer as layer_module
     from dsv4kv.ops import kernels
     calls = []
     real = kernels.gemv_rows
@@ -125,7 +126,7 @@ def test_kernel_layer_takes_the_gemv_for_few_rows(monkeypatch):
     calls.clear()
     out = bf16((MAX_ROWS, g.num_heads, 2 * g.head_dim), 7)[..., ::2]
     assert torch.equal(layer.output_projection(out), layer.o_b_proj(layer._grouped_o_a(out)))
-    monkeypatch.setattr(layer_module, "SMALL_BATCH_GEMV", False)
+    layer.schedule = dataclasses.replace(layer.schedule, gemv_rows=0)
     layer.project(x, positions)
     assert calls == []
 

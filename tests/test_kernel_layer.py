@@ -4,7 +4,6 @@ decode step (DecodeGraph) against eager steps.
 On the CPU the kernels run under Triton's interpreter (small sizes); the DecodeGraph tests need a GPU.
 """
 
-import contextlib
 import random
 
 import pytest
@@ -14,6 +13,7 @@ from schedules import random_steps
 from dsv4kv import CacheManager, ModelGeometry
 from dsv4kv.model.graph import DecodeGraph
 from dsv4kv.model.layer import DSV4Attention, init_random_weights
+from dsv4kv.ops.shared import launch
 
 TINY = ModelGeometry.preset("tiny")  # layers: 0 window, 1 CSA m=4, 2 HCA m=16, 3 CSA; window 16
 PAGE = 128
@@ -167,17 +167,15 @@ def test_backend_choice_and_bad_input():
 @cuda
 @pytest.mark.parametrize("switch", ["side stream", "dependent launch"])
 def test_step_overlap_changes_no_byte(monkeypatch, switch):
-    """The tiny model's 4 layers chained, with the side stream (`streams.CONCURRENT`) and without, or with
-    programmatic dependent launch (`launch.DEPENDENT_LAUNCH`) and without, over the same random prefill / decode
+    """The tiny model's 4 layers chained, with the side stream (`Schedule.side_stream`) and without, or with
+    programmatic dependent launch (`launch.dependent_launch`) and without, over the same random prefill / decode
     schedule on twin caches: every output and every cache tensor equal bit for bit (a missing event between the
     streams, or a kernel touching memory before its grid-dependency wait, would let a kernel read bytes before or
     after their writer)."""
     import dataclasses
 
     from dsv4kv.model import streams
-    from dsv4kv.ops.shared import launch
     from dsv4kv.ops.shared.common import hopper_or_later
-    module, flag = (streams, "CONCURRENT") if switch == "side stream" else (launch, "DEPENDENT_LAUNCH")
     assert streams.StepStreams(torch.device("cuda")).enabled
     if switch == "dependent launch" and not hopper_or_later(torch.device("cuda")):
         pytest.skip("programmatic dependent launch needs sm_90 or later; older GPUs launch plainly either way")
@@ -191,8 +189,13 @@ def test_step_overlap_changes_no_byte(monkeypatch, switch):
         x = torch.randn(sum(n for _, n in step), TINY.hidden_size, generator=gen, device="cuda").to(torch.bfloat16)
         outs = []
         for on, cache, ids in zip((True, False), caches, rids):
-            monkeypatch.setattr(module, flag, on)
-            outs.append(chain(layers, x, cache.plan_step([(ids[i], n) for i, n in step]), cache))
+            if switch == "side stream":
+                for layer in layers:
+                    layer.schedule = dataclasses.replace(layer.schedule, side_stream=on)
+                outs.append(chain(layers, x, cache.plan_step([(ids[i], n) for i, n in step]), cache))
+            else:
+                with launch.dependent_launch(on):
+                    outs.append(chain(layers, x, cache.plan_step([(ids[i], n) for i, n in step]), cache))
         assert torch.equal(outs[0], outs[1])
     for mine, theirs in zip(caches[0].pools.layers, caches[1].pools.layers):
         for field in dataclasses.fields(mine):
@@ -201,11 +204,12 @@ def test_step_overlap_changes_no_byte(monkeypatch, switch):
                 assert torch.equal(a, b), field.name
 
 
-def test_q_rope_dims_only_changes_no_byte(monkeypatch):
-    """`layer.Q_ROPE_DIMS_ONLY`: every layer kind with the q RoPE writing the rope dims only (attention reading the
+def test_q_rope_dims_only_changes_no_byte():
+    """`Schedule.rope_dims_only`: every layer kind with the q RoPE writing the rope dims only (attention reading the
     others from the unroped q) and with a whole roped copy of q, over a prefill chunk next to a decode row, then a
     decode step, on twin caches: outputs equal bit for bit."""
-    from dsv4kv.model import layer as layer_module
+    import dataclasses
+
     from dsv4kv.geometry import LayerKind
     layers = [init_random_weights(DSV4Attention(TINY, i, device=DEVICE, backend="triton"), i) for i in range(3)]
     caches = [make_cache("fp8", "mxfp4") for _ in range(2)]
@@ -215,7 +219,8 @@ def test_q_rope_dims_only_changes_no_byte(monkeypatch):
         x = torch.randn(sum(n for _, n in step), TINY.hidden_size, generator=gen, device=DEVICE).to(torch.bfloat16)
         outs = []
         for kinds, cache, ids in zip((frozenset(LayerKind), frozenset()), caches, rids):
-            monkeypatch.setattr(layer_module, "Q_ROPE_DIMS_ONLY", kinds)
+            for layer in layers:
+                layer.schedule = dataclasses.replace(layer.schedule, rope_dims_only=kinds)
             outs.append(chain(layers, x, cache.plan_step([(ids[i], n) for i, n in step]), cache))
         assert torch.equal(outs[0], outs[1])
 
@@ -232,39 +237,49 @@ def test_side_stream_is_off_without_cuda():
     streams.join()
 
 
+def plan_of(layer, plan, cache):
+    """The layer's attention plan over `plan` on the kernels, built anew (the switches below change between builds)."""
+    plan.layer_plans.clear()
+    return layer.attention_plan(plan, cache.pages(layer.layer_index), "triton")
+
+
 def test_indexer_takes_fp8_is_the_scores_choice(monkeypatch):
-    """`indexer_takes_fp8` (what the bench reports, and when the layer makes the query's FP8 operand): CSA layers
-    with MXFP4 keys on decode steps (the row kernel) and prefill steps (the stacked kernel, unless `STACK_FP8` is
-    off); not FP8 keys, or layers without an indexer."""
-    from dsv4kv.ops.indexer import kernel as indexer_module
+    """`AttentionPlan.indexer_fp8` (what the bench reports, and when the layer makes the query's FP8 operand): CSA
+    layers with MXFP4 keys on decode steps (the row kernel) and prefill steps (the stacked kernel), unless the
+    indexer's tuning turns its FP8 MMAs off; not FP8 keys, or layers without an indexer."""
+    import dataclasses
+
+    from dsv4kv.ops.indexer import tuning as indexer_tuning
+    plain = {arch: dataclasses.replace(config, fp8_mma=False) for arch, config in indexer_tuning.TUNING.items()}
     window, csa = DSV4Attention(TINY, 0), DSV4Attention(TINY, 1)
     for indexer_format, want in (("mxfp4", True), ("fp8", False)):
         cache = make_cache("fp8", indexer_format)
         rid = cache.admit()
         prefill = cache.plan_step([(rid, 40)])
-        assert csa.indexer_takes_fp8(prefill, cache) == want and not window.indexer_takes_fp8(prefill, cache)
-        monkeypatch.setattr(indexer_module, "STACK_FP8", False)
-        assert not csa.indexer_takes_fp8(prefill, cache)
-        monkeypatch.setattr(indexer_module, "STACK_FP8", True)
+        assert plan_of(csa, prefill, cache).indexer_fp8 == want and not plan_of(window, prefill, cache).indexer_fp8
+        with monkeypatch.context() as patch:
+            patch.setattr(indexer_tuning, "TUNING", plain)
+            assert not plan_of(csa, prefill, cache).indexer_fp8
         decode = cache.plan_step([(rid, 1)])
-        assert csa.indexer_takes_fp8(decode, cache) == want and not window.indexer_takes_fp8(decode, cache)
+        assert plan_of(csa, decode, cache).indexer_fp8 == want and not plan_of(window, decode, cache).indexer_fp8
 
 
 def test_indexer_counts_topk_digit_is_the_steps_choice(monkeypatch):
-    """`indexer_counts_topk_digit` (what the bench reports): CSA decode steps whose top-k takes the split kernel; not
-    prefill steps (the stacked scores kernel), rows the top-k row kernel takes, the one-launch top-k, or layers
-    without an indexer. The layer's step then launches top-k three times, else four (or once: the row kernel)."""
-    from dsv4kv.ops.topk import kernel as topk_module
+    """`AttentionPlan.counts_digit` (what the bench reports): CSA decode steps whose top-k takes the split kernel; not
+    prefill steps (the stacked scores kernel), rows the top-k row kernel takes, or layers without an indexer. The
+    layer's step then launches top-k three times, else four (or once: the row kernel)."""
+    import dataclasses
+
+    from dsv4kv.ops.topk import tuning as topk_tuning
     window, csa = DSV4Attention(TINY, 0), DSV4Attention(TINY, 1)
     cache = make_cache("fp8", "mxfp4")
     rid = cache.admit()
-    assert not csa.indexer_counts_topk_digit(cache.plan_step([(rid, 40)]), cache)
+    assert not plan_of(csa, cache.plan_step([(rid, 40)]), cache).counts_digit
     decode = cache.plan_step([(rid, 1)])
-    assert not csa.indexer_counts_topk_digit(decode, cache)  # 16 score columns: the top-k row kernel
-    monkeypatch.setattr(topk_module, "ROW_MAX_COLS", 0)
-    assert csa.indexer_counts_topk_digit(decode, cache) and not window.indexer_counts_topk_digit(decode, cache)
-    monkeypatch.setattr(topk_module, "FUSED", True)
-    assert not csa.indexer_counts_topk_digit(decode, cache)
+    assert not plan_of(csa, decode, cache).counts_digit  # 16 score columns: the top-k row kernel
+    split = {arch: dataclasses.replace(config, row_max_cols=0) for arch, config in topk_tuning.TUNING.items()}
+    monkeypatch.setattr(topk_tuning, "TUNING", split)
+    assert plan_of(csa, decode, cache).counts_digit and not plan_of(window, decode, cache).counts_digit
 
 
 # --- CUDA graphs --------------------------------------------------------------------------------------
@@ -272,16 +287,6 @@ def chain(layers, x, plan, cache):
     for layer in layers:
         x = x + layer(x, plan, cache)
     return x
-
-
-@contextlib.contextmanager
-def dependent_launch(on: bool):
-    from dsv4kv.ops.shared import launch
-    before, launch.DEPENDENT_LAUNCH = launch.DEPENDENT_LAUNCH, on
-    try:
-        yield
-    finally:
-        launch.DEPENDENT_LAUNCH = before
 
 
 def run_decode_graph(geometry, *, batch, prompts, steps, page_tokens, max_seq_len, seed=0, formats=("fp8", "mxfp4")):
@@ -326,7 +331,7 @@ def run_decode_graph(geometry, *, batch, prompts, steps, page_tokens, max_seq_le
         blocks_taken += caches[0].num_used_blocks - used
         plan = caches[1].plan_step([(ids[1], 1) for ids in active], buffers=eager_buffers)
         padded = torch.cat((x, x.new_zeros(batch - len(active), x.shape[1])))
-        with dependent_launch(False):  # the graph's kernels wait on each other's grids; the eager ones launch plainly
+        with launch.dependent_launch(False):  # the graph's kernels wait on each other's grids; the eager ones launch plainly
             want = chain(layers, padded, plan, caches[1])[:len(active)]
         diffs.append(float((got.float() - want.float()).abs().max()))
     return diffs, blocks_taken, entries_completed, replay_alloc, graph

@@ -279,14 +279,14 @@ def test_kernel_path_capture_equals_reference_capture():
             main = lc.spec.main
             state_rows = rows if lc.spec.boundary_rows else []
             if path == "reference":
-                c.capture_boundaries(i, plan, kv=kv[:150], state_rows=[(a, b, k[:150], l[:150])
-                                                                        for a, b, k, l in state_rows])
+                lc.write_boundaries(plan.snapshots, kv=kv[:150], state_rows=[(a, b, k[:150], l[:150])
+                                                                             for a, b, k, l in state_rows])
             else:
                 data, scales = main.encode(kv)
                 page = torch.zeros(1, main.page_bytes(160), dtype=torch.uint8)
                 page_data, page_scales = main.page_views(page, 160)
                 page_data[0], page_scales[0] = data, scales
-                c.capture_boundaries(i, plan, step_kv=page, state_rows=state_rows)
+                lc.write_boundaries(plan.snapshots, step_kv=page, state_rows=state_rows)
         results.append(c)
     ref, ker = results
     for a, b in zip(ref.pools.layers, ker.pools.layers):

@@ -24,11 +24,11 @@ from ..checks import positive_int
 from ..geometry import LayerKind, ModelGeometry
 from .layout import IndexerFormat, KVFormat
 from .allocator import BlockAllocator
-from .pools import POISON_BYTE, CachePools
+from .pools import POISON_BYTE, CachePools, LayerCache
 from .prefix import CachedBlock, PrefixCache, PrefixStats
 from .spec import DEFAULT_PAGE_TOKENS, CacheSpec
 from .swap import NoRoom, Swapped
-from .plan import EntryWrites, OutOfBlocks, SnapshotWrites, StepBuffers, StepPlan, new_cache_id
+from .plan import EntryWrites, OutOfBlocks, SnapshotWrites, StepBuffers, StepPlan, StepStatus, new_cache_id
 
 __all__ = ["CacheManager", "RequestError"]
 
@@ -147,7 +147,7 @@ class CacheManager:
         self._requests: dict[int, _Request] = {}
         self._next_rid = 0
         self._step = 0
-        self._layers_run: set[int] = set()  # layers that have consumed the current plan
+        self._status = StepStatus(current=False)  # the latest plan's record (`StepPlan.status`)
         self._pending: list[_Publish] = []  # blocks the current plan fills, published once its layers ran
         self._swapped: dict[int, Swapped] = {}
         self._swap_used = 0
@@ -226,6 +226,7 @@ class CacheManager:
             return
         request = self._request(rid)
         self._settle(final=False, leaving=rid)
+        self._status.left.add(rid)
         self._free_blocks(self._host_table[request.slot, :request.num_blocks].tolist())
         self._host_table[request.slot] = -1
         self.block_table[request.slot].fill_(-1)
@@ -241,6 +242,7 @@ class CacheManager:
         if self.swap_bytes is not None and self._swap_used + nbytes > self.swap_bytes:
             return NoRoom("host swap bytes", nbytes, self.swap_bytes - self._swap_used)
         self._settle(final=False, leaving=rid)
+        self._status.left.add(rid)
         blocks = self._host_table[request.slot, :request.num_blocks].tolist()
         saved = self.pools.save(request.slot, blocks)
         nodes = [self.prefix.cached(b) if self.prefix is not None else None for b in blocks]
@@ -338,7 +340,8 @@ class CacheManager:
         views = buffers.load(host, num_tokens, num_requests)
         longest = int(host["seq_lens"].max()) if num_requests else 0
         self._step += 1
-        self._layers_run.clear()
+        self._status.current = False
+        self._status = StepStatus()
         snapshots = None
         if self.prefix is not None:
             snapshots = SnapshotWrites(window_slots=views["snapshot_window"], state_slots=views["snapshot_state"],
@@ -353,42 +356,8 @@ class CacheManager:
                                     index=views[f"index{m}"], count=entry_counts[m])
                      for m in self.geometry.ratios},
             max_seq_len=buffers.max_seq_len if buffers.max_seq_len is not None else longest,
-            snapshots=snapshots,
+            snapshots=snapshots, status=self._status,
         )
-
-    def capture_boundaries(self, layer_index: int, plan: StepPlan, *, kv: torch.Tensor | None = None,
-                           step_kv: torch.Tensor | None = None, state_rows: Sequence = ()) -> None:
-        """Called by each layer after its appends (prefix caching): copy the step's rows that belong to a
-        boundary snapshot (`plan.snapshots`) into it.
-
-        kv: the reference path's kv [N, head_dim] (float, as `append_window` takes it), encoded here exactly as
-        the ring encodes it; or step_kv: the kernel path's encoded step page (uint8 [1, page_bytes(R)], every
-        padded row; no host sync, so a captured graph replays it). state_rows: the layer's (ring kv, ring
-        logits, kv rows [N, w], logit rows [N, w]) for the main then the indexer compressor (CSA).
-        """
-        snapshots = plan.snapshots
-        if snapshots is None:
-            return
-        layer = self.pools.layers[layer_index]
-        layout = layer.spec.main
-        states = [(kv_rows, logit_rows) for _, _, kv_rows, logit_rows in state_rows]
-        if step_kv is not None:
-            rows = plan.positions.shape[0]
-            data, scales = layout.page_views(step_kv, rows)
-            self.pools.capture_window(layer_index, snapshots.window_slots, data[0], scales[0])
-            self.pools.capture_state(layer_index, snapshots.state_slots, states)
-            return
-        if snapshots.count == 0:
-            return
-        n = kv.shape[0]
-        keep = snapshots.window_slots[:n] >= 0
-        if bool(keep.any()):
-            data, scales = layout.encode(kv[keep])
-            self.pools.capture_window(layer_index, snapshots.window_slots[:n][keep], data, scales)
-        keep = snapshots.state_slots[:n] >= 0
-        if bool(keep.any()) and states:
-            self.pools.capture_state(layer_index, snapshots.state_slots[:n][keep],
-                                     [(kv_rows[keep], logit_rows[keep]) for kv_rows, logit_rows in states])
 
     def step_buffers(self, *, max_tokens: int, max_requests: int, max_seq_len: int | None = None) -> StepBuffers:
         """Preallocated plan storage (fixed addresses) for CUDA-graph capture and replay. Plans built into them
@@ -471,12 +440,16 @@ class CacheManager:
 
     def layer_has_run(self, layer_index: int) -> bool:
         """Whether layer `layer_index` has already run over the current plan."""
-        return layer_index in self._layers_run
+        return layer_index in self._status.layers_run
 
     def mark_layer_run(self, layer_index: int) -> None:
-        """Record that a layer is running over the current plan: a second run would re-read ring rows the
-        first one overwrote, so DSV4Attention refuses it."""
-        self._layers_run.add(layer_index)
+        """Record that a layer ran over the current plan outside `DSV4Attention` (a replayed graph, a test's stand-in
+        layer): the plan's status holds what the layer records itself."""
+        self._status.layers_run.add(layer_index)
+
+    def pages(self, layer_index: int) -> LayerCache:
+        """Layer `layer_index`'s own pages and state: what its forward reads and writes."""
+        return self.pools.layers[layer_index]
 
     def is_live(self, rid: int) -> bool:
         """Whether `rid` was admitted and is neither released nor swapped out."""
@@ -645,7 +618,7 @@ class CacheManager:
         may not have run)."""
         if not self._pending:
             return
-        if self._layers_run.issuperset(range(self.geometry.num_layers)):
+        if self._status.layers_run.issuperset(range(self.geometry.num_layers)):
             pending, self._pending = self._pending, []
             for publish in pending:
                 self._publish(publish)

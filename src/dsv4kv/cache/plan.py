@@ -19,7 +19,7 @@ import torch
 
 from ..checks import positive_int
 
-__all__ = ["EntryWrites", "SnapshotWrites", "StepPlan", "StepBuffers", "OutOfBlocks"]
+__all__ = ["EntryWrites", "SnapshotWrites", "StepPlan", "StepStatus", "StepBuffers", "OutOfBlocks"]
 
 
 @dataclass(frozen=True)
@@ -51,12 +51,23 @@ class EntryWrites:
 class SnapshotWrites:
     """Prefix caching: the step's rows that belong to the boundary state of a block the step fills (the window
     and CSA compressor rows just before a block boundary), and where in the snapshots they go. Each layer
-    hands them to `CacheManager.capture_boundaries` after its appends; rows before the step were copied from
-    the rings when the plan was made."""
+    writes them into its own pages' snapshots after its appends (`LayerCache.write_boundaries`); rows before the
+    step were copied from the rings when the plan was made."""
 
     window_slots: torch.Tensor  # int32 [T]: snapshot * window + position % window, or -1
     state_slots: torch.Tensor  # int32 [T]: snapshot * m + position % m (CSA ratio m), or -1
     count: int  # host: rows with a window or state slot (0: a layer may skip the capture, outside a graph)
+
+
+@dataclass
+class StepStatus:
+    """The manager's record of one plan, carried by the plan so that a layer checks it without the manager: whether
+    a later plan replaced it, which of its requests left since (released or swapped out), and which layers have run
+    over it (the manager publishes the blocks it filled once every layer has)."""
+
+    current: bool = True
+    left: set[int] = field(default_factory=set)
+    layers_run: set[int] = field(default_factory=set)
 
 
 @dataclass(frozen=True)
@@ -87,17 +98,11 @@ class StepPlan:
     # entries): the longest request for a plan of its own, the buffers' fixed capacity for persistent buffers
     # (so a captured graph's shapes hold for every later plan)
     max_seq_len: int = 0
-    # per-step tensors derived from the plan alone (RoPE tables, visible counts, ...), computed by the first
-    # layer that needs them and shared by the rest: one computation per step instead of one per layer
-    memo: dict = field(default_factory=dict, compare=False, repr=False)
     snapshots: SnapshotWrites | None = None  # prefix caching only
-
-    def derived(self, key, make):
-        """memo[key], made by make() the first time it is asked for (within a CUDA-graph capture, the making is
-        captured too, so every replay recomputes it before its first use)."""
-        if key not in self.memo:
-            self.memo[key] = make()
-        return self.memo[key]
+    status: StepStatus = field(default_factory=StepStatus, compare=False, repr=False)
+    # per layer kind, the attention plan (`model.attention_plan.AttentionPlan`: RoPE tables, visible counts, path
+    # choices, workspaces) that the first layer of the kind builds and the others read: built once per step
+    layer_plans: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __repr__(self) -> str:
         entries = ", ".join(f"m={m}: {w.count}" for m, w in self.entries.items())

@@ -9,6 +9,7 @@ from typing import Sequence
 
 import torch
 
+from .plan import SnapshotWrites
 from .spec import CacheSpec, LayerCacheSpec
 
 __all__ = ["LayerCache", "CachePools", "POISON_BYTE"]
@@ -39,6 +40,7 @@ class LayerCache:
     boundary_score: torch.Tensor | None = None
     boundary_index_kv: torch.Tensor | None = None  # fp32 [snapshots + 1, m, 2 * index_head_dim] (CSA)
     boundary_index_score: torch.Tensor | None = None
+    scratch: int = 0  # the snapshot id that padding rows' captures go to
 
     def tensors(self) -> list[torch.Tensor]:
         return [t for t in (self.window, self.entries, self.index_keys, self.state_kv, self.state_score,
@@ -59,6 +61,64 @@ class LayerCache:
             return []
         return [(self.state_kv, self.state_score, self.boundary_kv, self.boundary_score),
                 (self.index_state_kv, self.index_state_score, self.boundary_index_kv, self.boundary_index_score)]
+
+    def write_boundaries(self, snapshots: SnapshotWrites | None, *, kv: torch.Tensor | None = None,
+                         step_kv: torch.Tensor | None = None, state_rows: Sequence = ()) -> None:
+        """Prefix caching, after the layer's appends: copy the step's rows that belong to a boundary snapshot
+        (`snapshots`, the plan's) into this layer's snapshots.
+
+        kv: the reference path's kv [N, head_dim] (float, as `append_window` takes it), encoded here exactly as
+        the ring encodes it; or step_kv: the kernel path's encoded step page (uint8 [1, page_bytes(R)], every
+        padded row; no host sync, so a captured graph replays it). state_rows: the layer's (ring kv, ring logits,
+        kv rows [N, w], logit rows [N, w]) for the main then the indexer compressor (CSA)."""
+        if snapshots is None:
+            return
+        layout = self.spec.main
+        states = [(kv_rows, logit_rows) for _, _, kv_rows, logit_rows in state_rows]
+        if step_kv is not None:
+            rows = snapshots.window_slots.shape[0]
+            data, scales = layout.page_views(step_kv, rows)
+            self._capture_window(snapshots.window_slots, data[0], scales[0])
+            self._capture_state(snapshots.state_slots, states)
+            return
+        if snapshots.count == 0:
+            return
+        n = kv.shape[0]
+        keep = snapshots.window_slots[:n] >= 0
+        if bool(keep.any()):
+            data, scales = layout.encode(kv[keep])
+            self._capture_window(snapshots.window_slots[:n][keep], data, scales)
+        keep = snapshots.state_slots[:n] >= 0
+        if bool(keep.any()) and states:
+            self._capture_state(snapshots.state_slots[:n][keep],
+                                [(kv_rows[keep], logit_rows[keep]) for kv_rows, logit_rows in states])
+
+    def _capture_window(self, slots: torch.Tensor, data: torch.Tensor, scales: torch.Tensor) -> None:
+        """Encoded window entries into snapshots: slots [N] = snapshot * window + pos % window, or -1; data uint8
+        [N, data_bytes], scales uint8 [N, scale_bytes] (byte for byte what the ring receives). Rows -1 go to the
+        scratch snapshot: no branch, no host sync, so a captured graph replays it."""
+        if self.boundary_window is None:
+            return
+        window = self.spec.window
+        dst = torch.where(slots >= 0, slots, torch.full_like(slots, self.scratch * window)).long()
+        data_dst, scale_dst = self.spec.main.page_views(self.boundary_window, window)
+        page, offset = dst // window, dst % window
+        data_dst[page, offset] = data
+        if self.spec.main.scale_bytes:
+            scale_dst[page, offset] = scales
+
+    def _capture_state(self, slots: torch.Tensor, rows: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """CSA compressor rows into snapshots: slots [N] = snapshot * m + pos % m, or -1 (scratch); rows: (kv, logits)
+        fp32 [N, w] of the main then the indexer compressor. Other layers: nothing."""
+        pairs = self.state_pairs()
+        if not pairs:
+            return
+        m = self.spec.boundary_rows
+        dst = torch.where(slots >= 0, slots, torch.full_like(slots, self.scratch * m)).long()
+        page, offset = dst // m, dst % m
+        for (_, _, snap_kv, snap_score), (kv_rows, logit_rows) in zip(pairs, rows):
+            snap_kv[page, offset] = kv_rows.float()
+            snap_score[page, offset] = logit_rows.float()
 
 
 class CachePools:
@@ -98,6 +158,7 @@ class CachePools:
                 boundary_score=state(snapshot_rows, m, layer.state_width, float("-inf")),
                 boundary_index_kv=state(snapshot_rows, m, layer.index_state_width, 0.0),
                 boundary_index_score=state(snapshot_rows, m, layer.index_state_width, float("-inf")),
+                scratch=snapshots,
             ))
 
     @property
@@ -115,36 +176,6 @@ class CachePools:
                     score[slot].fill_(float("-inf"))
 
     # --- prefix caching: boundary snapshots ----------------------------------------------------------
-    def capture_window(self, layer_index: int, slots: torch.Tensor, data: torch.Tensor, scales: torch.Tensor) -> None:
-        """Copy encoded window entries of a step into snapshots: slots int32/int64 [N] = snapshot * window +
-        pos % window, or -1; data uint8 [N, data_bytes], scales uint8 [N, scale_bytes] (the entry format's
-        encoding, byte for byte what the ring receives). Rows -1 go to the scratch snapshot: no branch, no
-        host sync, so a captured graph replays it."""
-        layer = self.layers[layer_index]
-        if layer.boundary_window is None:
-            return
-        spec, window = layer.spec, layer.spec.window
-        dst = torch.where(slots >= 0, slots, torch.full_like(slots, self.snapshots * window)).long()
-        data_dst, scale_dst = spec.main.page_views(layer.boundary_window, window)
-        page, offset = dst // window, dst % window
-        data_dst[page, offset] = data
-        if spec.main.scale_bytes:
-            scale_dst[page, offset] = scales
-
-    def capture_state(self, layer_index: int, slots: torch.Tensor,
-                      rows: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Copy CSA compressor rows of a step into snapshots: slots [N] = snapshot * m + pos % m, or -1 (scratch);
-        rows: (kv, logits) fp32 [N, w] of the main then the indexer compressor. Other layers: nothing."""
-        pairs = self.layers[layer_index].state_pairs()
-        if not pairs:
-            return
-        m = self.layers[layer_index].spec.boundary_rows
-        dst = torch.where(slots >= 0, slots, torch.full_like(slots, self.snapshots * m)).long()
-        page, offset = dst // m, dst % m
-        for (_, _, snap_kv, snap_score), (kv_rows, logit_rows) in zip(pairs, rows):
-            snap_kv[page, offset] = kv_rows.float()
-            snap_score[page, offset] = logit_rows.float()
-
     def copy_to_snapshot(self, slot: int, snapshot: int, window_positions: Sequence[int],
                          state_positions: Sequence[int]) -> None:
         """Copy ring rows of the request in `slot` (positions it holds now) into `snapshot`, every layer."""

@@ -20,6 +20,7 @@ import torch
 
 from ..cache.manager import CacheManager
 from ..cache.plan import OutOfBlocks
+from ..model.graph import CapturedStep
 from .model import DSV4Model
 
 __all__ = ["ModelRunner", "DecodeStepGraph", "default_graph_sizes"]
@@ -71,9 +72,7 @@ class DecodeStepGraph:
         self._host_ids = torch.zeros(batch, dtype=torch.long, pin_memory=pinned)
         self._copied = torch.cuda.Event() if pinned else None
         self._expert_configs = _expert_configs(model)
-        self.logits: torch.Tensor | None = None  # fp32 [batch, vocab]: the graph's output
-        self.graph = None
-        self.steps = 0
+        self.captured = CapturedStep(capture)
 
     def run(self, batch: Sequence[tuple[int, int]]) -> torch.Tensor:
         """batch: (cache request id, token id) pairs -> fp32 logits [len(batch), vocab] (a view: copy or use it
@@ -91,19 +90,9 @@ class DecodeStepGraph:
         if self._copied is not None:
             self._copied.record()
         with _experts_implementation(self._expert_configs, "batched_mm"):
-            if not self.capture or self.steps == 0:
-                self.logits = self._forward(plan)
-            elif self.graph is None:
-                self.graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(self.graph):  # records the step; the replay below runs it
-                    self.logits = self._forward(plan)
-                self.graph.replay()
-            else:  # the layers' checks did not run: record what they would have
-                for layer in self.model.attention_layers:
-                    self.cache.mark_layer_run(layer.layer_index)
-                self.graph.replay()
-        self.steps += 1
-        return self.logits[:n]
+            logits = self.captured.run(lambda: self._forward(plan), plan,
+                                       [layer.layer_index for layer in self.model.attention_layers])
+        return logits[:n]
 
     def _forward(self, plan) -> torch.Tensor:
         return self.model.logits(self.model(self.input_ids, plan, self.cache))

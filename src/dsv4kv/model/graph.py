@@ -1,4 +1,5 @@
-"""DecodeGraph: one decode step through every layer of a model, captured once as a CUDA graph and replayed.
+"""Decode steps replayed from CUDA graphs: `CapturedStep` (the mechanism the engine's model step uses too) and
+`DecodeGraph`, one decode step through a stack of attention layers.
 
     graph = DecodeGraph(layers, cache, batch=8)
     out = graph.step([(rid, 1), ...], hidden_states)   # [n, hidden], n <= batch
@@ -15,16 +16,43 @@ an engine would capture its MLPs and norms in the same graph.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
-from .layer import DSV4Attention
 from ..cache.manager import CacheManager
+from ..cache.plan import OutOfBlocks, StepPlan
 from ..checks import require
-from ..cache.plan import OutOfBlocks
+from .layer import DSV4Attention
 
-__all__ = ["DecodeGraph"]
+__all__ = ["CapturedStep", "DecodeGraph"]
+
+
+class CapturedStep:
+    """A step over persistent buffers, run eagerly the first time (compiling the kernels outside the capture), captured
+    as a CUDA graph the second, replayed from then on. capture=False: every step runs eagerly (the CPU)."""
+
+    def __init__(self, capture: bool = True):
+        self.capture = capture
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.output: torch.Tensor | None = None
+        self.steps = 0  # steps run: 0 -> eager warm-up next, 1 -> capture next, then replays
+
+    def run(self, forward: Callable[[], torch.Tensor], plan: StepPlan, layer_indices: Sequence[int]) -> torch.Tensor:
+        """forward() over `plan` (written into the buffers the graph reads) -> its output tensor (the graph's static
+        output once captured). A replay records in the plan the layers that ran, as their forward would have."""
+        if not self.capture or self.steps == 0:
+            self.output = forward()
+        elif self.graph is None:
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):  # records the step; the replay below runs it
+                self.output = forward()
+            self.graph.replay()
+        else:
+            plan.status.layers_run.update(layer_indices)
+            self.graph.replay()
+        self.steps += 1
+        return self.output
 
 
 class DecodeGraph:
@@ -47,10 +75,16 @@ class DecodeGraph:
         self.layers, self.cache, self.batch = layers, cache, batch
         self.buffers = cache.step_buffers(max_tokens=batch, max_requests=batch, max_seq_len=max_seq_len)
         self.input = torch.zeros(batch, cache.geometry.hidden_size, dtype=weight.dtype, device=cache.device)
-        self.output: torch.Tensor | None = None
-        self.graph: torch.cuda.CUDAGraph | None = None
-        self.steps = 0  # steps run: 0 -> eager warm-up next, 1 -> capture next, then replays
+        self.captured = CapturedStep()
         self.last_plan = None
+
+    @property
+    def graph(self) -> torch.cuda.CUDAGraph | None:
+        return self.captured.graph
+
+    @property
+    def steps(self) -> int:
+        return self.captured.steps
 
     def _chain(self, plan) -> torch.Tensor:
         h = self.input
@@ -74,16 +108,5 @@ class DecodeGraph:
         self.last_plan = plan
         self.input[:n].copy_(hidden_states)
         self.input[n:].zero_()
-        if self.steps == 0:  # eager: compiles every kernel outside the capture
-            self.output = self._chain(plan)
-        else:
-            if self.graph is None:
-                self.graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(self.graph):  # records the step; the replay below runs it
-                    self.output = self._chain(plan)
-            else:  # the layers' Python checks did not run: record what they would have
-                for layer in self.layers:
-                    self.cache.mark_layer_run(layer.layer_index)
-            self.graph.replay()
-        self.steps += 1
-        return self.output[:n]
+        output = self.captured.run(lambda: self._chain(plan), plan, [layer.layer_index for layer in self.layers])
+        return output[:n]

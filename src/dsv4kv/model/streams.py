@@ -5,10 +5,10 @@ and compress, scores, top-k) and attention feed each other; the q RoPE, the kv i
 attention alone, so they run on a side stream beside the chain and meet it before attention (HCA likewise beside its
 main compress; a window layer's chain is its q RoPE and kv insert, and no side kernel feeds its attention). The state
 appends run there too, and at decode the window append runs there beside attention (the order is in
-`DSV4Attention.attention_core`). A CUDA graph captured over the step keeps the two branches as parallel nodes.
+`schedules.py`). A CUDA graph captured over the step keeps the two branches as parallel nodes.
 
-Every call is a no-op on the CPU (Triton's interpreter) and with `CONCURRENT = False`: the kernels then run in
-program order, which is one of the orders the events allow, so both modes compute the same bytes
+Every call is a no-op on the CPU (Triton's interpreter) and with `concurrent=False` (`Schedule.side_stream`): the
+kernels then run in program order, which is one of the orders the events allow, so both modes compute the same bytes
 (tests/test_kernel_layer.py compares them on the GPU).
 
 Tensors used on the side stream are allocated on the main stream and kept alive until the main stream has joined
@@ -22,9 +22,7 @@ import functools
 
 import torch
 
-__all__ = ["StepStreams", "CONCURRENT"]
-
-CONCURRENT = True  # False: every kernel on the current stream, in program order (read at each StepStreams)
+__all__ = ["StepStreams"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -36,8 +34,8 @@ class StepStreams:
     """The current stream ("main") and one side stream of `device`, with the few orderings a step needs."""
 
     def __init__(self, device: torch.device, concurrent: bool = True):
-        """concurrent=False: every call a no-op, as with CONCURRENT off (a caller's own switch)."""
-        self.enabled = CONCURRENT and concurrent and device.type == "cuda"
+        """concurrent=False: every call a no-op, the kernels in program order."""
+        self.enabled = concurrent and device.type == "cuda"
         if self.enabled:
             index = device.index if device.index is not None else torch.cuda.current_device()
             self.main = torch.cuda.current_stream(index)

@@ -30,7 +30,7 @@ _OPTIONS = ("num_warps", "num_stages", "num_ctas", "enable_fp_fusion", "maxnreg"
 def jit_kernels() -> dict[str, object]:
     """Every `@triton.jit` kernel of dsv4kv.ops that a wrapper launches (name -> JITFunction, or
     InterpretedFunction under TRITON_INTERPRET=1)."""
-    from .. import kernels  # noqa: F401 (imports every kernel module, which registers its kernels)
+    from .. import kernels as _every_kernel_module  # noqa: F401 (importing them registers their kernels)
 
     kernels = {}
     for name, module in sorted(sys.modules.items()):

@@ -38,7 +38,6 @@ from ...geometry import LayerKind, ModelGeometry
 from ...model.layer import DSV4Attention, init_random_weights
 from ...cache.manager import CacheManager
 from ...cache.planner import MemoryPlan
-from ...model import streams
 from ...checks import require
 from .picks import explain_rows
 from .report import Report, Result
@@ -105,10 +104,11 @@ def check_layer(layer: DSV4Attention, x: torch.Tensor, plan, cache: CacheManager
         for t, s in zip(tensors, snapshot):
             t.copy_(s)
 
+    pages = cache.pages(layer.layer_index)
     with CSACapture() as capture, torch.no_grad():
-        ref = layer._forward_reference(x, plan, cache)
+        ref = layer._forward_reference(x, layer.attention_plan(plan, pages, "torch"), pages)
         restore()
-        out = layer._forward_kernels(x, plan, cache)
+        out = layer._forward_kernels(x, layer.attention_plan(plan, pages, "triton"), pages)
         restore()
     errors = _row_errors(out[:ref.shape[0]], ref)
     del ref, out, snapshot
@@ -337,21 +337,25 @@ def _decode_layer(ctx: Context, cache: CacheManager, layer: DSV4Attention, plan,
     params = {"kind": kind, "context": context, "batch": batch, "indexer_format": keys}
     at = f"ctx {context}, batch {batch}" + ("" if keys == "mxfp4" or kind != "csa" else f", {keys} indexer keys")
     parts = core_bytes(g, cache, layer.layer_index, context, batch)
-    fp8 = layer.indexer_takes_fp8(plan, cache)
-    counted = layer.indexer_counts_topk_digit(plan, cache)
-    def cold():  # the step's shared tensors (RoPE tables, visible counts, ...) made inside the graph too
-        plan.memo.clear()
-        return layer.attention_core(projected, plan, cache)
+    pages = cache.pages(layer.layer_index)
+    attn = layer.attention_plan(plan, pages, "triton")
+    fp8, counted = attn.indexer_fp8, attn.counts_digit
 
-    # per layer: the warm-up fills plan.memo, so the graph holds the layer's own work, as every layer but the
-    # first of a step runs it; `cold` adds the per-step tensors the first layer makes for all of them
-    core = time_cuda(lambda: layer.attention_core(projected, plan, cache), device=ctx.device, runs=ctx.runs)
+    def cold():  # the step's attention plan (RoPE tables, visible counts, ...) made inside the graph too
+        plan.layer_plans.clear()
+        return layer.attention_core(projected, layer.attention_plan(plan, pages, "triton"), pages)
+
+    # per layer: the graph holds the layer's own work over the step's attention plan, as every layer but the first
+    # of its kind runs it; `cold` adds the attention plan the first layer builds for all of them
+    core = time_cuda(lambda: layer.attention_core(projected, attn, pages), device=ctx.device, runs=ctx.runs)
     first = time_cuda(cold, device=ctx.device, runs=ctx.runs)
-    whole = time_cuda(lambda: layer._forward_kernels(x, plan, cache), device=ctx.device, runs=ctx.runs)
+    plan.layer_plans.clear()  # `cold` left the plan its graph captured: build one outside any graph
+    attn = layer.attention_plan(plan, pages, "triton")
+    whole = time_cuda(lambda: layer._forward_kernels(x, attn, pages), device=ctx.device, runs=ctx.runs)
     ctx.report.add(Result("decode", f"{kind} core, {at}", params, core.median_us,
                           bytes=sum(parts.values()), check=check, passed=passed,
                           extra={"stage": "core", **core.as_dict(), "bytes_by_part": parts,
-                                 "streams": 2 if streams.CONCURRENT else 1, "indexer_fp8": fp8,
+                                 "streams": 2 if layer.schedule.side_stream else 1, "indexer_fp8": fp8,
                                  "indexer_counts_topk_digit": counted,
                                  "dependent_launch": bool(launch_options(ctx.device)),
                                  "with_step_tensors_us": first.median_us}))
@@ -362,7 +366,7 @@ def _decode_layer(ctx: Context, cache: CacheManager, layer: DSV4Attention, plan,
                           check=check, passed=passed, extra={"stage": "layer", **whole.as_dict()}))
     ctx.log(f"  {kind}: core {core.median_us:.1f} us ({first.median_us:.1f} us with the step's shared tensors), "
             f"layer {whole.median_us:.1f} us, {check}")
-    if streams.CONCURRENT:
+    if layer.schedule.side_stream:
         ctx.log("    (the core runs on two streams: the kernel times below overlap, their sum exceeds the core's)")
     if not launch_options(ctx.device):
         ctx.log("    (kernels launched without programmatic dependent launch: inside launch.dependent_launch(False))")
@@ -372,7 +376,7 @@ def _decode_layer(ctx: Context, cache: CacheManager, layer: DSV4Attention, plan,
         ctx.log("    top-k's first digit " + ("counted by the indexer scores kernel, which the indexer stage's time "
                                              "includes; top-k runs three launches" if counted else
                                              "counted by top-k itself"))
-    kernels = profile_kernels(lambda: layer.attention_core(projected, plan, cache), device=ctx.device)
+    kernels = profile_kernels(lambda: layer.attention_core(projected, attn, pages), device=ctx.device)
     by_stage: dict[str, list[float]] = {}
     for name, us in kernels:
         by_stage.setdefault(_stage(name), []).append(us)
@@ -594,7 +598,9 @@ def prefill(ctx: Context) -> None:
         plan = cache.plan_step([(rid, chunk)])
         if lo + chunk == prompt_len:  # the last chunk's kernels, profiled on a copy of the state it starts from
             snapshot = [t.clone() for t in tensors]
-            kernels = profile_kernels(lambda: layer._forward_kernels(x[lo:lo + chunk], plan, cache),
+            pages = cache.pages(i)
+            attn = layer.attention_plan(plan, pages, "triton")
+            kernels = profile_kernels(lambda: layer._forward_kernels(x[lo:lo + chunk], attn, pages),
                                       device=ctx.device, graph=False)
             for t, s in zip(tensors, snapshot):
                 t.copy_(s)
