@@ -22,6 +22,7 @@ from schedules import admit, random_steps
 from dsv4kv import CacheManager, ModelGeometry
 from dsv4kv.cache import quant
 from dsv4kv.ops.indexer import kernel as kernel_mod
+from dsv4kv.ops.indexer import keys as keys_mod
 from dsv4kv.ops.shared.common import hopper_or_later, interpreted
 from dsv4kv.ops.shared.encode import e4m3_grid_code
 from dsv4kv.ops.indexer.kernel import indexer_query_fp8, indexer_scores_paged
@@ -166,12 +167,12 @@ def nan_operand(q, scales=None):
 
 
 def count_calls(monkeypatch, name):
-    """Under Triton's interpreter, a list that grows by one at each call of the jitted helper kernel_mod.<name> (a
+    """Under Triton's interpreter, a list that grows by one at each call of the jitted helper keys_mod.<name> (a
     path's observable trace there); on a GPU the helper is compiled in and the list stays empty."""
     calls = []
     if interpreted():
-        helper = getattr(kernel_mod, name)
-        monkeypatch.setattr(kernel_mod, name, lambda *a, **k: calls.append(1) or helper(*a, **k))
+        helper = getattr(keys_mod, name)
+        monkeypatch.setattr(keys_mod, name, lambda *a, **k: calls.append(1) or helper(*a, **k))
     return calls
 
 
@@ -525,7 +526,7 @@ def test_large_key_scales_with_a_small_query(fp8_path):
 @triton.jit
 def _e4m3_of_bytes(byte_ptr, lo_ptr, hi_ptr, ASM: tl.constexpr):
     o = tl.arange(0, 256)
-    lo, hi = kernel_mod._e2m1_e4m3(tl.load(byte_ptr + o), ASM)
+    lo, hi = keys_mod._e2m1_e4m3(tl.load(byte_ptr + o), ASM)
     tl.store(lo_ptr + o, lo)
     tl.store(hi_ptr + o, hi)
 
@@ -534,9 +535,9 @@ def _e4m3_of_bytes(byte_ptr, lo_ptr, hi_ptr, ASM: tl.constexpr):
 def _bf16_of_bytes(byte_ptr, code_ptr, lo_ptr, hi_ptr, CODES: tl.constexpr):
     """Every byte (columns) under every scale code (rows) through `_e2m1_bf16`, as bf16 bits."""
     o_c, o_b = tl.arange(0, CODES), tl.arange(0, 256)
-    scale = kernel_mod._ue8m0_bf16(tl.load(code_ptr + o_c))[:, None]
+    scale = keys_mod._ue8m0_bf16(tl.load(code_ptr + o_c))[:, None]
     byte = tl.broadcast_to(tl.load(byte_ptr + o_b)[None, :], (CODES, 256))
-    lo, hi = kernel_mod._e2m1_bf16(byte, tl.broadcast_to(scale, (CODES, 256)))
+    lo, hi = keys_mod._e2m1_bf16(byte, tl.broadcast_to(scale, (CODES, 256)))
     offs = o_c[:, None] * 256 + o_b[None, :]
     tl.store(lo_ptr + offs, lo.to(tl.int16, bitcast=True))
     tl.store(hi_ptr + offs, hi.to(tl.int16, bitcast=True))
@@ -629,8 +630,8 @@ def test_pre_hopper_gpus_take_the_plain_paths(monkeypatch):
         monkeypatch.setattr(common, "_properties", lambda index, major=major: (132, major))
         assert common.hopper_or_later(cuda) is hopper and common.sm_count(cuda) == 132
         tuning = TUNING["sm90"]
-        assert kernel_mod._row_takes_fp8(kernel_mod.KEYS_MXFP4, 128, cuda, tuning) is hopper
-        assert kernel_mod._stack_takes_fp8(kernel_mod.KEYS_MXFP4, 128, cuda, tuning) is hopper
+        assert kernel_mod._row_takes_fp8(keys_mod.KEYS_MXFP4, 128, cuda, tuning) is hopper
+        assert kernel_mod._stack_takes_fp8(keys_mod.KEYS_MXFP4, 128, cuda, tuning) is hopper
         assert bool(launch.launch_options(cuda)) is hopper
         with launch.dependent_launch(False):
             assert launch.launch_options(cuda) == {}

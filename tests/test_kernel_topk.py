@@ -123,7 +123,7 @@ def test_topk_select_in_registers_or_looped(select, split_mode):
 
 
 def test_topk_wide_keys(mode):
-    """The k-th key's bisection (`_kth_key`: the row kernel's, over the whole key range, and phase D's over the
+    """The k-th key's bisection (`keys.kth_key`: the row kernel's, over the whole key range, and phase D's over the
     buffered candidates' low 16 bits) on ties, a fine grid, keys from -max to +max with subnormals and signed zeros,
     and rows with fewer candidates than k (60 columns: under the interpreter they fit phase D's registers too)."""
     for seed, (rows, cols, k, kind) in enumerate(((2, 400, 9, "normal"), (3, 517, 40, "ties"), (2, 301, 17, "wide"),
@@ -181,7 +181,7 @@ def test_topk_workspace_reused(split_mode):
 
 def first_digit_histograms(scores, lengths):
     """int32 [R, 256]: per row, how many candidates (columns < length, score not -inf) have each digit 1 of the
-    sortable key (`topk._sortable` >> 24, + 128): what phase A counts."""
+    sortable key (`topk.keys.sortable` >> 24, + 128): what phase A counts."""
     bits = scores.view(torch.int32)
     bits = torch.where(bits == -(2 ** 31), 0, bits)
     digit = ((bits ^ ((bits >> 31) & 0x7FFFFFFF)) >> 24) + 128

@@ -57,6 +57,7 @@ from ...checks import check_tensor
 from ..shared.encode import round_bf16
 from ..shared.launch import launch_options, wait_for_prior_grids
 from ..rope.kernel import check_cos_sin, rope_pairs
+from .keys import entry_blocks, entry_ids, key_rows, key_tile, row_blocks
 from .tuning import AttentionTuning, tuning_for
 
 __all__ = ["sparse_attention_paged"]
@@ -110,49 +111,6 @@ def _splits(programs: int, max_keys: int, block_n: int, sms: int, min_blocks: in
 
 
 @triton.jit
-def _rows(p_page, entry, per_page, DATA_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr):
-    """Byte pointers [N] to the data rows and the scale rows of entries `entry` [N] of the pages at `p_page` (a page
-    of per_page entries holds the data rows first, then the scale rows)."""
-    entry = entry.to(tl.int64)
-    return p_page + entry * DATA_BYTES, p_page + per_page * DATA_BYTES + entry * SCALE_BYTES
-
-
-@triton.jit
-def _dequant_fp8(b_code, b_exp):
-    """e4m3 codes uint8 [N, C, 64] times 2^(ue8m0 - 127) (codes uint8 [N, C]) -> bf16 [N, C, 64], exactly the
-    decoded value (every product of an e4m3 value and a power of two in range is a bf16 value). Code 0 scales by
-    2^-127 (an fp32 subnormal), code 0xFF is NaN, as `quant.ue8m0_decode`."""
-    b_e = b_exp.to(tl.int32)
-    b_bits = tl.where(b_e == 0, 0x400000, b_e << 23)
-    b_bits = tl.where(b_e == 255, 0x7FC00000, b_bits)
-    b_scale = b_bits.to(tl.float32, bitcast=True)
-    return (b_code.to(tl.float8e4nv, bitcast=True).to(tl.float32) * b_scale[:, :, None]).to(tl.bfloat16)
-
-
-@triton.jit
-def _key_tile(p_data, p_scale, mask, D: tl.constexpr, NOPE: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Keys of the entries at data / scale row pointers [BLOCK_N] -> bf16 [BLOCK_N, D], exactly their decoded
-    values; 0 where ~mask. FP8 entries are decoded as [BLOCK_N, D / 64, 64] (one ue8m0 scale per 64 nope dims;
-    the rope chunks are the bf16 values after the nope bytes), then viewed as [BLOCK_N, D]."""
-    if NOPE > 0:
-        C: tl.constexpr = D // 64
-        o_c = tl.arange(0, C)
-        o_d = (o_c * 64)[None, :, None] + tl.arange(0, 64)[None, None, :]  # [1, C, 64]
-        m_nope = o_c < NOPE // 64
-        m_row = mask[:, None, None]
-        b_code = tl.load(p_data[:, None, None] + o_d, mask=m_row & m_nope[None, :, None], other=0)
-        b_exp = tl.load(p_scale[:, None] + o_c[None, :], mask=mask[:, None] & m_nope[None, :], other=127)
-        p_rope = (p_data + NOPE).to(tl.pointer_type(tl.bfloat16))  # data rows start at even bytes
-        b_rope = tl.load(p_rope[:, None, None] + (o_d - NOPE), mask=m_row & (o_d >= NOPE), other=0.0)
-        b_k = tl.where(m_nope[None, :, None], _dequant_fp8(b_code, b_exp), b_rope)
-        b_k = tl.reshape(b_k, (BLOCK_N, D))
-    else:
-        p_bf16 = p_data.to(tl.pointer_type(tl.bfloat16))
-        b_k = tl.load(p_bf16[:, None] + tl.arange(0, D)[None, :], mask=mask[:, None], other=0.0)
-    return b_k
-
-
-@triton.jit
 def _dot(a, b, acc, DOT_F32: tl.constexpr):
     """a @ b + acc of bf16 operands, fp32 accumulation. DOT_F32: the same products in fp32 (exact for bf16
     values), for Triton's interpreter, whose bf16 tl.dot multiplies the raw bit patterns (triton#11584)."""
@@ -202,77 +160,6 @@ def _attend(b_q, b_q_lo, b_k, valid, unread, m_i, l_i, acc, qk_scale, p_scratch,
     return m_new, l_i, acc
 
 
-@triton.jit
-def _row_blocks(pos, n_picks, splits, RATIO: tl.constexpr, WINDOW: tl.constexpr, ENTRIES: tl.constexpr,
-                BLOCK_N: tl.constexpr):
-    """Keys and key blocks of a row at position `pos` (-1: padding, no keys): window keys, entry keys (HCA: the
-    visible entries; CSA: the pick columns), window blocks, all blocks (window blocks first), blocks per split."""
-    n_win = tl.minimum(pos + 1, WINDOW)  # positions max(0, pos - WINDOW + 1) .. pos
-    if ENTRIES == 1:
-        n_ent = (pos + 1) // RATIO
-    elif ENTRIES == 2:
-        n_ent = (pos >= 0).to(tl.int32) * n_picks
-    else:
-        n_ent = n_win * 0
-    n_win_blocks = tl.cdiv(n_win, BLOCK_N)
-    n_blocks = n_win_blocks + tl.cdiv(n_ent, BLOCK_N)
-    return n_win, n_ent, n_win_blocks, n_blocks, tl.cdiv(n_blocks, splits)
-
-
-@triton.jit
-def _entry_ids(blk, p_picks_row, n_win_blocks, n_ent, ENTRIES: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Compressed entry indices of key block blk, int64 [BLOCK_N], -1 where none (window blocks, past the row's
-    entries, CSA's -1 picks); CSA reads them from the row's picks."""
-    j = (blk - n_win_blocks) * BLOCK_N + tl.arange(0, BLOCK_N)
-    m = (j >= 0) & (j < n_ent)
-    if ENTRIES == 2:
-        o_j = tl.load(p_picks_row + j, mask=m, other=-1).to(tl.int64)
-    else:
-        o_j = tl.where(m, j, -1).to(tl.int64)
-    return o_j
-
-
-@triton.jit
-def _entry_blocks(o_j, p_bt_row, ENT_PER_PAGE: tl.constexpr, ENTRIES: tl.constexpr):
-    """Cache blocks (int64 [BLOCK_N], -1 = none) holding entries o_j: loads of the request's block-table row."""
-    if ENTRIES != 0:
-        block = tl.load(p_bt_row + o_j // ENT_PER_PAGE, mask=o_j >= 0, other=-1).to(tl.int64)
-    else:
-        block = o_j
-    return block
-
-
-@triton.jit
-def _key_rows(blk, o_j, block, pos, n_win, n_win_blocks, start, q_lo, p_ring, p_step, step_entries, p_ent,
-              ent_page_bytes, ENT_PER_PAGE: tl.constexpr, WINDOW: tl.constexpr, DATA_BYTES: tl.constexpr,
-              SCALE_BYTES: tl.constexpr, ENTRIES: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Data / scale row pointers [BLOCK_N] of key block blk, which keys are valid, and which are `unread` (picks
-    without a block: their logits are NaN, as the reference's reads of slot -1 are). Window blocks come first:
-    window key i is position pos - n_win + 1 + i, before the step from the ring (not yet overwritten by this step's
-    append), the step's own from step_kv; entry blocks read the entry pages. Both address forms are computed and one
-    selected, so the loop has one body."""
-    o_n = tl.arange(0, BLOCK_N)
-    o_i = blk * BLOCK_N + o_n
-    is_win = o_i < n_win_blocks * BLOCK_N  # [BLOCK_N] (the interpreter mixes scalar and tensor bools badly)
-    at = pos - n_win + 1 + o_i
-    ring = at < start
-    valid = is_win & (o_i < n_win)
-    p_page = tl.where(ring, p_ring, p_step)
-    entry = tl.where(ring, at % WINDOW, q_lo + at - start).to(tl.int64)
-    per_page = tl.where(ring, WINDOW, step_entries)
-    unread = o_n < 0
-    if ENTRIES != 0:
-        ent_valid = o_j >= 0
-        # a pick without a block reads nothing (never a stray address) and turns the row NaN, as in the reference
-        unread = ent_valid & (block < 0)
-        p_page = tl.where(is_win, p_page, p_ent + block * ent_page_bytes)
-        entry = tl.where(is_win, entry, o_j % ENT_PER_PAGE)
-        per_page = tl.where(is_win, per_page, ENT_PER_PAGE)
-        valid = tl.where(is_win, valid, ent_valid)
-    p_data, p_scale = _rows(p_page, entry, per_page, DATA_BYTES, SCALE_BYTES)
-    return p_data, p_scale, valid, unread
-
-
 # The step's row count and the split count change from step to step (eager steps) and between graph sizes: plain
 # runtime ints, so Triton neither compiles a variant per value class (== 1, % 16) nor bakes them in.
 @triton.jit(do_not_specialize=["step_entries", "splits"])
@@ -305,7 +192,7 @@ def _sparse_attention_kernel(
     o_d = tl.arange(0, D)
 
     pos = tl.load(p_positions + i_t)
-    n_win, n_ent, n_win_blocks, n_blocks, per_split = _row_blocks(pos, n_picks, splits, RATIO, WINDOW, ENTRIES,
+    n_win, n_ent, n_win_blocks, n_blocks, per_split = row_blocks(pos, n_picks, splits, RATIO, WINDOW, ENTRIES,
                                                                   BLOCK_N)
     b_lo = i_s * per_split  # this split's blocks [b_lo, b_hi): all of them for the single pass
     b_hi = tl.minimum(b_lo + per_split, n_blocks)
@@ -344,19 +231,19 @@ def _sparse_attention_kernel(
     q_lo = tl.load(p_query_start + b)
     start = tl.load(p_seq_lens + b) - (tl.load(p_query_start + b + 1) - q_lo)  # history before the step
 
-    # One loop over the split's blocks, window blocks first (both address forms in one body, `_key_rows`).
+    # One loop over the split's blocks, window blocks first (both address forms in one body, `key_rows`).
     p_ring = p_win + slot.to(tl.int64) * win_page_bytes
     p_bt_row = p_block_table + slot.to(tl.int64) * bt_stride
     p_picks_row = p_picks + i_t.to(tl.int64) * n_picks
     program = (i_t.to(tl.int64) * tl.num_programs(1) + i_h) * tl.num_programs(2) + i_s
     p_scratch_row = p_scratch + program * BLOCK_H * BLOCK_N
     for blk in range(b_lo, b_hi):
-        ids = _entry_ids(blk, p_picks_row, n_win_blocks, n_ent, ENTRIES, BLOCK_N)
-        p_data, p_scale, valid, unread = _key_rows(
-            blk, ids, _entry_blocks(ids, p_bt_row, ENT_PER_PAGE, ENTRIES), pos, n_win, n_win_blocks, start, q_lo,
+        ids = entry_ids(blk, p_picks_row, n_win_blocks, n_ent, ENTRIES, BLOCK_N)
+        p_data, p_scale, valid, unread = key_rows(
+            blk, ids, entry_blocks(ids, p_bt_row, ENT_PER_PAGE, ENTRIES), pos, n_win, n_win_blocks, start, q_lo,
             p_ring, p_step, step_entries, p_ent, ent_page_bytes, ENT_PER_PAGE, WINDOW, DATA_BYTES, SCALE_BYTES,
             ENTRIES, BLOCK_N)
-        b_k = _key_tile(p_data, p_scale, valid & ~unread, D, NOPE, BLOCK_N)
+        b_k = key_tile(p_data, p_scale, valid & ~unread, D, NOPE, BLOCK_N)
         m_i, l_i, acc = _attend(b_q_hi, b_q_lo, b_k, valid, unread, m_i, l_i, acc, qk_scale, p_scratch_row, Q_SPLIT,
                                 DOT_F32, QK_SCRATCH)
 
@@ -394,7 +281,7 @@ def _merge_kernel(p_ws, p_sinks, p_out, p_positions, p_cos, p_sin, n_picks, H, s
     i_h = tl.program_id(1)
     d_lo = tl.program_id(2) * DIMS
     o_d = d_lo + tl.arange(0, DIMS)
-    _, _, _, n_blocks, per_split = _row_blocks(tl.load(p_positions + i_t), n_picks, splits, RATIO, WINDOW, ENTRIES,
+    _, _, _, n_blocks, per_split = row_blocks(tl.load(p_positions + i_t), n_picks, splits, RATIO, WINDOW, ENTRIES,
                                                BLOCK_N)
     used = tl.cdiv(n_blocks, tl.maximum(per_split, 1))
 
@@ -496,70 +383,15 @@ def sparse_attention_paged(q: torch.Tensor, plan: StepPlan, *, sinks: torch.Tens
     require(isinstance(plan, StepPlan), f"plan: expected a StepPlan, got {type(plan).__name__}")
     require(isinstance(layout, EntryLayout), f"layout: expected an EntryLayout, got {type(layout).__name__}")
     nope, scale_bytes = _layout_dims(layout)
-    rows, dim = padded_rows(plan), layout.dim
-    require(dim >= 16 and dim & (dim - 1) == 0, f"layout: head_dim must be a power of two >= 16, got {dim}")
-    device = plan.positions.device  # the cache's device
-    check_tensor("q", q, dtype=(torch.bfloat16, torch.float32), shape=(rows, None, dim), device=device)
+    rows, dim, device = padded_rows(plan), layout.dim, plan.positions.device  # the cache's device
+    _check_step(q, plan, sinks, scale, layout, window, window_pool, step_kv, max_entries)
     heads = q.shape[1]
-    require(heads >= 1, "q: needs at least one head")
-    check_tensor("sinks", sinks, dtype=torch.float32, shape=(heads,), device=device)
-    require(isinstance(scale, (int, float)) and not isinstance(scale, bool) and 0 < float(scale) < float("inf"),
-            f"scale: expected a positive finite float, got {scale!r}")
-    require(isinstance(window, int) and not isinstance(window, bool) and window >= 1,
-            f"window: expected a positive int, got {window!r}")
-    for name in ("positions", "token_request"):
-        check_tensor(f"plan.{name}", getattr(plan, name), dtype=torch.int32, shape=(rows,), device=device)
-    requests = plan.request_slots.shape[0] if isinstance(plan.request_slots, torch.Tensor) else -1
-    check_tensor("plan.request_slots", plan.request_slots, dtype=torch.int32, shape=(requests,), device=device)
-    check_tensor("plan.seq_lens", plan.seq_lens, dtype=torch.int32, shape=(requests,), device=device)
-    check_tensor("plan.query_start", plan.query_start, dtype=torch.int32, shape=(requests + 1,), device=device)
-    check_tensor("plan.block_table", plan.block_table, dtype=torch.int32, shape=(None, None), device=device)
-    check_pool("window_pool", window_pool, layout, window, device)
-    require(window_pool.shape[0] == plan.block_table.shape[0],
-            f"window_pool: {window_pool.shape[0]} request slots, the block table has {plan.block_table.shape[0]}")
-    check_tensor("step_kv", step_kv, dtype=torch.uint8, shape=(1, layout.page_bytes(rows)), device=device)
-    require(max_entries is None or (isinstance(max_entries, int) and not isinstance(max_entries, bool)
-                                    and max_entries >= 0),
-            f"max_entries: expected a non-negative int, got {max_entries!r}")
-
-    mode, per_page, n_picks, max_keys = _WINDOW_ONLY, 1, 0, window
-    ent_pool = step_kv  # an unused stand-in pointer for window-only layers
-    if entry_pool is None:
-        require(picks is None, "picks: given without an entry_pool")
-    else:
-        require(isinstance(ratio, int) and isinstance(page_tokens, int) and ratio >= 1 and page_tokens >= 1
-                and page_tokens % ratio == 0,
-                f"ratio / page_tokens: expected positive ints with page_tokens a multiple of ratio, got "
-                f"{ratio!r} / {page_tokens!r}")
-        per_page = page_tokens // ratio
-        check_pool("entry_pool", entry_pool, layout, per_page, device)
-        ent_pool, mode = entry_pool, _ALL_VISIBLE
-        max_keys += max_entries if max_entries is not None else plan.block_table.shape[1] * per_page
-        if picks is not None:
-            check_tensor("picks", picks, dtype=(torch.int32, torch.int64), shape=(rows, None), device=device)
-            require(picks.shape[1] >= 1, "picks: needs at least one column")
-            mode, n_picks, max_keys = _PICKS, picks.shape[1], window + picks.shape[1]
-    out_dtype = torch.float32 if inverse_rope is None else torch.bfloat16
-    if out is None:
-        out = torch.empty((rows, heads, dim), dtype=out_dtype, device=device)
-    else:
-        check_tensor("out", out, dtype=out_dtype, shape=(rows, heads, dim), device=device)
-    rope_half, (cos, sin) = 0, (sinks, sinks)  # the tables are unread without the RoPE
-    if inverse_rope is not None:
-        require(isinstance(inverse_rope, tuple) and len(inverse_rope) == 2, "inverse_rope: expected (cos, sin)")
-        rope_half = check_cos_sin(*inverse_rope, rows, dim, device)
-        cos, sin = inverse_rope
-    require(not overlaps(out, q), "out: overlaps q")
-    if q_rope_dims is not None:
-        require(q.dtype == torch.bfloat16, f"q_rope_dims: q must be bf16, got {q.dtype}")
-        check_tensor("q_rope_dims", q_rope_dims, dtype=torch.bfloat16, shape=(rows, heads, None), device=device)
-        require(1 <= q_rope_dims.shape[2] < dim, f"q_rope_dims: expected 1..{dim - 1} dims a head, got "
-                                                 f"{q_rope_dims.shape[2]}")
-        require(not overlaps(out, q_rope_dims), "out: overlaps q_rope_dims")
+    keys = _entry_keys(plan, layout, window, step_kv, entry_pool, ratio, page_tokens, picks, max_entries)
+    out, rope_half, (cos, sin) = _check_outputs(q, out, sinks, inverse_rope, q_rope_dims)
     require(splits is None or (isinstance(splits, int) and not isinstance(splits, bool) and 1 <= splits <= 65535),
             f"splits: expected an int in 1..65535 (a grid dimension) or None, got {splits!r}")
     tuning = tuning if tuning is not None else tuning_for(device)
-    config = _config(rows, heads, max_keys, device, tuning)
+    config = _config(rows, heads, keys.max_keys, device, tuning)
     if workspace is not None:
         check_tensor("workspace", workspace, dtype=torch.float32,
                      shape=(rows, splits if splits is not None else None, heads, dim + 2), device=device)
@@ -587,11 +419,11 @@ def sparse_attention_paged(q: torch.Tensor, plan: StepPlan, *, sinks: torch.Tens
         plan.block_table, plan.block_table.shape[1],
         step_kv, rows,
         window_pool, window_pool.shape[1],
-        ent_pool, ent_pool.shape[1],
-        picks if picks is not None else plan.positions, n_picks, float(scale) * _LOG2E, heads, config.splits, scratch,
+        keys.pool, keys.pool.shape[1],
+        keys.picks, keys.n_picks, float(scale) * _LOG2E, heads, config.splits, scratch,
         cos, sin, q_rope_dims if q_rope_dims is not None else q,
-        RATIO=max(ratio, 1), ENT_PER_PAGE=per_page,  # fixed per layer: divisions by constants
-        WINDOW=window, D=dim, NOPE=nope, DATA_BYTES=layout.data_bytes, SCALE_BYTES=scale_bytes, ENTRIES=mode,
+        RATIO=max(ratio, 1), ENT_PER_PAGE=keys.per_page,  # fixed per layer: divisions by constants
+        WINDOW=window, D=dim, NOPE=nope, DATA_BYTES=layout.data_bytes, SCALE_BYTES=scale_bytes, ENTRIES=keys.mode,
         Q_SPLIT=q.dtype == torch.float32, DOT_F32=interpreted(), BLOCK_H=config.block_h, BLOCK_N=config.block_n,
         SPLIT=split, QK_SCRATCH=qk_scratch, ROPE_HALF=rope_half if not split else 0,
         Q_ROPE_DIMS=q_rope_dims.shape[2] if q_rope_dims is not None else 0, num_warps=config.num_warps,
@@ -603,11 +435,97 @@ def sparse_attention_paged(q: torch.Tensor, plan: StepPlan, *, sinks: torch.Tens
     if split:
         chunk, dims, warps = _merge_tile(config.splits, dim, tuning)
         _merge_kernel[(rows, heads, dim // dims)](
-            workspace, sinks, out, plan.positions, cos, sin, n_picks, heads, config.splits,
-            RATIO=max(ratio, 1), WINDOW=window, D=dim, ENTRIES=mode, BLOCK_N=config.block_n,
+            workspace, sinks, out, plan.positions, cos, sin, keys.n_picks, heads, config.splits,
+            RATIO=max(ratio, 1), WINDOW=window, D=dim, ENTRIES=keys.mode, BLOCK_N=config.block_n,
             MERGE_S=chunk,
             ROPE_HALF=rope_half, DIMS=dims, num_warps=warps,
             # rope_rows' rounding (separately rounded products), and the same fp32 merge with or without the RoPE
             enable_fp_fusion=False, **launch_options(device),
         )
     return out
+
+
+def _check_step(q, plan: StepPlan, sinks, scale, layout: EntryLayout, window, window_pool, step_kv,
+                max_entries) -> None:
+    """`sparse_attention_paged`'s checks of q, the sinks and scale, the plan's tensors, the window and the step's kv."""
+    rows, dim, device = padded_rows(plan), layout.dim, plan.positions.device
+    require(dim >= 16 and dim & (dim - 1) == 0, f"layout: head_dim must be a power of two >= 16, got {dim}")
+    check_tensor("q", q, dtype=(torch.bfloat16, torch.float32), shape=(rows, None, dim), device=device)
+    heads = q.shape[1]
+    require(heads >= 1, "q: needs at least one head")
+    check_tensor("sinks", sinks, dtype=torch.float32, shape=(heads,), device=device)
+    require(isinstance(scale, (int, float)) and not isinstance(scale, bool) and 0 < float(scale) < float("inf"),
+            f"scale: expected a positive finite float, got {scale!r}")
+    require(isinstance(window, int) and not isinstance(window, bool) and window >= 1,
+            f"window: expected a positive int, got {window!r}")
+    for name in ("positions", "token_request"):
+        check_tensor(f"plan.{name}", getattr(plan, name), dtype=torch.int32, shape=(rows,), device=device)
+    requests = plan.request_slots.shape[0] if isinstance(plan.request_slots, torch.Tensor) else -1
+    check_tensor("plan.request_slots", plan.request_slots, dtype=torch.int32, shape=(requests,), device=device)
+    check_tensor("plan.seq_lens", plan.seq_lens, dtype=torch.int32, shape=(requests,), device=device)
+    check_tensor("plan.query_start", plan.query_start, dtype=torch.int32, shape=(requests + 1,), device=device)
+    check_tensor("plan.block_table", plan.block_table, dtype=torch.int32, shape=(None, None), device=device)
+    check_pool("window_pool", window_pool, layout, window, device)
+    require(window_pool.shape[0] == plan.block_table.shape[0],
+            f"window_pool: {window_pool.shape[0]} request slots, the block table has {plan.block_table.shape[0]}")
+    check_tensor("step_kv", step_kv, dtype=torch.uint8, shape=(1, layout.page_bytes(rows)), device=device)
+    require(max_entries is None or (isinstance(max_entries, int) and not isinstance(max_entries, bool)
+                                    and max_entries >= 0),
+            f"max_entries: expected a non-negative int, got {max_entries!r}")
+
+
+class _EntryKeys(NamedTuple):
+    """The compressed entries a call's rows attend to, as the kernel takes them."""
+
+    mode: int  # _WINDOW_ONLY, _ALL_VISIBLE or _PICKS
+    pool: torch.Tensor  # the entry pages (the step page, unread, for a window-only layer)
+    per_page: int  # entries a page
+    picks: torch.Tensor  # CSA's picks (the positions, unread, otherwise)
+    n_picks: int
+    max_keys: int  # the most keys a row can have: window + entries (HCA: `max_entries`'s bound)
+
+
+def _entry_keys(plan: StepPlan, layout: EntryLayout, window: int, step_kv, entry_pool, ratio, page_tokens, picks,
+                max_entries) -> _EntryKeys:
+    """`sparse_attention_paged`'s entry arguments, checked."""
+    if entry_pool is None:
+        require(picks is None, "picks: given without an entry_pool")
+        return _EntryKeys(_WINDOW_ONLY, step_kv, 1, plan.positions, 0, window)
+    rows, device = padded_rows(plan), plan.positions.device
+    require(isinstance(ratio, int) and isinstance(page_tokens, int) and ratio >= 1 and page_tokens >= 1
+            and page_tokens % ratio == 0,
+            f"ratio / page_tokens: expected positive ints with page_tokens a multiple of ratio, got "
+            f"{ratio!r} / {page_tokens!r}")
+    per_page = page_tokens // ratio
+    check_pool("entry_pool", entry_pool, layout, per_page, device)
+    if picks is None:
+        entries = max_entries if max_entries is not None else plan.block_table.shape[1] * per_page
+        return _EntryKeys(_ALL_VISIBLE, entry_pool, per_page, plan.positions, 0, window + entries)
+    check_tensor("picks", picks, dtype=(torch.int32, torch.int64), shape=(rows, None), device=device)
+    require(picks.shape[1] >= 1, "picks: needs at least one column")
+    return _EntryKeys(_PICKS, entry_pool, per_page, picks, picks.shape[1], window + picks.shape[1])
+
+
+def _check_outputs(q, out, sinks, inverse_rope, q_rope_dims) -> tuple[torch.Tensor, int, tuple]:
+    """`sparse_attention_paged`'s out (made when None), inverse RoPE and q_rope_dims, checked -> (out, the RoPE's
+    half dims (0: none), its (cos, sin); the sinks, unread, without it)."""
+    rows, heads, dim = q.shape
+    device = q.device
+    out_dtype = torch.float32 if inverse_rope is None else torch.bfloat16
+    if out is None:
+        out = torch.empty((rows, heads, dim), dtype=out_dtype, device=device)
+    else:
+        check_tensor("out", out, dtype=out_dtype, shape=(rows, heads, dim), device=device)
+    rope_half, cos_sin = 0, (sinks, sinks)
+    if inverse_rope is not None:
+        require(isinstance(inverse_rope, tuple) and len(inverse_rope) == 2, "inverse_rope: expected (cos, sin)")
+        rope_half = check_cos_sin(*inverse_rope, rows, dim, device)
+        cos_sin = inverse_rope
+    require(not overlaps(out, q), "out: overlaps q")
+    if q_rope_dims is not None:
+        require(q.dtype == torch.bfloat16, f"q_rope_dims: q must be bf16, got {q.dtype}")
+        check_tensor("q_rope_dims", q_rope_dims, dtype=torch.bfloat16, shape=(rows, heads, None), device=device)
+        require(1 <= q_rope_dims.shape[2] < dim, f"q_rope_dims: expected 1..{dim - 1} dims a head, got "
+                                                 f"{q_rope_dims.shape[2]}")
+        require(not overlaps(out, q_rope_dims), "out: overlaps q_rope_dims")
+    return out, rope_half, cos_sin

@@ -26,10 +26,10 @@ MXFP4 decode is bit arithmetic and exact multiplies by powers of two: in the row
 bf16 (`_e2m1_bf16`, inline PTX), else through fp32 (`_e2m1_pair`, the stacked kernel and the interpreter); either
 gives the value `layout.read` does. The FP8 path (below) forms the same products.
 
-Two kernels compute the same function; the wrapper picks one from host facts only (`plan.num_tokens`,
-the request count; `stack_rows=` overrides), so a captured CUDA graph replays either correctly over any
-later plan. On their bf16 paths both split each MMA into two K = D/2 halves (a byte's low / high nibbles for
-MXFP4).
+Two kernels compute the same function (their key decoding and products are `keys.py`'s); the wrapper picks one from
+host facts only (`plan.num_tokens`, the request count; `stack_rows=` overrides), so a captured CUDA graph replays
+either correctly over any later plan. On their bf16 paths both split each MMA into two K = D/2 halves (a byte's low
+/ high nibbles for MXFP4).
 
 Row kernel (decode: about one row per request). Grid (row, chunk of BLOCK_J * iters entries): a program
 loads q[t] ([H, D] = [64, 128] for V4, as bf16 q^T) and the head weights once, then per iteration decodes
@@ -68,12 +68,12 @@ BLOCK_T * H MMA columns instead of H, and q is loaded once per segment for up to
 (row, entry) pairs. The products and their fp32 accumulation are those of the row kernel (equal results
 up to summation order: bit-identical in most scores under the interpreter). MXFP4 keys take FP8 MMAs there too
 (per segment whose rows' queries all pass `fp8_query_operand`'s check, else bf16): the row kernel's per-block MMAs
-and scalings (`_mxfp4_fp8_dot`) over q's operands stacked in N, 2 rows of 64 heads. Each (key, row, head) then costs
+and scalings (`mxfp4_fp8_dot`) over q's operands stacked in N, 2 rows of 64 heads. Each (key, row, head) then costs
 four scaled fp32 adds on the CUDA cores where the bf16 path has none, a little less than the halved MMA time saves.
 
 Top-k's first digit (`digit_counts`, decode). After its tiles a row-kernel program reads back the scores it stored
 (after a CTA barrier, 1024 a tile so no lane is replicated) and counts their top-k digit 1 by warp into the row's
-histogram in the top-k workspace (`topk.count_first_digits`), so the top-k skips its first pass.
+histogram in the top-k workspace (`topk.keys.count_first_digits`), so the top-k skips its first pass.
 
 Columns past visible(t). Top-k (`topk_indices(scores, visible, k)`) never reads a row past its visible count,
 so by default nothing is written there: a graph captured for a large J (max_seq_len // ratio) pays nothing for
@@ -89,143 +89,18 @@ import torch
 import triton
 import triton.language as tl
 
-from ...cache.layout import EntryLayout, IndexerFP8Layout, IndexerMXFP4Layout
-from ...checks import require
+from ...cache.layout import EntryLayout, IndexerMXFP4Layout
 from ...cache.plan import StepPlan
+from ...checks import check_tensor, require
 from ..shared.common import check_pool, hopper_or_later, interpreted, padded_rows, sm_count
-from ...checks import check_tensor
-from ..shared.encode import e4m3_grid_code, e4m3_round, round_bf16
+from ..shared.encode import round_bf16
 from ..shared.launch import launch_options, wait_for_prior_grids
-from ..topk.kernel import count_first_digits
+from ..topk.keys import count_first_digits
+from .keys import (KEYS_BF16, KEYS_MXFP4, fp8_query_operand, key_dot, key_format, mxfp4_fp8_dot,
+                   mxfp4_fp8_scores, mxfp4_tile, q8_blocks, q_dims, relu)
 from .tuning import IndexerTuning, Tiles, tuning_for
 
 __all__ = ["indexer_scores_paged", "indexer_query_fp8", "fp8_query_wanted", "counts_digits"]
-
-KEYS_BF16, KEYS_FP8, KEYS_MXFP4 = 0, 1, 2
-_SIGN = tl.constexpr(-(2 ** 31))  # fp32 sign bit as an int32 constant
-_E2M1_MAG = tl.constexpr(0x01C00000)  # fp32 bits 22..24
-_TWO_126 = tl.constexpr(2.0 ** 126)
-
-
-@triton.jit
-def _ue8m0(code):
-    """E8M0 byte (int32) -> fp32 2^(code - 127); 0x00 -> 2^-127 (subnormal), 0xFF -> NaN."""
-    bits = tl.where(code == 0, 0x00400000, tl.where(code == 0xFF, 0x7FC00000, code << 23))
-    return bits.to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _e2m1_pair(byte):
-    """Packed MXFP4 byte (int32, 0..255) -> (low nibble, high nibble) as fp32 e2m1 values, exactly.
-
-    A code's sign to fp32 bit 31 and its 3 magnitude bits to bits 22..24 make the fp32 number value * 2^-126
-    (code 1 = 0.5 lands on the subnormal 2^-127, codes >= 2 on normals), so one exact multiply by 2^126
-    finishes the decode: two shifts and one and-or per value instead of a chain of selects."""
-    lo = ((byte << 28) & _SIGN) | ((byte << 22) & _E2M1_MAG)
-    hi = ((byte << 24) & _SIGN) | ((byte << 18) & _E2M1_MAG)
-    return lo.to(tl.float32, bitcast=True) * _TWO_126, hi.to(tl.float32, bitcast=True) * _TWO_126
-
-
-# `_e2m1_e4m3`'s PTX, four packed bytes per 32-bit register: sign (bit 3 -> 7) and magnitude (bits 0..2 -> 2..4) of
-# the low nibbles into $0, of the high nibbles into $1
-_E2M1_E4M3_ASM = tl.constexpr("""{
-            .reg .b32 t0, t1;
-            shl.b32 t0, $2, 4;
-            and.b32 t0, t0, 0x80808080;
-            shl.b32 t1, $2, 2;
-            and.b32 t1, t1, 0x1C1C1C1C;
-            or.b32 $0, t0, t1;
-            shr.b32 t0, $2, 2;
-            and.b32 t0, t0, 0x1C1C1C1C;
-            and.b32 t1, $2, 0x80808080;
-            or.b32 $1, t0, t1;
-            }""")
-
-
-@triton.jit
-def _e2m1_e4m3(byte, ASM: tl.constexpr):
-    """Packed MXFP4 bytes (uint8) -> (low nibble, high nibble) as e4m3 bytes (uint8) holding value * 2^-6, exactly.
-
-    A code's bits (s e1 e0 m) move to e4m3's sign, low exponent bits and top mantissa bit: exponent field e1e0 with
-    e4m3's bias 7 against e2m1's 1 is the 2^-6, and code 1 (0.5) lands on the subnormal 2^-7 as code 0 on zero.
-    ASM: four bytes per 32-bit register (five ALU ops per 8 values); else the same bit moves per element (the
-    interpreter runs no inline PTX)."""
-    if ASM:
-        return tl.inline_asm_elementwise(asm=_E2M1_E4M3_ASM, constraints="=r,=r,r", args=[byte],
-                                         dtype=(tl.uint8, tl.uint8), is_pure=True, pack=4)
-    else:
-        b = byte.to(tl.int32)
-        return (((b & 0x08) << 4) | ((b & 0x07) << 2)).to(tl.uint8), ((b & 0x80) | ((b & 0x70) >> 2)).to(tl.uint8)
-
-
-@triton.jit
-def _ue8m0_times_64(code):
-    """E8M0 code (int32) -> fp32 2^(code - 127) * 2^6, as `_ue8m0(code) * 64.0` gives it (0x00 -> 2^-121, codes
-    from 249 up overflow to inf, 0xFF -> NaN) in three integer ops and a select."""
-    bits = tl.minimum(code + 6, 255) << 23
-    return tl.where(code == 0xFF, 0x7FC00000, bits).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _ue8m0_bf16(code):
-    """E8M0 code (int32) -> bf16 2^(code - 127), the bits `_ue8m0` gives in fp32 (bf16 shares fp32's exponent)."""
-    bits = tl.where(code == 0, 0x0040, tl.where(code == 0xFF, 0x7FC0, code << 7))
-    return bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
-
-
-def _e2m1_bf16_asm() -> str:
-    """`_e2m1_bf16`'s PTX: per byte pair (PRMT selector, output registers, scale register) and per nibble (mask of its
-    two lanes, the multiplier that shifts its magnitude to bits 6..8 and its sign to bit 15 at once)."""
-    lines = [".reg .b32 u, t, c;", "mov.b32 c, 0x7E807E80;"]  # bf16x2 2^126
-    for select, (lo, hi), scale in (("0x4140", ("$0", "$2"), "$5"), ("0x4342", ("$1", "$3"), "$6")):
-        lines.append(f"prmt.b32 u, $4, 0, {select};")  # two bytes to the low byte of two 16-bit lanes
-        for out, mask, shift in ((lo, "0x000F000F", "0x1040"), (hi, "0x00F000F0", "0x104")):
-            lines += [f"and.b32 t, u, {mask};", f"mul.lo.u32 t, t, {shift};", "and.b32 t, t, 0x81C081C0;",
-                      "mul.rn.bf16x2 t, t, c;", f"mul.rn.bf16x2 {out}, t, {scale};"]
-    return "{\n" + "\n".join(lines) + "\n}"
-
-
-_E2M1_BF16_ASM = tl.constexpr(_e2m1_bf16_asm())
-
-
-@triton.jit
-def _e2m1_bf16(byte, scale):
-    """Packed MXFP4 bytes (uint8) and their ue8m0 scales as bf16 (`_ue8m0_bf16`, broadcast) -> (low nibble, high
-    nibble) * scale as bf16, exactly: the value of `_e2m1_pair` times the scale, with no rounding (bf16x2 multiplies
-    need sm_90).
-
-    Per two bytes, one PRMT spreads them to 16-bit lanes; per nibble pair an and, a multiply (two shifts at once:
-    magnitude to bits 6..8, sign to bit 15, the lanes 16 bits apart) and an and make bf16 bits worth value * 2^-126
-    (code 1 a subnormal, as in `_e2m1_pair`); two bf16x2 multiplies by 2^126 and by the scale finish it (powers of
-    two: exact, or inf where fp32 overflows too). About 2.75 instructions per value against ~7 through fp32."""
-    return tl.inline_asm_elementwise(asm=_E2M1_BF16_ASM, constraints="=r,=r,=r,=r,r,r,r", args=[byte, scale],
-                                     dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
-
-
-@triton.jit
-def fp8_query_operand(q):
-    """An MXFP4-valued query's heads as FP8 MMA operands: q fp32 [BLOCK_H, NB, 32] (heads, 32-value scale blocks) ->
-    (e4m3 codes uint8 [BLOCK_H, NB, 32] of q * 2^-c, per head 2^c fp32 [BLOCK_H], or 0 where the head breaks the FP8
-    path's exactness). 2^c = 2^(e - 8), e the exponent of the head's largest |q|: the largest e2m1 value (1.5 * 2^e)
-    becomes 384 <= 448 and values down to ~2^(e - 17) stay on the e4m3 grid.
-    Exact means each nonzero value a normal number of at most 2 significant bits and at least 1/12 of its block's
-    largest (so a block's 32 products with e2m1 keys share a quantum and sum within 13 bits), and q * 2^-c on the e4m3
-    grid (no rounding, no underflow; inf and NaN fail)."""
-    mag = tl.abs(q)
-    block_max = tl.max(mag, axis=2)  # [BLOCK_H, NB]
-    biased = (tl.max(block_max, axis=1).to(tl.int32, bitcast=True) >> 23) & 0xFF
-    biased = tl.minimum(tl.maximum(biased, 9), 254)  # 2^-c and 2^c stay normal fp32 numbers
-    shift = ((262 - biased) << 23).to(tl.float32, bitcast=True)  # 2^-c = 2^(135 - biased)
-    two_c = ((biased - 8) << 23).to(tl.float32, bitcast=True)
-    y = q * shift[:, None, None]
-    bits = q.to(tl.int32, bitcast=True)
-    normal_2bit = ((bits & 0x7F800000) != 0) & ((bits & 0x003FFFFF) == 0)
-    mxfp4 = (q == 0) | (normal_2bit & (mag * 12 >= block_max[:, :, None]))
-    # on the e4m3 grid, and back to q exactly (a value that underflowed fp32 under the shift is not)
-    ok = mxfp4 & (tl.abs(y) <= 448.0) & (e4m3_round(y) == y) & (y * two_c[:, None, None] == q)
-    exact = tl.min(tl.min(ok.to(tl.int32), axis=2), axis=1) == 1
-    return e4m3_grid_code(tl.where(ok, y, 0.0)).to(tl.uint8), tl.where(exact, two_c, 0.0)
-
 
 @triton.jit
 def _q_fp8_kernel(q_ptr, q8_ptr, scale_ptr, H: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr):
@@ -240,242 +115,6 @@ def _q_fp8_kernel(q_ptr, q8_ptr, scale_ptr, H: tl.constexpr, D: tl.constexpr, BL
     codes, scale = fp8_query_operand(tl.reshape(b_q, (BLOCK_H, D // 32, 32)))
     tl.store(q8_ptr + offs, tl.reshape(codes, (BLOCK_H, D)), mask=m_h[:, None])
     tl.store(scale_ptr + i_t * H + o_h, scale, mask=m_h)
-
-
-@triton.jit
-def _q8_blocks(p_q8, m_h, D: tl.constexpr):
-    """q's FP8 MMA operand (`fp8_query_operand`'s codes at p_q8 [1, BLOCK_H] head pointers) -> q^T per 32-dim scale
-    block [32, BLOCK_H] as e4m3, even dims first (the keys' order), x 4 (blocks past D/32 repeat block 0, unused)."""
-    o_k = (tl.arange(0, 32) % 16) * 2 + tl.arange(0, 32) // 16  # even dims of a block, then odd
-    o_k1, o_k2, o_k3 = o_k + 32 * (D >= 64), o_k + 64 * (D >= 128), o_k + 96 * (D >= 128)  # past D: block 0 again
-    b_q0 = tl.load(p_q8 + o_k[:, None], mask=m_h[None, :], other=0).to(tl.float8e4nv, bitcast=True)
-    b_q1 = tl.load(p_q8 + o_k1[:, None], mask=m_h[None, :], other=0).to(tl.float8e4nv, bitcast=True)
-    b_q2 = tl.load(p_q8 + o_k2[:, None], mask=m_h[None, :], other=0).to(tl.float8e4nv, bitcast=True)
-    b_q3 = tl.load(p_q8 + o_k3[:, None], mask=m_h[None, :], other=0).to(tl.float8e4nv, bitcast=True)
-    return b_q0, b_q1, b_q2, b_q3
-
-
-@triton.jit
-def _page_base(pool_ptr, block, PAGE_BYTES: tl.constexpr):
-    """The first byte of page `block` (-1 where unallocated: never dereferenced, its loads are masked)."""
-    return pool_ptr + block.to(tl.int64) * PAGE_BYTES
-
-
-@triton.jit
-def _entry_addresses(pool_ptr, p_table, o_j, m_j, P: tl.constexpr, PAGE_BYTES: tl.constexpr):
-    """Entries o_j of the request whose block-table row is p_table -> (mask: wanted and allocated, the first byte of
-    each entry's page, each entry's row in its page)."""
-    block = tl.load(p_table + o_j // P, mask=m_j, other=-1)
-    return m_j & (block >= 0), _page_base(pool_ptr, block, PAGE_BYTES), o_j % P
-
-
-@triton.jit
-def _mxfp4_values(p_page, o_row, m_j, D: tl.constexpr, DATA_BYTES: tl.constexpr):
-    """The packed values of the entries at rows o_row [BLOCK_J] of their pages p_page (one page, or one per entry):
-    per 32-dim scale block [BLOCK_J, 16] uint8 (blocks past D/32 repeat block 0, unused; masked entries zeros)."""
-    p_data = (p_page + o_row * DATA_BYTES)[:, None] + tl.arange(0, 16)[None, :]
-    k0 = tl.load(p_data, mask=m_j[:, None], other=0)
-    k1, k2, k3 = k0, k0, k0
-    if D >= 64:
-        k1 = tl.load(p_data + 16, mask=m_j[:, None], other=0)
-    if D >= 128:
-        k2 = tl.load(p_data + 32, mask=m_j[:, None], other=0)
-        k3 = tl.load(p_data + 48, mask=m_j[:, None], other=0)
-    return k0, k1, k2, k3
-
-
-@triton.jit
-def _scale_words(p_page, o_row, m_j, P: tl.constexpr, DATA_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr):
-    """The ue8m0 codes of the entries at rows o_row of their pages p_page as one int32 word per key, byte b block
-    b's code (masked entries 127: scale 2^0). The scale rows follow the P data rows and SCALE_BYTES (1, 2 or 4)
-    divides both offsets, so with the pool's base aligned to SCALE_BYTES (`indexer_scores_paged` checks it) the
-    loads are aligned. (The pointer is cast before the row is added: a byte offset per entry made the FP8 path
-    spill where p_page is one page.)"""
-    p_rows = p_page + P * DATA_BYTES
-    if SCALE_BYTES == 4:
-        word = tl.load(p_rows.to(tl.pointer_type(tl.int32)) + o_row, mask=m_j, other=0x7F7F7F7F)
-    elif SCALE_BYTES == 2:
-        word = tl.load(p_rows.to(tl.pointer_type(tl.int16)) + o_row, mask=m_j, other=0x7F7F).to(tl.int32)
-    else:
-        word = tl.load(p_rows + o_row, mask=m_j, other=127).to(tl.int32)
-    return word
-
-
-@triton.jit
-def _scale_codes(words, D: tl.constexpr):
-    """`_scale_words` -> the code of each 32-dim scale block (int32; blocks past D/32 repeat block 0, unused)."""
-    s0 = words & 0xFF
-    s1, s2, s3 = s0, s0, s0
-    if D >= 64:
-        s1 = (words >> 8) & 0xFF
-    if D >= 128:
-        s2 = (words >> 16) & 0xFF
-        s3 = (words >> 24) & 0xFF
-    return s0, s1, s2, s3
-
-
-@triton.jit
-def _mxfp4_tile(pool_ptr, p_table, o_j, m_j, D: tl.constexpr, P: tl.constexpr, PAGE_BYTES: tl.constexpr,
-                DATA_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr):
-    """The MXFP4 bytes of entries o_j, each reading its block id: `_mxfp4_values` and `_scale_codes`. Masked or
-    unallocated entries: zeros, scale 2^0."""
-    m_j, p_page, o_row = _entry_addresses(pool_ptr, p_table, o_j, m_j, P, PAGE_BYTES)
-    k0, k1, k2, k3 = _mxfp4_values(p_page, o_row, m_j, D, DATA_BYTES)
-    s0, s1, s2, s3 = _scale_codes(_scale_words(p_page, o_row, m_j, P, DATA_BYTES, SCALE_BYTES), D)
-    return k0, k1, k2, k3, s0, s1, s2, s3
-
-
-@triton.jit
-def _page_tile_mask(block, o_page, m_j):
-    """m_j, and false where the page is unallocated (block -1)."""
-    return m_j & (o_page * 0 + block >= 0)  # a tensor compare (under the interpreter a scalar's & gives no bool)
-
-
-@triton.jit
-def _mxfp4_page_data(pool_ptr, block, o_page, m_j, D: tl.constexpr, PAGE_BYTES: tl.constexpr,
-                     DATA_BYTES: tl.constexpr):
-    """`_mxfp4_values` of entries o_page (rows within one page, int32) of page `block` (a scalar, -1 where
-    unallocated): one 64-bit page address per tile instead of one block-table read per entry."""
-    return _mxfp4_values(_page_base(pool_ptr, block, PAGE_BYTES), o_page, _page_tile_mask(block, o_page, m_j), D,
-                         DATA_BYTES)
-
-
-@triton.jit
-def _mxfp4_page_scales(pool_ptr, block, o_page, m_j, P: tl.constexpr, PAGE_BYTES: tl.constexpr,
-                       DATA_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr):
-    """`_scale_words` of entries o_page of page `block`."""
-    return _scale_words(_page_base(pool_ptr, block, PAGE_BYTES), o_page, _page_tile_mask(block, o_page, m_j), P,
-                        DATA_BYTES, SCALE_BYTES)
-
-
-@triton.jit
-def _mxfp4_block_mma(b_byte, code, b_q8, acc, BLOCK_J: tl.constexpr, ASM: tl.constexpr):
-    """acc + (one scale block of the keys, as e4m3 values * 2^-6) x (that block of q's operand) * (the keys' ue8m0
-    scales * 2^6): one K = 32 FP8 MMA from a zero accumulator, then one exact power-of-two scaling added in
-    fp32 (terms at the reference's magnitude times each head's 2^-c, which its weight undoes). The 32 products of
-    e2m1 pairs are multiples of 1/4 of their common scale (q's block scale and the shifts) and sum below 2^11 of it:
-    13 significant bits, exact within the ~14 that Hopper's FP8 accumulation keeps (each MMA starts from zero, so no
-    other block's sum passes through it)."""
-    b_lo, b_hi = _e2m1_e4m3(b_byte, ASM)
-    # dims in `_q8_blocks`'s order: the block's low nibbles (even dims), then its high nibbles (odd dims); the
-    # natural order would interleave bytes (a PRMT per pair of values)
-    b_k = tl.reshape(tl.permute(tl.join(b_lo, b_hi), (0, 2, 1)), (BLOCK_J, 32)).to(tl.float8e4nv, bitcast=True)
-    b_sc = _ue8m0_times_64(code.to(tl.int32))
-    if ASM:
-        part = tl.dot(b_k, b_q8)
-    else:  # the interpreter: the same exact products and sums through an fp32 dot
-        part = tl.dot(b_k.to(tl.float32), b_q8.to(tl.float32))
-    return acc + part * b_sc[:, None]
-
-
-@triton.jit
-def _mxfp4_fp8_dot(k0, k1, k2, k3, s0, s1, s2, s3, b_q0, b_q1, b_q2, b_q3, N: tl.constexpr, D: tl.constexpr,
-                   BLOCK_J: tl.constexpr, ASM: tl.constexpr):
-    """A tile's MXFP4 keys (`_mxfp4_tile`'s bytes and codes per scale block) times q's FP8 operand [32, N] per block
-    -> fp32 [BLOCK_J, N]: the sum over scale blocks, in block order, of exact per-block MMAs (`_mxfp4_block_mma`)."""
-    acc = _mxfp4_block_mma(k0, s0, b_q0, tl.zeros((BLOCK_J, N), dtype=tl.float32), BLOCK_J, ASM)
-    if D >= 64:
-        acc = _mxfp4_block_mma(k1, s1, b_q1, acc, BLOCK_J, ASM)
-    if D >= 128:
-        acc = _mxfp4_block_mma(k2, s2, b_q2, acc, BLOCK_J, ASM)
-        acc = _mxfp4_block_mma(k3, s3, b_q3, acc, BLOCK_J, ASM)
-    return acc
-
-
-@triton.jit
-def _mxfp4_fp8_scores(pool_ptr, p_table, p_out, chunk_lo, hi, visible, num_entries, b_w, b_q0, b_q1, b_q2, b_q3,
-                      D: tl.constexpr, P: tl.constexpr, PAGE_BYTES: tl.constexpr, DATA_BYTES: tl.constexpr,
-                      SCALE_BYTES: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_H: tl.constexpr, ASM: tl.constexpr,
-                      PAGE_TILES: tl.constexpr):
-    """Scores of entries chunk_lo..hi-1 of one row against MXFP4 keys on FP8 MMAs: per tile, the sum over scale
-    blocks, in block order, of exact per-block MMAs (`_mxfp4_block_mma`), then ReLU and the head weights.
-    PAGE_TILES (every tile within one page, P % BLOCK_J == 0): a tile is addressed from its page, its block id read
-    one tile before its bytes and its scale words one tile before their use (a scalar and a word per key row a thread
-    holds). Its values are loaded in their own iteration: held a tile ahead in registers they would spill under the
-    register cap (`IndexerTuning.fp8_max_registers`)."""
-    o_b = tl.arange(0, BLOCK_J)
-    if PAGE_TILES:
-        block = tl.load(p_table + chunk_lo // P)
-        words = _mxfp4_page_scales(pool_ptr, block, chunk_lo % P + o_b, chunk_lo + o_b < hi, P, PAGE_BYTES,
-                                   DATA_BYTES, SCALE_BYTES)
-        block_next = tl.load(p_table + tl.minimum(chunk_lo + BLOCK_J, hi - 1) // P)
-    for j0 in range(chunk_lo, hi, BLOCK_J):
-        o_j = j0 + o_b
-        if PAGE_TILES:
-            k0, k1, k2, k3 = _mxfp4_page_data(pool_ptr, block, j0 % P + o_b, o_j < hi, D, PAGE_BYTES, DATA_BYTES)
-            s0, s1, s2, s3 = _scale_codes(words, D)
-            j1 = j0 + BLOCK_J  # the next tile: its scale words now, the block id of the one after it
-            words = _mxfp4_page_scales(pool_ptr, block_next, j1 % P + o_b, j1 + o_b < hi, P, PAGE_BYTES, DATA_BYTES,
-                                       SCALE_BYTES)
-            block = block_next
-            block_next = tl.load(p_table + tl.minimum(j1 + BLOCK_J, hi - 1) // P)
-        else:
-            k0, k1, k2, k3, s0, s1, s2, s3 = _mxfp4_tile(pool_ptr, p_table, o_j, o_j < hi, D, P, PAGE_BYTES,
-                                                         DATA_BYTES, SCALE_BYTES)
-        acc = _mxfp4_fp8_dot(k0, k1, k2, k3, s0, s1, s2, s3, b_q0, b_q1, b_q2, b_q3, BLOCK_H, D, BLOCK_J, ASM)
-        b_s = tl.sum(_relu(acc) * b_w[None, :], axis=1)
-        tl.store(p_out + o_j, tl.where(o_j < visible, b_s, float("-inf")), mask=o_j < num_entries)
-
-
-@triton.jit
-def _key_dot(pool_ptr, p_table, o_j, m_j, b_q0, b_q1,
-             FORMAT: tl.constexpr, D: tl.constexpr, P: tl.constexpr, PAGE_BYTES: tl.constexpr,
-             DATA_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr, BLOCK_J: tl.constexpr, DOT: tl.constexpr,
-             BITS: tl.constexpr = False):
-    """Keys of entries o_j [BLOCK_J] of the request whose block-table row is p_table, decoded in registers,
-    times the query -> fp32 [BLOCK_J, N]. b_q0 / b_q1: bf16 q^T [D/2, N] at the dims `_q_dims` gives (two
-    K = D/2 MMAs). Masked or unallocated entries decode to 0 and are never loaded."""
-    m_j, p_page, o_row = _entry_addresses(pool_ptr, p_table, o_j, m_j, P, PAGE_BYTES)
-    p_data, p_scale = p_page + o_row * DATA_BYTES, p_page + P * DATA_BYTES + o_row * SCALE_BYTES
-    if FORMAT == 2:
-        # [BLOCK_J, D/32 scale blocks, 16 bytes = 32 values]
-        o_nb = tl.arange(0, D // 32)
-        o_nib = tl.arange(0, 16)
-        b_byte = tl.load(p_data[:, None, None] + o_nb[None, :, None] * 16 + o_nib[None, None, :],
-                         mask=m_j[:, None, None], other=0)
-        b_code = tl.load(p_scale[:, None] + o_nb[None, :], mask=m_j[:, None], other=127).to(tl.int32)
-        if BITS:  # straight to bf16 by bit moves (DOT is bf16 on the GPU)
-            b_lo, b_hi = _e2m1_bf16(b_byte, tl.broadcast_to(_ue8m0_bf16(b_code)[:, :, None], (BLOCK_J, D // 32, 16)))
-            b_lo = tl.reshape(b_lo, (BLOCK_J, D // 2))
-            b_hi = tl.reshape(b_hi, (BLOCK_J, D // 2))
-        else:
-            b_sc = _ue8m0(b_code)[:, :, None]
-            b_lo, b_hi = _e2m1_pair(b_byte.to(tl.int32))
-            # e2m1 times a power of two: exact in fp32 (or inf / NaN, as in the reference) and in bf16
-            b_lo = tl.reshape(b_lo * b_sc, (BLOCK_J, D // 2)).to(DOT)
-            b_hi = tl.reshape(b_hi * b_sc, (BLOCK_J, D // 2)).to(DOT)
-        b_dot = tl.dot(b_lo, b_q0)
-        b_dot = tl.dot(b_hi, b_q1, b_dot)
-    elif FORMAT == 1:
-        p_k = p_data[:, None] + tl.arange(0, D // 2)[None, :]
-        b_k0 = tl.load(p_k, mask=m_j[:, None], other=0).to(tl.float8e4nv, bitcast=True).to(DOT)
-        b_k1 = tl.load(p_k + D // 2, mask=m_j[:, None], other=0).to(tl.float8e4nv, bitcast=True).to(DOT)
-        b_ks = tl.load(p_scale.to(tl.pointer_type(tl.float32)), mask=m_j, other=0.0)
-        b_dot = tl.dot(b_k1, b_q1, tl.dot(b_k0, b_q0)) * b_ks[:, None]  # a power-of-two scale: exact
-    else:
-        p_k = p_data.to(tl.pointer_type(tl.bfloat16))[:, None] + tl.arange(0, D // 2)[None, :]
-        b_k0 = tl.load(p_k, mask=m_j[:, None], other=0.0).to(DOT)
-        b_k1 = tl.load(p_k + D // 2, mask=m_j[:, None], other=0.0).to(DOT)
-        b_dot = tl.dot(b_k1, b_q1, tl.dot(b_k0, b_q0))
-    return b_dot
-
-
-@triton.jit
-def _q_dims(FORMAT: tl.constexpr, D: tl.constexpr):
-    """The q dims of the two K = D/2 halves [D/2]: even / odd for MXFP4 (they meet a key byte's low / high
-    nibbles), first / second half otherwise. Halves also halve the registers a q tile passes through on its
-    way to shared memory (128 per thread for 4 rows of 64 heads)."""
-    o_d = tl.arange(0, D // 2)
-    if FORMAT == 2:
-        return 2 * o_d, 2 * o_d + 1
-    else:
-        return o_d, o_d + D // 2
-
-
-@triton.jit
-def _relu(x):
-    """max(x, 0) that keeps NaN, like torch.relu (one max.NaN on the GPU)."""
-    return tl.maximum(x, 0.0, propagate_nan=tl.PropagateNan.ALL)
 
 
 @triton.jit
@@ -497,7 +136,7 @@ def _indexer_scores_kernel(
     COUNT: tl.constexpr, SCRATCH: tl.constexpr, COUNT_BLOCK: tl.constexpr,
 ):
     """The row kernel: one token row, one chunk of `chunk` entries (a multiple of BLOCK_J). MMA8: MXFP4 keys on FP8
-    MMAs (`_mxfp4_fp8_scores`) when every head of the row's query passed `fp8_query_operand`'s check, else the bf16
+    MMAs (`mxfp4_fp8_scores`) when every head of the row's query passed `fp8_query_operand`'s check, else the bf16
     path. COUNT: then the top-k's digit 1 of the chunk's scores into the row's histogram (`count_first_digits`)."""
     wait_for_prior_grids()
     i_t, i_c = tl.program_id(0), tl.program_id(1)
@@ -525,20 +164,20 @@ def _indexer_scores_kernel(
             q_scale = tl.load(q8_scale_ptr + t * num_heads + o_h, mask=m_h, other=1.0)
             exact = tl.min(q_scale, axis=0) > 0
             if exact:
-                b_q8_0, b_q8_1, b_q8_2, b_q8_3 = _q8_blocks(q8_ptr + t * num_heads * D + o_h[None, :] * D, m_h, D)
-                _mxfp4_fp8_scores(pool_ptr, p_table, p_out, chunk_lo, tl.minimum(chunk_hi, visible), visible,
+                b_q8_0, b_q8_1, b_q8_2, b_q8_3 = q8_blocks(q8_ptr + t * num_heads * D + o_h[None, :] * D, m_h, D)
+                mxfp4_fp8_scores(pool_ptr, p_table, p_out, chunk_lo, tl.minimum(chunk_hi, visible), visible,
                                   num_entries, b_w * q_scale, b_q8_0, b_q8_1, b_q8_2, b_q8_3, D, P, PAGE_BYTES,
                                   DATA_BYTES, SCALE_BYTES, BLOCK_J, BLOCK_H, ASM, PAGE_TILES)
         if not exact:
-            o_d0, o_d1 = _q_dims(FORMAT, D)
+            o_d0, o_d1 = q_dims(FORMAT, D)
             # [D/2, BLOCK_H]
             b_q0 = round_bf16(tl.load(p_q + o_d0[:, None], mask=m_h[None, :], other=0.0).to(tl.float32)).to(DOT)
             b_q1 = round_bf16(tl.load(p_q + o_d1[:, None], mask=m_h[None, :], other=0.0).to(tl.float32)).to(DOT)
             for j0 in range(chunk_lo, tl.minimum(chunk_hi, visible), BLOCK_J):
                 o_j = j0 + tl.arange(0, BLOCK_J)
-                b_dot = _key_dot(pool_ptr, p_table, o_j, o_j < visible, b_q0, b_q1, FORMAT, D, P, PAGE_BYTES,
+                b_dot = key_dot(pool_ptr, p_table, o_j, o_j < visible, b_q0, b_q1, FORMAT, D, P, PAGE_BYTES,
                                  DATA_BYTES, SCALE_BYTES, BLOCK_J, DOT, BITS)  # [BLOCK_J, BLOCK_H]
-                b_s = tl.sum(_relu(b_dot) * b_w[None, :], axis=1)
+                b_s = tl.sum(relu(b_dot) * b_w[None, :], axis=1)
                 tl.store(p_out + o_j, tl.where(o_j < visible, b_s, float("-inf")), mask=o_j < num_entries)
         if COUNT:  # read back from this program's own stores, in a layout with no replicated lanes
             tl.debug_barrier()
@@ -559,7 +198,7 @@ def _store_stacked(b_dot, b_w, o_j, visible, p_out, seg, num_entries, BLOCK_J: t
     """The stacked kernel's epilogue: ReLU of the dots [BLOCK_J, BLOCK_T * BLOCK_H], the head weights b_w
     [BLOCK_T, BLOCK_H] (D^-0.5 folded in), the sum over heads, -inf past each row's visible count; stored for the
     segment's rows."""
-    b_dot = tl.reshape(_relu(b_dot), (BLOCK_J, BLOCK_T, BLOCK_H))
+    b_dot = tl.reshape(relu(b_dot), (BLOCK_J, BLOCK_T, BLOCK_H))
     b_s = tl.sum(b_dot * b_w[None, :, :], axis=2)  # [BLOCK_J, BLOCK_T]
     b_s = tl.where(o_j[:, None] < visible[None, :], b_s, float("-inf"))
     tl.store(p_out[None, :] + o_j[:, None], b_s, mask=seg[None, :] & (o_j < num_entries)[:, None])
@@ -627,19 +266,19 @@ def _indexer_scores_stacked_kernel(
             if exact:
                 o_n = tl.reshape(o_t.to(tl.int64)[:, None] * (num_heads * D) + o_h[None, :] * D,
                                  (1, BLOCK_T * BLOCK_H))
-                b_q8_0, b_q8_1, b_q8_2, b_q8_3 = _q8_blocks(q8_ptr + o_n, tl.reshape(m_w, (BLOCK_T * BLOCK_H,)), D)
+                b_q8_0, b_q8_1, b_q8_2, b_q8_3 = q8_blocks(q8_ptr + o_n, tl.reshape(m_w, (BLOCK_T * BLOCK_H,)), D)
                 for j0 in range(chunk_lo, seg_hi, BLOCK_J):
                     o_j = j0 + tl.arange(0, BLOCK_J)
-                    k0, k1, k2, k3, s0, s1, s2, s3 = _mxfp4_tile(pool_ptr, p_table, o_j, o_j < seg_hi, D, P,
+                    k0, k1, k2, k3, s0, s1, s2, s3 = mxfp4_tile(pool_ptr, p_table, o_j, o_j < seg_hi, D, P,
                                                                  PAGE_BYTES, DATA_BYTES, SCALE_BYTES)
-                    acc = _mxfp4_fp8_dot(k0, k1, k2, k3, s0, s1, s2, s3, b_q8_0, b_q8_1, b_q8_2, b_q8_3,
+                    acc = mxfp4_fp8_dot(k0, k1, k2, k3, s0, s1, s2, s3, b_q8_0, b_q8_1, b_q8_2, b_q8_3,
                                          BLOCK_T * BLOCK_H, D, BLOCK_J, ASM)
                     b_w = tl.load(p_w, mask=m_w, other=0.0) * score_scale * tl.load(p_q8s, mask=m_w, other=0.0)
                     _store_stacked(acc, b_w, o_j, visible, p_out, seg, num_entries, BLOCK_J, BLOCK_T, BLOCK_H)
         if not exact:
             # q^T of the segment's rows stacked in N: column t * BLOCK_H + h; other rows and padded heads are zero
             m_q = seg[None, :, None] & m_h[None, None, :]
-            o_d0, o_d1 = _q_dims(FORMAT, D)
+            o_d0, o_d1 = q_dims(FORMAT, D)
             # [D/2, BLOCK_T, BLOCK_H]
             b_q0 = round_bf16(tl.load(p_q + o_d0[:, None, None], mask=m_q, other=0.0).to(tl.float32))
             b_q0 = tl.reshape(b_q0, (D // 2, BLOCK_T * BLOCK_H)).to(DOT)
@@ -647,7 +286,7 @@ def _indexer_scores_stacked_kernel(
             b_q1 = tl.reshape(b_q1, (D // 2, BLOCK_T * BLOCK_H)).to(DOT)
             for j0 in range(chunk_lo, seg_hi, BLOCK_J):
                 o_j = j0 + tl.arange(0, BLOCK_J)
-                b_dot = _key_dot(pool_ptr, p_table, o_j, o_j < seg_hi, b_q0, b_q1, FORMAT, D, P, PAGE_BYTES,
+                b_dot = key_dot(pool_ptr, p_table, o_j, o_j < seg_hi, b_q0, b_q1, FORMAT, D, P, PAGE_BYTES,
                                  DATA_BYTES, SCALE_BYTES, BLOCK_J, DOT)  # [BLOCK_J, BLOCK_T * BLOCK_H]
                 # the head weights are (re)loaded per tile (L1 hits): held across the loop they would take 64
                 # registers per thread at N = 256, as many as half the accumulator; D^-0.5 folded in
@@ -711,18 +350,6 @@ def _stacked(plan: StepPlan, tuning: IndexerTuning) -> bool:
     an MMA and an epilogue BLOCK_T times wider than in the row kernel, a chunk's rows share their key tiles. Host
     facts only (`plan.num_tokens`, `plan.request_ids`), so the choice never reads the device."""
     return plan.num_tokens >= tuning.stack_min_rows_per_request * max(len(plan.request_ids), 1)
-
-
-def key_format(layout: EntryLayout) -> int:
-    if isinstance(layout, IndexerMXFP4Layout):
-        return KEYS_MXFP4
-    if isinstance(layout, IndexerFP8Layout):
-        require(layout.scale_bytes == 4, f"layout: fp8 keys need one fp32 scale (4 B), got {layout.scale_bytes} B")
-        return KEYS_FP8
-    require(type(layout) is EntryLayout and layout.scale_bytes == 0 and layout.data_bytes == 2 * layout.dim
-            and not layout.rotated,
-            f"layout: expected an indexer layout (dsv4kv.layout.indexer_layout: mxfp4, fp8 or bf16), got {layout!r}")
-    return KEYS_BF16
 
 
 def counts_digits(plan: StepPlan, tuning: IndexerTuning | None = None) -> bool:
@@ -823,6 +450,36 @@ def indexer_scores_paged(q: torch.Tensor, weights: torch.Tensor, plan, key_pool:
     require(isinstance(plan, StepPlan), f"plan: expected a StepPlan, got {type(plan).__name__}")
     require(tuning is None or isinstance(tuning, IndexerTuning),
             f"tuning: expected an IndexerTuning, got {type(tuning).__name__}")
+    device = _check_inputs(q, weights, plan, key_pool, layout, ratio, page_tokens, stack_rows, fill, q_fp8)
+    rows, heads, per_page = padded_rows(plan), q.shape[1], page_tokens // ratio
+    tuning = tuning if tuning is not None else tuning_for(device)
+    stacked = _stacked(plan, tuning) if stack_rows is None else stack_rows
+    if digit_counts is not None:
+        check_tensor("digit_counts", digit_counts, dtype=torch.int32, shape=(rows, 256), device=device,
+                     contiguous=False)
+        require(digit_counts.stride(1) == 1, "digit_counts: expected each row's 256 counts contiguous")
+        require(not stacked, "digit_counts: only the row (decode) kernel counts digits; this call takes the stacked "
+                             "kernel (see counts_digits)")
+    out = _scores_out(out, max_entries, plan, rows, per_page, device)
+    if rows == 0 or out.shape[1] == 0:
+        return out
+    meta = {"FORMAT": key_format(layout), "RATIO": ratio, "D": layout.dim, "P": per_page,
+            "PAGE_BYTES": key_pool.shape[1], "DATA_BYTES": layout.data_bytes, "SCALE_BYTES": layout.scale_bytes,
+            "BLOCK_H": max(16, triton.next_power_of_2(heads)),
+            # Triton's interpreter multiplies the bit patterns of bf16 dot operands (triton-lang/triton#11584):
+            # there the same bf16 values go through an fp32 dot, which forms the same exact products
+            "DOT": tl.float32 if interpreted() else tl.bfloat16, "FILL": fill}
+    args = (q, weights, plan.positions, plan.token_request, plan.request_slots, plan.block_table, key_pool, out)
+    if stacked:
+        _launch_stacked(args, meta, q_fp8, plan, tuning)
+    else:
+        _launch_row(args, meta, q_fp8, plan, digit_counts, tuning)
+    return out
+
+
+def _check_inputs(q, weights, plan: StepPlan, key_pool, layout: EntryLayout, ratio, page_tokens, stack_rows, fill,
+                  q_fp8) -> torch.device:
+    """`indexer_scores_paged`'s argument checks (but `digit_counts`, `out`, `tuning`) -> the pool's device."""
     fmt = key_format(layout)
     dim = layout.dim
     require(isinstance(ratio, int) and ratio > 0, f"ratio: expected a positive int, got {ratio!r}")
@@ -830,8 +487,7 @@ def indexer_scores_paged(q: torch.Tensor, weights: torch.Tensor, plan, key_pool:
             f"page_tokens: expected a positive multiple of ratio {ratio}, got {page_tokens!r}")
     require(dim >= 32 and dim & (dim - 1) == 0, f"layout: the kernel needs a power-of-two dim >= 32, got {dim}")
     device = key_pool.device if isinstance(key_pool, torch.Tensor) else None
-    per_page = page_tokens // ratio
-    check_pool("key_pool", key_pool, layout, per_page, device)
+    check_pool("key_pool", key_pool, layout, page_tokens // ratio, device)
     align = 2 if fmt == KEYS_BF16 else min(layout.scale_bytes, 4)  # the widest word a kernel loads from the pool
     require(key_pool.data_ptr() % align == 0,
             f"key_pool: its first byte must be aligned to {align} bytes (the kernels load a key's scales, or its bf16 "
@@ -852,71 +508,62 @@ def indexer_scores_paged(q: torch.Tensor, weights: torch.Tensor, plan, key_pool:
         require(isinstance(q_fp8, tuple) and len(q_fp8) == 2, "q_fp8: expected (codes, scales) from indexer_query_fp8")
         check_tensor("q_fp8 codes", q_fp8[0], dtype=torch.uint8, shape=tuple(q.shape), device=device)
         check_tensor("q_fp8 scales", q_fp8[1], dtype=torch.float32, shape=(rows, heads), device=device)
-    tuning = tuning if tuning is not None else tuning_for(device)
-    stacked = _stacked(plan, tuning) if stack_rows is None else stack_rows
-    if digit_counts is not None:
-        check_tensor("digit_counts", digit_counts, dtype=torch.int32, shape=(rows, 256), device=device,
-                     contiguous=False)
-        require(digit_counts.stride(1) == 1, "digit_counts: expected each row's 256 counts contiguous")
-        require(not stacked, "digit_counts: only the row (decode) kernel counts digits; this call takes the stacked "
-                             "kernel (see counts_digits)")
+    return device
+
+
+def _scores_out(out, max_entries, plan: StepPlan, rows: int, per_page: int, device: torch.device) -> torch.Tensor:
+    """The caller's `out` fp32 [rows, J] (checked), or a new one of J = max_entries (default: the block table's)."""
     if out is not None:
         check_tensor("out", out, dtype=torch.float32, shape=(rows, None), device=device)
         require(max_entries is None or max_entries == out.shape[1],
                 f"max_entries: {max_entries} disagrees with out's {out.shape[1]} columns")
-        entries = out.shape[1]
-    else:
-        if max_entries is None:
-            max_entries = plan.block_table.shape[1] * per_page
-        require(isinstance(max_entries, int) and max_entries >= 0,
-                f"max_entries: expected a non-negative int, got {max_entries!r}")
-        entries = max_entries
-        out = torch.empty((rows, entries), dtype=torch.float32, device=device)
-    if rows == 0 or entries == 0:
         return out
+    if max_entries is None:
+        max_entries = plan.block_table.shape[1] * per_page
+    require(isinstance(max_entries, int) and max_entries >= 0,
+            f"max_entries: expected a non-negative int, got {max_entries!r}")
+    return torch.empty((rows, max_entries), dtype=torch.float32, device=device)
 
-    block_h = max(16, triton.next_power_of_2(heads))
-    common = {"FORMAT": fmt, "RATIO": ratio, "D": dim, "P": per_page, "PAGE_BYTES": key_pool.shape[1],
-              "DATA_BYTES": layout.data_bytes, "SCALE_BYTES": layout.scale_bytes, "BLOCK_H": block_h,
-              # Triton's interpreter multiplies the bit patterns of bf16 dot operands (triton-lang/triton#11584):
-              # there the same bf16 values go through an fp32 dot, which forms the same exact products
-              "DOT": tl.float32 if interpreted() else tl.bfloat16, "FILL": fill}
-    args = (q, weights, plan.positions, plan.token_request, plan.request_slots, plan.block_table, key_pool, out)
-    if stacked:
-        mma8 = _stack_takes_fp8(fmt, dim, device, tuning)
-        block_t, block_j, iters, num_warps, num_stages = _stack_config(
-            rows, entries, block_h, device, tuning.stacked_fp8 if mma8 else tuning.stacked, tuning.grid_waves)
-        chunk = block_j * iters  # a runtime int (a multiple of 16 for Triton): no compilation per chunk size
-        grid = (triton.cdiv(rows, block_t), triton.cdiv(entries, chunk))
-        q8, q8_scale = _q8_args(q, q_fp8, mma8)
-        _indexer_scores_stacked_kernel[grid](
-            *args, q8, q8_scale, rows, heads, entries, plan.block_table.stride(0), dim ** -0.5, chunk, **common,
-            BLOCK_T=block_t, BLOCK_J=block_j,
-            FILL_J=min(chunk, max(block_j, tuning.fill_elems // block_t)) if fill else block_j, MMA8=mma8,
-            ASM=not interpreted(), num_warps=num_warps, num_stages=num_stages, **launch_options(device))
-    else:
-        block_j, iters, num_warps = _config(rows, entries, device, tuning)
-        chunk = block_j * iters
-        grid = (rows, triton.cdiv(entries, chunk))
-        mma8 = _row_takes_fp8(fmt, dim, device, tuning)
-        q8, q8_scale = _q8_args(q, q_fp8, mma8)
-        cap = {"maxnreg": tuning.fp8_max_registers} if mma8 and not interpreted() else {}
-        bits = device.type == "cuda" and hopper_or_later(device) and not interpreted()  # bf16x2 multiplies: sm_90
-        require(digit_counts is None or tuning.count_block >= 32 * num_warps,
-                f"digit_counts: a {tuning.count_block}-score tile over {num_warps} warps would replicate lanes, "
-                "which the warp counts would count twice (IndexerTuning.count_block)")
-        count = digit_counts is not None
-        scratch = count and entries > tuning.digit_count_scratch_above
-        counts = (digit_counts if count else out, digit_counts.stride(0) if count else 0,  # `out`: unread stand-ins
-                  torch.empty(grid[0] * grid[1] * 256, dtype=torch.int32, device=device) if scratch else out)
-        # FILL_J (the chunk, a tile shape) matters only with fill: without, one kernel serves every chunk size
-        _indexer_scores_kernel[grid](*args, q8, q8_scale, *counts, heads, entries, plan.block_table.stride(0),
-                                     dim ** -0.5, chunk,
-                                     **common, BLOCK_J=block_j, FILL_J=chunk if fill else block_j, MMA8=mma8,
-                                     ASM=not interpreted(), BITS=bits,
-                                     PAGE_TILES=mma8 and tuning.page_tiles and per_page % block_j == 0,
-                                     COUNT=count, SCRATCH=scratch, COUNT_BLOCK=tuning.count_block,
-                                     num_warps=num_warps,
-                                     num_stages=tuning.row.num_stages,
-                                     **cap, **launch_options(device))
-    return out
+
+def _launch_stacked(args: tuple, meta: dict, q_fp8, plan: StepPlan, tuning: IndexerTuning) -> None:
+    """The stacked kernel over `args` (q, weights, the plan's tensors, the pool, out) with the shared `meta`."""
+    q, out = args[0], args[-1]
+    (rows, entries), heads, device = out.shape, q.shape[1], out.device
+    mma8 = _stack_takes_fp8(meta["FORMAT"], meta["D"], device, tuning)
+    block_t, block_j, iters, num_warps, num_stages = _stack_config(
+        rows, entries, meta["BLOCK_H"], device, tuning.stacked_fp8 if mma8 else tuning.stacked, tuning.grid_waves)
+    chunk = block_j * iters  # a runtime int (a multiple of 16 for Triton): no compilation per chunk size
+    grid = (triton.cdiv(rows, block_t), triton.cdiv(entries, chunk))
+    q8, q8_scale = _q8_args(q, q_fp8, mma8)
+    fill_j = min(chunk, max(block_j, tuning.fill_elems // block_t)) if meta["FILL"] else block_j
+    _indexer_scores_stacked_kernel[grid](
+        *args, q8, q8_scale, rows, heads, entries, plan.block_table.stride(0), meta["D"] ** -0.5, chunk, **meta,
+        BLOCK_T=block_t, BLOCK_J=block_j, FILL_J=fill_j, MMA8=mma8, ASM=not interpreted(), num_warps=num_warps,
+        num_stages=num_stages, **launch_options(device))
+
+
+def _launch_row(args: tuple, meta: dict, q_fp8, plan: StepPlan, digit_counts, tuning: IndexerTuning) -> None:
+    """The row kernel over `args` (as `_launch_stacked`'s), counting the top-k's first digit into `digit_counts`."""
+    q, out = args[0], args[-1]
+    (rows, entries), heads, device = out.shape, q.shape[1], out.device
+    block_j, iters, num_warps = _config(rows, entries, device, tuning)
+    chunk = block_j * iters
+    grid = (rows, triton.cdiv(entries, chunk))
+    mma8 = _row_takes_fp8(meta["FORMAT"], meta["D"], device, tuning)
+    q8, q8_scale = _q8_args(q, q_fp8, mma8)
+    cap = {"maxnreg": tuning.fp8_max_registers} if mma8 and not interpreted() else {}
+    bits = device.type == "cuda" and hopper_or_later(device) and not interpreted()  # bf16x2 multiplies: sm_90
+    require(digit_counts is None or tuning.count_block >= 32 * num_warps,
+            f"digit_counts: a {tuning.count_block}-score tile over {num_warps} warps would replicate lanes, "
+            "which the warp counts would count twice (IndexerTuning.count_block)")
+    count = digit_counts is not None
+    scratch = count and entries > tuning.digit_count_scratch_above
+    counts = (digit_counts if count else out, digit_counts.stride(0) if count else 0,  # `out`: unread stand-ins
+              torch.empty(grid[0] * grid[1] * 256, dtype=torch.int32, device=device) if scratch else out)
+    # FILL_J (the chunk, a tile shape) matters only with fill: without, one kernel serves every chunk size
+    _indexer_scores_kernel[grid](
+        *args, q8, q8_scale, *counts, heads, entries, plan.block_table.stride(0), meta["D"] ** -0.5, chunk, **meta,
+        BLOCK_J=block_j, FILL_J=chunk if meta["FILL"] else block_j, MMA8=mma8, ASM=not interpreted(), BITS=bits,
+        PAGE_TILES=mma8 and tuning.page_tiles and meta["P"] % block_j == 0, COUNT=count, SCRATCH=scratch,
+        COUNT_BLOCK=tuning.count_block, num_warps=num_warps, num_stages=tuning.row.num_stages, **cap,
+        **launch_options(device))

@@ -31,8 +31,8 @@ from ..shared.encode import (
     program_rows,
     rotate_keys,
 )
-from .kernel import KEYS_BF16, KEYS_MXFP4, fp8_query_operand
-from .kernel import key_format as _layout_format
+from .keys import KEYS_BF16, KEYS_MXFP4, fp8_query_operand
+from .keys import key_format as _layout_format
 from ..rope.kernel import check_cos_sin, rope_pairs
 from ..shared.launch import check_pair_ends, launch_options, let_next_grid_launch, wait_for_prior_grids
 from .tuning import QueryTuning, query_tuning_for
@@ -66,7 +66,7 @@ def _indexer_query_kernel(q_ptr, cos_ptr, sin_ptr, out_ptr, w_ptr, w_out_ptr, q8
                           LOG_D: tl.constexpr, BLOCK_H: tl.constexpr, FORMAT: tl.constexpr, WEIGHTS: tl.constexpr,
                           FP8_OUT: tl.constexpr, LAUNCH_NEXT: tl.constexpr, WAIT_LATE: tl.constexpr):
     """Row i_t, heads i_h * BLOCK_H ..: q bf16 -> roped (bf16 values) -> FORMAT's query numerics, fp32 out; FP8_OUT
-    (MXFP4): also the scores kernel's FP8 MMA operand of those values (`indexer.fp8_query_operand`). LAUNCH_NEXT:
+    (MXFP4): also the scores kernel's FP8 MMA operand of those values (`keys.fp8_query_operand`). LAUNCH_NEXT:
     the next grid may launch once this one's programs have waited (`launch.let_next_grid_launch`); WAIT_LATE: the
     wait for the grid before it comes last (the second kernel of a pair)."""
     if not WAIT_LATE:
@@ -86,12 +86,12 @@ def _indexer_query_kernel(q_ptr, cos_ptr, sin_ptr, out_ptr, w_ptr, w_out_ptr, q8
         b_y = b_x
     else:
         b_r = rotate_keys(b_x, h_scale, LOG_D)  # the keys' own rotation (compress_insert), rounded to bf16
-        if FORMAT == 1:  # FP8 (indexer._FP8): one pow2 scale per head row (block = D)
+        if FORMAT == 1:  # FP8 (`reference.indexer_query`): one pow2 scale per head row (block = D)
             e, finite = pow2_exponent(nan_amax(b_r, 1), 8, 0x600000)  # 448 = 1.75 * 2^8
             b_q = tl.minimum(tl.maximum(b_r * exp2_int(-e)[:, None], -448.0), 448.0)
             b_y = e4m3_round(b_q) * exp2_int(e)[:, None]  # the value on the e4m3 grid, -0 kept
             b_y = tl.where(finite[:, None], b_y, float("nan"))
-        elif FORMAT == 2:  # MXFP4 (indexer._MXFP4): one pow2 scale per 32 values
+        elif FORMAT == 2:  # MXFP4 (`reference.indexer_query`): one pow2 scale per 32 values
             b_blk = tl.reshape(b_r, (BLOCK_H, D // 32, 32))
             e, finite = pow2_exponent(nan_amax(b_blk, 2), 2, 0x400000)  # 6 = 1.5 * 2^2
             b_y = _e2m1_value(e2m1_bits(b_blk * exp2_int(-e)[:, :, None])) * exp2_int(e)[:, :, None]
@@ -178,7 +178,7 @@ def indexer_query_and_weights(q: torch.Tensor, weights: torch.Tensor, cos: torch
     weights: bf16 or fp32 [N, H] (weights_proj's output); scale: e.g. index_n_heads^-0.5 (applied as an fp32,
     as torch does for a Python scalar); weights_out: fp32 [N, H], contiguous (may be weights itself when fp32);
     fp8_out (MXFP4 keys): (uint8 [N, H, D], fp32 [N, H]) for the scores kernel's FP8 operand of the query, written in
-    the same launch, bit for bit `indexer.indexer_query_fp8(query)`; launch_next / wait_late: the first / second
+    the same launch, bit for bit `kernel.indexer_query_fp8(query)`; launch_next / wait_late: the first / second
     kernel of a pair (`launch`'s module docstring), beside `compress_insert(wait_late=True)` /
     `compress_insert(launch_next=True)`. Every input is the caller's, as a wait_late kernel needs. tuning: as
     `indexer_query_rows`'s. Returns (query fp32 [N, H, D], weights fp32 [N, H])."""

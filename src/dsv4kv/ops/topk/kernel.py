@@ -7,11 +7,12 @@ many rows of moderate length) or a radix select split over programs (long rows).
 Row r's candidates are columns 0..lengths[r]-1 (lengths clamped to [0, J]) whose score is not -inf;
 columns past the length are never read. Among equal scores the lower column wins, so the set is the one
 `ops.topk.reference.topk_picks` gives (a stable descending sort); -0.0 and +0.0 count as equal. NaN
-scores inside the length are unspecified (they get some rank; nothing is written out of bounds).
+scores inside the length are unspecified (they get some rank; nothing is written out of bounds). The keys, digit
+counts and picks both kernels share are `keys.py`'s.
 
 Row kernel (`_topk_row_kernel`; rows of up to `TopkTuning.row_max_cols` columns, or `row_max_cols_many` when there
 are `row_many` rows or more). One program holds its row's keys (below) in registers and finds the k-th largest key T
-by bisection on the int32 key space (`_kth_key`). The picks are every key > T and the first k - #(key > T) keys == T
+by bisection on the int32 key space (`kth_key`). The picks are every key > T and the first k - #(key > T) keys == T
 in column order, stored in column order by a running count. No workspace is used. One SM per row makes a long lone
 row slow, hence the split kernel past those sizes.
 
@@ -37,7 +38,7 @@ C  [S per row]  digit 2 from hist2, i.e. the 16-bit prefix P of T; the chunk's c
                 offsets from suffix[r, :, d2]
 D  [1 per row]  the low 16 bits of T, then the picks (running counts, ties counted in column order) and the -1
                 tail. With M <= SELECT the buffer is read once into registers and T found there by bisection
-                (`_kth_key`, at most 16 steps of one compare per key); else three passes over the buffer, digits 3
+                (`kth_key`, at most 16 steps of one compare per key); else three passes over the buffer, digits 3
                 and 4 from two histograms. It zeroes the row's histograms and counters for the next call.
 
 Passes over the scores: three (phases A-C, chunks in parallel; after the first, from L2; two where the producer
@@ -65,10 +66,11 @@ from ...checks import require
 from ...checks import check_tensor
 from ..shared.common import sm_count
 from ..shared.launch import launch_options, wait_for_prior_grids
+from .keys import (candidate_keys, count_digits, count_first_digits, fill_tail, histogram, kth_key,
+                   load_shared, pick_digit, row_tile, sortable, write_picks)
 from .tuning import SplitTiling, TopkTuning, default, tuning_for
 
-__all__ = ["topk_indices", "topk_workspace", "first_digit_counts", "count_first_digits", "takes_first_digit_counts",
-           "MAX_K"]
+__all__ = ["topk_indices", "topk_workspace", "first_digit_counts", "takes_first_digit_counts", "MAX_K"]
 
 MAX_K = 2048
 _BINS = 256  # 8-bit digits: four levels cover the 32-bit key
@@ -230,126 +232,19 @@ _C_HIST1, _C_HIST2, _C_HEADER = tl.constexpr(_HIST1), tl.constexpr(_HIST2), tl.c
 
 
 @triton.jit
-def _sortable(x):
-    """fp32 -> int32 whose signed order is the float order; -0.0 maps onto +0.0 (they tie)."""
-    b_bits = x.to(tl.int32, bitcast=True)
-    b_bits = tl.where(b_bits == -2147483648, 0, b_bits)
-    return b_bits ^ ((b_bits >> 31) & 0x7FFFFFFF)
-
-
-@triton.jit
-def _row_tile(p_row, start, end, BLOCK: tl.constexpr):
-    """Columns start.. of a row: (columns, keys, candidate mask); columns >= end are not read."""
-    o_c = start + tl.arange(0, BLOCK)
-    m_c = o_c < end
-    b_x = tl.load(p_row + o_c, mask=m_c, other=float("-inf"))
-    return o_c, _sortable(b_x), m_c & (b_x != float("-inf"))
-
-
-@triton.jit
-def _candidate_keys(p_row, o_c, n):
-    """Keys of columns o_c (any shape) of a row of n columns: int32 min where there is no candidate (past n, or -inf),
-    and candidates above it (NaN's lowest key pattern moves up one)."""
-    b_x = tl.load(p_row + o_c, mask=o_c < n, other=float("-inf"))
-    return tl.where((o_c < n) & (b_x != float("-inf")), tl.maximum(_sortable(b_x), -2147483647), -2147483648)
-
-
-@triton.jit
-def _histogram(digits, mask, BLOCK: tl.constexpr):
-    """int32 [256] counts of digits[mask] (masked lanes go to bin 0 and are taken back out)."""
-    b_h = tl.histogram(tl.where(mask, digits, 0), 256)
-    missed = BLOCK - tl.sum(mask.to(tl.int32))
-    return b_h - tl.where(tl.arange(0, 256) == 0, missed, 0)
-
-
-@triton.jit
-def _count_digits(p_counts, digits, mask, ASM: tl.constexpr):
-    """p_counts[d] += #(set lanes of mask with digit d) (digits 0..255). ASM (a GPU): per key, the lanes of its warp
-    that hold the same digit (match.any; unset lanes hold -1) elect their lowest lane, which adds their count to
-    global memory (red, relaxed: the program reads the counts back after a CTA barrier). Every thread must hold
-    distinct keys (a tile of at least 32 x warps lanes), or a replicated key would count twice. Else an atomic add
-    per key (the interpreter runs no inline PTX)."""
-    if ASM:
-        tl.inline_asm_elementwise(
-            asm="""{
-            .reg .pred p_leader;
-            .reg .b32 peers, lower, count;
-            match.any.sync.b32 peers, $1, 0xffffffff;
-            mov.u32 lower, %lanemask_lt;
-            and.b32 lower, lower, peers;
-            popc.b32 count, peers;
-            setp.ge.s32 p_leader, $1, 0;
-            setp.eq.and.u32 p_leader, lower, 0, p_leader;
-            @p_leader red.relaxed.gpu.global.add.u32 [$2], count;
-            mov.u32 $0, 0;
-            }""",
-            constraints="=r,r,l", args=[tl.where(mask, digits, -1), p_counts + tl.where(mask, digits, 0)],
-            dtype=tl.int32, is_pure=False, pack=1)
-    else:
-        tl.atomic_add(p_counts + digits, tl.full(digits.shape, 1, tl.int32), mask=mask, sem="relaxed")
-
-
-@triton.jit
-def count_first_digits(p_row, lo, hi, p_hist, p_scratch, ASM: tl.constexpr, BLOCK: tl.constexpr,
-                       SCRATCH: tl.constexpr, AHEAD: tl.constexpr = False):
-    """p_hist[d] += how many candidates among columns lo..hi-1 of a score row have digit 1 (key >> 24, + 128) = d:
-    phase A's count (phase A calls it with SCRATCH), and the same made by the kernel that writes the scores
-    (`first_digit_counted`; its stores of those scores must precede this, a CTA barrier). Straight into the row's
-    histogram, or (SCRATCH) into the program's own 256-count row p_scratch first, then added once per bin: many
-    programs of one long row would meet at its few busy bins. AHEAD: the first tile's loads issued first, before
-    the scratch row is zeroed, and that tile counted outside the loop (`SplitTiling.first_tile_ahead`). BLOCK >= 32
-    x warps (`_count_digits`)."""
-    first = lo  # where the loop starts: past the first tile when that is loaded ahead
-    if AHEAD:
-        o_c, b_key, m_c = _row_tile(p_row, lo, hi, BLOCK)
-        first = lo + BLOCK
-    p_counts = p_hist
-    if SCRATCH:
-        o_b = tl.arange(0, 256)
-        tl.store(p_scratch + o_b, tl.zeros([256], dtype=tl.int32))
-        tl.debug_barrier()
-        p_counts = p_scratch
-    if AHEAD:  # outside the loop, which carries no tile (registers; an empty chunk's tile is all masked)
-        _count_digits(p_counts, (b_key >> 24) + 128, m_c, ASM)
-    for start in range(first, hi, BLOCK):
-        o_c, b_key, m_c = _row_tile(p_row, start, hi, BLOCK)
-        _count_digits(p_counts, (b_key >> 24) + 128, m_c, ASM)
-    if SCRATCH:
-        tl.debug_barrier()
-        b_h = _shared(p_scratch + o_b)
-        tl.atomic_add(p_hist + o_b, b_h, mask=b_h != 0, sem="relaxed")
-
-
-@triton.jit
-def _pick(b_h, need):
-    """The digit where the count from the top reaches `need` (0 when it never does) and how many
-    keys with that digit are still needed."""
-    o_b = tl.arange(0, 256)
-    b_suffix = tl.sum(b_h) - tl.cumsum(b_h, 0) + b_h  # keys with digit >= b
-    digit = tl.max(tl.where(b_suffix >= need, o_b, 0))
-    return digit, need - tl.sum(tl.where(o_b > digit, b_h, 0))
-
-
-@triton.jit
-def _shared(p):
-    """A load of data other programs of this launch wrote: past L1, which is not coherent across SMs."""
-    return tl.load(p, cache_modifier=".cg")
-
-
-@triton.jit
 def _histograms(p_ws):
     """hist1 and hist2, both loads issued before either is used (a pick's scan holds CTA barriers, which a later
     load would not be moved above)."""
     o_b = tl.arange(0, 256)
-    return _shared(p_ws + _C_HIST1 + o_b), _shared(p_ws + _C_HIST2 + o_b)
+    return load_shared(p_ws + _C_HIST1 + o_b), load_shared(p_ws + _C_HIST2 + o_b)
 
 
 @triton.jit
 def _prefix16(hist1, hist2, k):
     """The 16-bit prefix of the threshold (signed, as key >> 16), its digit 2 and the count still
     needed among keys with that prefix, from the row's two histograms (`_histograms`)."""
-    d1, need1 = _pick(hist1, k)
-    d2, need2 = _pick(hist2, need1)
+    d1, need1 = pick_digit(hist1, k)
+    d2, need2 = pick_digit(hist2, need1)
     return (d1 - 128) * 256 + d2, d2, need2
 
 
@@ -372,7 +267,7 @@ def _digit2_tile(p_chunk, b_key, m_c, top, b_above, ASM: tl.constexpr):
     """Phase B over one tile: its keys above top digit `top` added to b_above (returned), its digit 2 among keys of
     that top digit counted into p_chunk."""
     b_above += (m_c & ((b_key >> 24) > top)).to(tl.int32)
-    _count_digits(p_chunk, (b_key >> 16) & 255, m_c & ((b_key >> 24) == top), ASM)
+    count_digits(p_chunk, (b_key >> 16) & 255, m_c & ((b_key >> 24) == top), ASM)
     return b_above
 
 
@@ -381,22 +276,22 @@ def _phase_b(p_row, p_ws, i_s, lo, hi, k, BLOCK: tl.constexpr, ASM: tl.constexpr
     o_b = tl.arange(0, 256)
     first = lo
     if AHEAD:  # the first tile's loads in flight with hist1's
-        o_c, b_key, m_c = _row_tile(p_row, lo, hi, BLOCK)
+        o_c, b_key, m_c = row_tile(p_row, lo, hi, BLOCK)
         first = lo + BLOCK
     p_chunk = p_ws + _C_HEADER + i_s * 256  # this chunk's digit-2 counts, then its suffix
     # counted from zero: the row holds phase A's counts, or the previous call's suffix
     tl.store(p_chunk + o_b, tl.zeros([256], dtype=tl.int32))
-    d1, _ = _pick(_shared(p_ws + _C_HIST1 + o_b), k)
+    d1, _ = pick_digit(load_shared(p_ws + _C_HIST1 + o_b), k)
     top = d1 - 128  # digit 1 as key >> 24
     tl.debug_barrier()  # the zeros before any warp's counts
     b_above = tl.zeros([BLOCK], dtype=tl.int32)  # keys whose top digit is higher: all in the buffer
     if AHEAD:  # outside the loop, as in phase A
         b_above = _digit2_tile(p_chunk, b_key, m_c, top, b_above, ASM)
     for start in range(first, hi, BLOCK):
-        o_c, b_key, m_c = _row_tile(p_row, start, hi, BLOCK)
+        o_c, b_key, m_c = row_tile(p_row, start, hi, BLOCK)
         b_above = _digit2_tile(p_chunk, b_key, m_c, top, b_above, ASM)
     tl.debug_barrier()  # every warp's counts are in
-    b_h = _shared(p_chunk + o_b)
+    b_h = load_shared(p_chunk + o_b)
     tl.debug_barrier()  # read by every warp before the suffix overwrites them
     tl.atomic_add(p_ws + _C_HIST2 + o_b, b_h, mask=b_h != 0, sem="relaxed")
     # this chunk's keys with key >> 16 >= (top, b), for each digit b that phase C may choose
@@ -409,7 +304,7 @@ def _buffer_tile(p_keys, CAP, o_c, b_key, m_c, prefix, at):
     """Phase C over one tile: its keys with key >> 16 >= prefix into the buffer from slot `at`, in column order.
     Returns how many."""
     m_keep = m_c & ((b_key >> 16) >= prefix)
-    # a flat cumsum: the rows-of-4 scan (`_running_sum`, then of a mask) made this phase slower (more registers)
+    # a flat cumsum: the rows-of-4 scan (`running_sum`, then of a mask) made this phase slower (more registers)
     o_buf = at + tl.cumsum(m_keep.to(tl.int32), 0) - 1
     tl.store(p_keys + o_buf, b_key, mask=m_keep)
     tl.store(p_keys + CAP + o_buf, o_c, mask=m_keep)
@@ -420,7 +315,7 @@ def _buffer_tile(p_keys, CAP, o_c, b_key, m_c, prefix, at):
 def _phase_c(p_row, p_ws, i_s, lo, hi, S, CAP, k, BLOCK: tl.constexpr, SPLITS: tl.constexpr, AHEAD: tl.constexpr):
     first = lo
     if AHEAD:  # the first tile's loads in flight with the histograms'
-        o_c, b_key, m_c = _row_tile(p_row, lo, hi, BLOCK)
+        o_c, b_key, m_c = row_tile(p_row, lo, hi, BLOCK)
         first = lo + BLOCK
     hist1, hist2 = _histograms(p_ws)
     prefix, d2, _ = _prefix16(hist1, hist2, k)
@@ -433,7 +328,7 @@ def _phase_c(p_row, p_ws, i_s, lo, hi, S, CAP, k, BLOCK: tl.constexpr, SPLITS: t
         at += _buffer_tile(p_keys, CAP, o_c, b_key, m_c & (o_c < hi), prefix, at)
     written = tl.full((), 0, tl.int32)
     for start in range(first, hi, BLOCK):
-        o_c, b_key, m_c = _row_tile(p_row, start, hi, BLOCK)
+        o_c, b_key, m_c = row_tile(p_row, start, hi, BLOCK)
         written += _buffer_tile(p_keys, CAP, o_c, b_key, m_c, prefix, at + written)
 
 
@@ -447,56 +342,8 @@ def _candidates(p_row, p_keys, p_cols, start, buffer_end, row_end, BLOCK: tl.con
     b_bkey = tl.load(p_keys + o_t, mask=m_buf, other=0, cache_modifier=".cg")
     b_bcol = tl.load(p_cols + o_t, mask=m_buf, other=0, cache_modifier=".cg")
     b_x = tl.load(p_row + o_t, mask=m_row, other=float("-inf"))
-    b_key = tl.where(m_buf, b_bkey, _sortable(b_x))
+    b_key = tl.where(m_buf, b_bkey, sortable(b_x))
     return tl.where(m_buf, b_bcol, o_t), b_key, m_buf | (m_row & (b_x != float("-inf")))
-
-
-@triton.jit
-def _kth_key(b_key, lo, hi, k):
-    """A threshold t with #(b_key > t) <= k <= #(b_key >= t), given #(b_key >= lo) >= k > #(b_key >= hi) (int64
-    bounds; with fewer than k keys >= lo, lo itself): bisection, each step a compare and an add per key and one
-    block reduction (a 256-bin tl.histogram costs ~73 instructions per key for 8 bits; counting above 2 or 4 bounds a
-    step, 3 or 5 parts, was slower: the compares cost more than the steps they save; so was a bound interpolated from
-    the counts), stopping early once a count is exactly k."""
-    while hi - lo > 1:
-        mid = lo + (hi - lo) // 2
-        above = tl.sum((b_key >= mid.to(tl.int32)).to(tl.int32), axis=0)
-        hi = tl.where(above >= k, tl.where(above == k, mid + 1, hi), mid)
-        lo = tl.where(above >= k, mid, lo)
-    return lo.to(tl.int32)
-
-
-@triton.jit
-def _running_sum(values, BLOCK: tl.constexpr):
-    """int32 [BLOCK]: the sum of values up to and including each lane (tl.cumsum's result). Scanned as rows of 4
-    lanes, each within a thread, and a scan of the row totals: a third to a half fewer instructions than a scan of
-    the flat vector, which shuffles each lane's value through its warp."""
-    b_rows = tl.reshape(values, (BLOCK // 4, 4))
-    b_totals = tl.sum(b_rows, 1)
-    return tl.reshape(tl.cumsum(b_rows, 1) + (tl.cumsum(b_totals, 0) - b_totals)[:, None], (BLOCK,))
-
-
-@triton.jit
-def _write_picks(o_c, b_key, m_c, threshold, k, p_out, BLOCK: tl.constexpr):
-    """Store the picks among candidates m_c [BLOCK] held in registers in column order: every key > threshold, then
-    the first k - #(key > threshold) keys == threshold. Returns how many were stored.
-    Both counts travel in one int32 (keys above in bits 0..15, ties in 16..30: BLOCK < 2^15), so one reduction gives
-    the totals and one scan gives each lane's place: the keys above before it, plus the ties before it up to the
-    number needed (two scans and three reductions before)."""
-    tl.static_assert(BLOCK < 32768)
-    m_above = m_c & (b_key > threshold)
-    m_tie = m_c & (b_key == threshold)
-    b_flags = m_above.to(tl.int32) + (m_tie.to(tl.int32) << 16)
-    totals = tl.sum(b_flags, axis=0)
-    # >= 0 for a threshold that meets `_kth_key`'s contract; clamped, so that a broken one (wrong producer counts,
-    # `first_digit_counted`) gives wrong picks, never a store before out
-    need = tl.maximum(k - (totals & 0xFFFF), 0)
-    b_run = _running_sum(b_flags, BLOCK)
-    b_ties = b_run >> 16  # ties up to and including this lane
-    m_pick = m_above | (m_tie & (b_ties <= need))
-    o_out = (b_run & 0xFFFF) + tl.minimum(b_ties, need) - 1
-    tl.store(p_out + o_out, o_c, mask=m_pick & (o_out < k))
-    return tl.minimum((totals & 0xFFFF) + (totals >> 16), k)
 
 
 @triton.jit
@@ -512,15 +359,15 @@ def _select_looped(p_row, p_keys, p_cols, p_out, buffer_end, row_end, prefix16, 
         for start in range(0, end, BLOCK):
             o_c, b_key, m_c = _candidates(p_row, p_keys, p_cols, start, buffer_end, row_end, BLOCK)
             m_c = m_c & ((b_key >> (32 - 8 * level)) == prefix)
-            b_h += _histogram((b_key >> (24 - 8 * level)) & 255, m_c, BLOCK)
-        digit, need = _pick(b_h, need)
+            b_h += histogram((b_key >> (24 - 8 * level)) & 255, m_c, BLOCK)
+        digit, need = pick_digit(b_h, need)
         prefix = prefix * 256 + digit
     written = tl.full((), 0, tl.int32)
     ties = tl.full((), 0, tl.int32)
     for start in range(0, end, BLOCK):
         o_c, b_key, m_c = _candidates(p_row, p_keys, p_cols, start, buffer_end, row_end, BLOCK)
         m_tie = m_c & (b_key == prefix)
-        # flat cumsums: the rows-of-4 scan (`_running_sum`, then of a mask) made phase D spill at k = 512, register
+        # flat cumsums: the rows-of-4 scan (`running_sum`, then of a mask) made phase D spill at k = 512, register
         # path included
         m_pick = (m_c & (b_key > prefix)) | (m_tie & (ties + tl.cumsum(m_tie.to(tl.int32), 0) <= need))
         o_out = written + tl.cumsum(m_pick.to(tl.int32), 0) - 1
@@ -528,14 +375,6 @@ def _select_looped(p_row, p_keys, p_cols, p_out, buffer_end, row_end, prefix16, 
         ties += tl.sum(m_tie.to(tl.int32))
         written += tl.sum(m_pick.to(tl.int32))
     return tl.minimum(written, k)
-
-
-@triton.jit
-def _fill_tail(p_out, written, k, BLOCK: tl.constexpr):
-    """-1 into out[written:k]."""
-    for start in range(0, k, BLOCK):
-        o_o = start + tl.arange(0, BLOCK)
-        tl.store(p_out + o_o, tl.full([BLOCK], -1, tl.int32), mask=(o_o >= written) & (o_o < k))
 
 
 @triton.jit
@@ -556,34 +395,34 @@ def _phase_d(p_row, p_ws, p_out, n, S, CAP, k, BLOCK: tl.constexpr, SPLITS: tl.c
         # T has the 16-bit prefix: #(key >= prefix16 << 16) >= k > #(key >= (prefix16 + 1) << 16) (fewer than
         # k candidates: prefix16 << 16 is int32 min, where the empty lanes sit, and every candidate is a pick)
         lo = (prefix16 * 65536).to(tl.int64)
-        threshold = _kth_key(tl.where(m_c, b_key, -2147483648), lo, lo + 65536, k)
-        written = _write_picks(o_c, b_key, m_c, threshold, k, p_out, SELECT)
+        threshold = kth_key(tl.where(m_c, b_key, -2147483648), lo, lo + 65536, k)
+        written = write_picks(o_c, b_key, m_c, threshold, k, p_out, SELECT)
     else:  # a big buffer: three passes over it; an overflowed one: three passes over the row
         buffer_end = tl.where(total <= CAP, total, 0)
         row_end = tl.where(total <= CAP, 0, n)
         written = _select_looped(p_row, p_keys, p_cols, p_out, buffer_end, row_end, prefix16, need2, k, BLOCK)
-    _fill_tail(p_out, written, k, BLOCK)
+    fill_tail(p_out, written, k, BLOCK)
 
 
 @triton.jit
 def _topk_row_kernel(scores_ptr, lengths_ptr, out_ptr, J, k, BLOCK: tl.constexpr, OUT_BLOCK: tl.constexpr):
     """Row i_r whole in one program's registers. The k-th largest key T by bisection on the int32 key space
-    (`_kth_key`), then the picks: every key > T and the first k - #(key > T) keys == T in column order, written in
+    (`kth_key`), then the picks: every key > T and the first k - #(key > T) keys == T in column order, written in
     column order."""
     wait_for_prior_grids()
     i_r = tl.program_id(0)
     n = tl.minimum(tl.maximum(tl.load(lengths_ptr + i_r), 0), J)
     o_c = tl.arange(0, BLOCK)
-    b_key = _candidate_keys(scores_ptr + i_r.to(tl.int64) * J, o_c, n)
+    b_key = candidate_keys(scores_ptr + i_r.to(tl.int64) * J, o_c, n)
     m_c = b_key > -2147483648
     threshold = tl.full((), -2147483648, tl.int32)  # fewer than k candidates: all of them
     if tl.sum(m_c.to(tl.int32), axis=0) > k:
-        # from the whole key range (every candidate key is >= int32 min + 1, `_candidate_keys`). Starting from the
+        # from the whole key range (every candidate key is >= int32 min + 1, `candidate_keys`). Starting from the
         # row's smallest and largest keys (a reduction each) would save steps on rows of a narrow key range (all 32
         # on a row of equal scores), and was no faster on the timed rows (docs/performance.md)
-        threshold = _kth_key(b_key, tl.full((), -2147483647, tl.int64), tl.full((), 2147483648, tl.int64), k)
+        threshold = kth_key(b_key, tl.full((), -2147483647, tl.int64), tl.full((), 2147483648, tl.int64), k)
     p_out = out_ptr + i_r.to(tl.int64) * k
-    _fill_tail(p_out, _write_picks(o_c, b_key, m_c, threshold, k, p_out, BLOCK), k, OUT_BLOCK)
+    fill_tail(p_out, write_picks(o_c, b_key, m_c, threshold, k, p_out, BLOCK), k, OUT_BLOCK)
 
 
 @triton.jit(do_not_specialize=["S"])

@@ -18,7 +18,7 @@ class SplitTiling:
     long decode row still fills the GPU; a workspace's size depends on S."""
 
     programs_per_sm: int  # programs a phase aims for, per SM
-    block: int  # columns a tile (at least 32 x warps: `_count_digits`)
+    block: int  # columns a tile (at least 32 x warps: `keys.count_digits`)
     # phases A-C load a chunk's first tile before their histogram reads, so its latency overlaps theirs: faster with
     # 2 programs an SM; with 4 the other programs hide it and the tile held across the reads costs registers
     first_tile_ahead: bool
