@@ -292,7 +292,7 @@ def test_the_kernel_path_serves_the_reference_tokens():
     """bf16 weights with the attention on the Triton kernels (on a CPU under Triton's interpreter, on CUDA compiled
     and with decode steps captured as CUDA graphs), decode steps through padded graph steps: the same greedy tokens
     as the PyTorch reference."""
-    from dsv4kv.ops.shared.backend import kernels_can_run
+    from dsv4kv.backend import kernels_can_run
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if not kernels_can_run(device):

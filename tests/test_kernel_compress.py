@@ -22,7 +22,7 @@ from schedules import admit, random_steps, written_bytes
 
 from dsv4kv import CacheManager, ModelGeometry
 from dsv4kv.cache import quant
-from dsv4kv.ops.shared.backend import interpreted
+from dsv4kv.backend import interpreted
 from dsv4kv.geometry import LayerKind
 from dsv4kv.ops.compress import kernel as compress
 from dsv4kv.ops.compress.kernel import append_state, compress_insert

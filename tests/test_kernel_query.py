@@ -19,7 +19,7 @@ import torch
 
 from dsv4kv import ModelGeometry
 from dsv4kv.cache import quant
-from dsv4kv.ops.shared.backend import interpreted
+from dsv4kv.backend import interpreted
 from dsv4kv.geometry import LayerKind, RopeSpec
 from dsv4kv.ops.indexer import query_kernel as query
 from dsv4kv.ops.rope import kernel as rope_kernel

@@ -18,7 +18,7 @@ import torch
 from schedules import admit, random_steps, written_bytes
 
 from dsv4kv import CacheManager, ModelGeometry
-from dsv4kv.ops.shared.backend import interpreted
+from dsv4kv.backend import interpreted
 from dsv4kv.geometry import RopeSpec
 from dsv4kv.ops.window import kernel as window
 from dsv4kv.ops.shared.encode import program_rows

@@ -1,8 +1,15 @@
 """dsv4kv: paged, quantized, compressed KV cache and attention substrate for DeepSeek-V4.
 
-Layers of the package: geometry -> layout / quant -> memory (allocator, spec, pools, planner)
--> plan + manager (request lifecycle, step plans) -> ops (PyTorch references) -> layer (DSV4Attention)
--> cli (plan, demo).
+The pipeline, by folder (each imports only from the ones above it):
+
+    geometry.py, checks.py   the model's attention geometry; the one argument-checking helper
+    cache/                   byte layouts and quantizers, the cache spec, block allocator, pools, prefix cache, swap,
+                             memory planner, step plans (`StepPlan`), and `CacheManager` (request lifecycle)
+    ops/<op>/                each operation's PyTorch reference beside its Triton kernel (`ops.kernels` lists them)
+    model/                   `DSV4Attention` over its own pages: the attention plan built once per step and layer
+                             kind, the kernel path's schedules, weights, streams, captured decode steps
+    engine/                  `Engine`: a DeepSeek-V4 model served over the cache (scheduler, runner, sampler)
+    tools/                   the command line (`dsv4kv plan | demo | bench`), the demo and the benchmarks
 """
 
 from .geometry import GeometryError, LayerKind, LayerSpec, ModelGeometry, RopeSpec, YarnScaling

@@ -6,7 +6,7 @@ import numbers
 
 import torch
 
-from .ops.shared.backend import kernels_can_run
+from .backend import kernels_can_run
 
 __all__ = ["positive_int", "require", "check_float", "check_tensor"]
 

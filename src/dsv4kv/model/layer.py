@@ -39,7 +39,7 @@ from ..ops.compress.reference import append_state, compress_and_insert
 from ..ops.indexer.reference import indexer_topk
 from ..ops.projection.reference import unit_rms_norm
 from ..ops.rope.reference import apply_rope
-from ..ops.shared.backend import kernels_can_run
+from ..backend import kernels_can_run
 from ..ops.shared.rows import StepRows
 from ..ops.window.reference import append_window
 from .attention_plan import AttentionPlan, attention_plan

@@ -10,7 +10,7 @@ from .indexer.query_kernel import indexer_query_and_weights, indexer_query_rows
 from .projection.gemv import gemv_rows
 from .projection.kernel import compressor_rows, rms_norm_rows
 from .rope.kernel import rope_rows
-from .shared.backend import interpreted, kernels_can_run
+from ..backend import interpreted, kernels_can_run
 from .topk.kernel import topk_indices
 from .window.kernel import append_window, kv_insert
 

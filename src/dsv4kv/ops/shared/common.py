@@ -15,7 +15,7 @@ import torch
 
 from ...cache.layout import EntryLayout
 from ...checks import check_tensor, require
-from .backend import interpreted, kernels_can_run
+from ...backend import interpreted, kernels_can_run
 
 __all__ = ["interpreted", "kernels_can_run", "check_pool", "check_plan", "padded_rows", "sm_count",
            "hopper_or_later", "overlaps"]

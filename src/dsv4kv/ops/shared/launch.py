@@ -42,7 +42,7 @@ import triton
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.language.target_info import cuda_capability_geq
 
-from .backend import interpreted
+from ...backend import interpreted
 from ...checks import require
 from .common import hopper_or_later
 

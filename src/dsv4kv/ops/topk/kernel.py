@@ -61,7 +61,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..shared.backend import interpreted
+from ...backend import interpreted
 from ...checks import require
 from ...checks import check_tensor
 from ..shared.common import sm_count
