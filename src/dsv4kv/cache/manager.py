@@ -7,7 +7,8 @@ returning the plan, so nothing allocates while the step (or a captured CUDA grap
 
 With `prefix_caching=True` (docs/prefix-caching.md), full blocks and the state at their end (a snapshot
 of the window ring and the CSA compressor rows) are kept by token content: `admit(tokens)` reuses the
-longest cached prefix at a block boundary and the caller feeds only the rest. `swap_out` / `swap_in`
+longest cached prefix at a block boundary and the caller feeds only the rest; a step's full blocks are
+published once every layer has run over its plan (`PrefixPublisher`, cache/publish.py). `swap_out` / `swap_in`
 preempt a request to host memory and bring it back bit for bit, with or without prefix caching.
 """
 
@@ -21,7 +22,7 @@ import numpy as np
 import torch
 
 from ..checks import positive_int
-from ..geometry import LayerKind, ModelGeometry
+from ..geometry import ModelGeometry
 from .layout import IndexerFormat, KVFormat
 from .allocator import BlockAllocator
 from .pools import POISON_BYTE, CachePools, LayerCache
@@ -29,29 +30,13 @@ from .prefix import CachedBlock, PrefixCache, PrefixStats
 from .spec import DEFAULT_PAGE_TOKENS, CacheSpec
 from .swap import NoRoom, Swapped
 from .plan import EntryWrites, OutOfBlocks, SnapshotWrites, StepBuffers, StepPlan, StepStatus, new_cache_id
+from .publish import PrefixPublisher, Publication, TokenIds, token_ids
 
 __all__ = ["CacheManager", "RequestError"]
 
 
 class RequestError(ValueError):
     """A request id that is unknown, already released, or used twice in one step."""
-
-
-class _TokenIds:
-    """A request's known token ids (int64), growing by appends."""
-
-    def __init__(self, ids: np.ndarray):
-        self._buf = ids.copy()
-        self.n = len(ids)
-
-    def append(self, ids: np.ndarray) -> None:
-        if self.n + len(ids) > len(self._buf):
-            self._buf = np.concatenate((self._buf[:self.n], np.empty(max(self.n, len(ids)), np.int64)))
-        self._buf[self.n:self.n + len(ids)] = ids
-        self.n += len(ids)
-
-    def __getitem__(self, index: slice) -> np.ndarray:
-        return self._buf[:self.n][index]
 
 
 @dataclass
@@ -61,20 +46,10 @@ class _Request:
     length: int = 0
     num_blocks: int = 0  # its block ids are the manager's host table row [slot, :num_blocks]
     # prefix caching
-    tokens: _TokenIds | None = None  # None: admitted without token ids, never publishes nor hits
+    tokens: TokenIds | None = None  # None: admitted without token ids, never publishes nor hits
     cached: int = 0  # tokens served from the cache at admission
     nodes: list[CachedBlock] = field(default_factory=list)  # its blocks 0.. as cached nodes, in order
     publishing: bool = False  # its next full block may be published (its bytes sit on top of `nodes`)
-
-
-@dataclass
-class _Publish:
-    """A block filled by the current plan, to publish once every layer has run over it."""
-
-    rid: int
-    depth: int  # block index in the request
-    block: int
-    snapshot: int | None  # the boundary state at (depth + 1) * page_tokens, being captured by the plan
 
 
 class CacheManager:
@@ -132,8 +107,6 @@ class CacheManager:
                                      else self.max_requests)
             self.prefix = PrefixCache(self.spec.page_tokens, snapshots)
         self.swap_bytes = positive_int("swap_bytes", swap_bytes) if swap_bytes is not None else None
-        csa = geometry.layers_of(LayerKind.CSA)
-        self._csa_ratio = csa[0].ratio if csa else 0
 
         self.poison = poison
         self.allocator = BlockAllocator(self.num_blocks)
@@ -148,10 +121,10 @@ class CacheManager:
         self._next_rid = 0
         self._step = 0
         self._status = StepStatus(current=False)  # the latest plan's record (`StepPlan.status`)
-        self._pending: list[_Publish] = []  # blocks the current plan fills, published once its layers ran
         self._swapped: dict[int, Swapped] = {}
         self._swap_used = 0
         self.cache_id = new_cache_id()
+        self._publisher = PrefixPublisher(self.prefix, self.pools, self.allocator, geometry) if prefix_caching else None
 
     # --- lifecycle ------------------------------------------------------------------------------
     def admit(self, tokens=None) -> int | None:
@@ -163,7 +136,7 @@ class CacheManager:
         rest. Token ids are then needed for every token fed (`append_tokens` for generated ones). Without
         prefix caching they are checked and otherwise ignored.
         """
-        ids = self._token_ids("tokens", tokens) if tokens is not None else None
+        ids = token_ids("tokens", tokens) if tokens is not None else None
         if ids is not None and len(ids) > self.max_seq_len:
             raise ValueError(f"tokens: {len(ids)} ids, max_seq_len is {self.max_seq_len}")
         self._settle(final=False)
@@ -175,36 +148,33 @@ class CacheManager:
         self._next_rid += 1
         request = self._requests[rid] = _Request(rid, slot)
         if self.prefix is not None and ids is not None:
-            request.tokens, request.publishing = _TokenIds(ids), True
-            self._reuse_prefix(request, ids)
+            request.tokens, request.publishing = TokenIds(ids), True
+            self._set_table(slot, 0, self._publisher.reuse(request, ids))
         return rid
 
     def lookup(self, tokens) -> int:
         """How many leading tokens of `tokens` an `admit(tokens)` would serve from the cache now (no change)."""
-        ids = self._token_ids("tokens", tokens)
+        ids = token_ids("tokens", tokens)
         if self.prefix is None:
             return 0
         self._settle(final=False)
-        chain = self.prefix.match(ids, max(len(ids) - 1, 0) // self.spec.page_tokens)
-        return self.prefix.hit_depth(chain) * self.spec.page_tokens
+        return len(self._publisher.hit(ids)) * self.spec.page_tokens
 
     def admission_blocks(self, tokens) -> int:
         """Free blocks that `admit(tokens)` and then holding all of `tokens` would take now: one per page of the
         tokens, less the blocks of the prefix hit that live requests hold (shared, not taken; unreferenced cached
         blocks are counted free, and are taken). No change to the cache."""
-        ids = self._token_ids("tokens", tokens)
+        ids = token_ids("tokens", tokens)
         blocks = self.spec.blocks_for(len(ids))
         if self.prefix is None:
             return blocks
         self._settle(final=False)
-        chain = self.prefix.match(ids, max(len(ids) - 1, 0) // self.spec.page_tokens)
-        hit = chain[:self.prefix.hit_depth(chain)]
-        return blocks - sum(1 for node in hit if self.allocator.refcount(node.block) > 0)
+        return blocks - sum(1 for node in self._publisher.hit(ids) if self.allocator.refcount(node.block) > 0)
 
     def append_tokens(self, rid: int, tokens) -> None:
         """Record the ids of tokens the request will be fed next (e.g. the one just sampled). Needed with prefix
         caching for requests admitted with token ids; checked and otherwise ignored without it."""
-        ids = self._token_ids("tokens", tokens)
+        ids = token_ids("tokens", tokens)
         record = self._swapped.get(rid)
         request = record.request if record is not None else self._request(rid)
         if self.prefix is None:
@@ -332,7 +302,9 @@ class CacheManager:
         for request, n in zip(requests, counts):
             request.length += n
         host = self._plan_fields(requests, starts, counts_np, new_entries)
-        capture_rows = self._plan_captures(requests, starts, counts_np, host) if self.prefix is not None else 0
+        capture_rows = 0
+        if self._publisher is not None:
+            capture_rows = self._publisher.plan_captures(requests, starts, counts_np, host, self._host_table)
         if buffers is None:
             buffers = StepBuffers(self.cache_id, self.geometry.ratios, max_tokens=num_tokens,
                                   max_requests=num_requests, device=self.device, entries=entry_counts,
@@ -496,25 +468,16 @@ class CacheManager:
             raise RequestError(f"request {rid} was already released")
         raise RequestError(f"unknown request id {rid!r}")
 
-    @staticmethod
-    def _token_ids(name: str, tokens) -> np.ndarray:
-        """Token ids as int64 [n], or ValueError saying what was expected and what came."""
-        if isinstance(tokens, torch.Tensor):
-            if tokens.dim() != 1 or tokens.is_floating_point() or tokens.is_complex() or tokens.dtype == torch.bool:
-                raise ValueError(f"{name}: expected a 1-D integer tensor of token ids, got {tokens.dtype} "
-                                 f"{list(tokens.shape)}")
-            return tokens.detach().cpu().to(torch.int64).numpy()
-        if isinstance(tokens, (str, bytes)) or not isinstance(tokens, (Sequence, np.ndarray)):
-            raise ValueError(f"{name}: expected a 1-D sequence of integer token ids, got {type(tokens).__name__}")
-        array = np.asarray(tokens)
-        if array.size == 0:
-            return np.zeros(0, dtype=np.int64)
-        if array.ndim != 1 or array.dtype.kind not in "iu":
-            raise ValueError(f"{name}: expected a 1-D sequence of integer token ids, got {array.dtype} "
-                             f"shape {list(array.shape)}")
-        if array.dtype.kind == "u" and array.dtype.itemsize == 8 and int(array.max()) >= 2 ** 63:
-            raise ValueError(f"{name}: token id {int(array.max())} does not fit int64")
-        return array.astype(np.int64)
+    def _settle(self, *, final: bool, leaving: int | None = None) -> None:
+        """Publish the latest plan's filled blocks if every layer ran over it, else keep or drop them
+        (`PrefixPublisher.settle`)."""
+        if self._publisher is not None:
+            self._publisher.settle(self._status.layers_run, self._requests, final=final, leaving=leaving)
+
+    @property
+    def _pending(self) -> list[Publication]:
+        """Publications waiting for the latest plan's layers (each holds a snapshot id until settled)."""
+        return self._publisher.pending if self._publisher is not None else []
 
     def _validate_batch(self, batch) -> tuple[list[_Request], list[int]]:
         if isinstance(batch, (str, bytes)) or not isinstance(batch, Iterable):
@@ -586,116 +549,6 @@ class CacheManager:
         cached = [b for b in blocks if self.prefix.cached(b) is not None]
         self.allocator.free([b for b in blocks if self.prefix.cached(b) is None], front=True)
         self.allocator.free(cached[::-1])
-
-    def _reuse_prefix(self, request: _Request, ids: np.ndarray) -> None:
-        """Map the longest cached prefix of `ids` (ending at a boundary with a snapshot, leaving >= 1 token)."""
-        page, stats = self.spec.page_tokens, self.prefix.stats
-        stats.queries += 1
-        stats.query_tokens += len(ids)
-        chain = self.prefix.match(ids, max(len(ids) - 1, 0) // page)
-        chain = chain[:self.prefix.hit_depth(chain)]
-        if not chain:
-            return
-        blocks = [node.block for node in chain]
-        idle = {b for b in blocks if self.allocator.refcount(b) == 0}  # cached, waiting in the free queue
-        self.allocator.take(sorted(idle))
-        self.allocator.share([b for b in blocks if b not in idle])
-        self._set_table(request.slot, 0, blocks)
-        boundary = len(chain) * page
-        self.pools.restore(chain[-1].snapshot, request.slot, boundary)
-        self.prefix.touch(chain[-1])
-        request.length = request.cached = boundary
-        request.num_blocks = len(blocks)
-        request.nodes = list(chain)
-        stats.hits += 1
-        stats.hit_tokens += boundary
-
-    def _settle(self, *, final: bool, leaving: int | None = None) -> None:
-        """Finish the current plan's publications: once every layer has run over it, publish the blocks it
-        filled (with their snapshots). Otherwise keep waiting, drop those of a request `leaving` (released or
-        swapped out: the plan can no longer run for it) or, with `final` (a new plan replaces this one), drop
-        them all; a request whose publication is dropped stops publishing (its later bytes sit on a step that
-        may not have run)."""
-        if not self._pending:
-            return
-        if self._status.layers_run.issuperset(range(self.geometry.num_layers)):
-            pending, self._pending = self._pending, []
-            for publish in pending:
-                self._publish(publish)
-            return
-        keep = []
-        for publish in self._pending:
-            if final or publish.rid == leaving:
-                self._drop(publish)
-            else:
-                keep.append(publish)
-        self._pending = keep
-
-    def _publish(self, publish: _Publish) -> None:
-        request = self._requests.get(publish.rid)
-        if request is None or not request.publishing or len(request.nodes) != publish.depth:
-            self._drop(publish)
-            return
-        page = self.spec.page_tokens
-        parent = request.nodes[-1] if request.nodes else None
-        tokens = request.tokens[publish.depth * page:(publish.depth + 1) * page]
-        if self.prefix.child(parent, tokens) is not None:
-            # the same content computed twice (e.g. two identical requests at once): the first one is kept; this
-            # request keeps its copy private and publishes nothing more (its later bytes sit on that copy)
-            self.prefix.stats.duplicate_blocks += 1
-            self._drop(publish)
-            return
-        request.nodes.append(self.prefix.insert(parent, publish.block, tokens, publish.snapshot))
-
-    def _drop(self, publish: _Publish) -> None:
-        if publish.snapshot is not None:
-            self.prefix.return_snapshot(publish.snapshot)
-        request = self._requests.get(publish.rid)
-        if request is not None:
-            request.publishing = False
-
-    def _plan_captures(self, requests: list[_Request], starts: np.ndarray, counts: np.ndarray,
-                       host: dict[str, np.ndarray]) -> int:
-        """Queue the publication of every block the step fills, take a snapshot id for each boundary and say
-        where its state comes from: rows before the step are copied from the rings now (the step's appends
-        would overwrite them), rows in the step get snapshot slots in the plan for the layers to capture.
-        Returns the number of rows with a slot."""
-        page, window, m = self.spec.page_tokens, self.geometry.window, self._csa_ratio
-        num_tokens = int(counts.sum())
-        host["snapshot_window"] = np.full(num_tokens, -1, dtype=np.int64)
-        host["snapshot_state"] = np.full(num_tokens, -1, dtype=np.int64)
-        queued: list[tuple[int, _Publish]] = []  # (batch row, publication)
-        for b, request in enumerate(requests):
-            if request.tokens is None or not request.publishing:
-                continue
-            start, end = int(starts[b]), int(starts[b] + counts[b])
-            for depth in range(start // page, end // page):
-                if depth != len(request.nodes) + sum(q.rid == request.rid for _, q in queued):
-                    request.publishing = False  # a block before this one was not published
-                    break
-                if depth == len(request.nodes):  # a queued parent has no children yet; a cached one may have it
-                    parent = request.nodes[-1] if request.nodes else None
-                    if self.prefix.child(parent, request.tokens[depth * page:(depth + 1) * page]) is not None:
-                        self.prefix.stats.duplicate_blocks += 1
-                        request.publishing = False
-                        break
-                queued.append((b, _Publish(request.rid, depth, int(self._host_table[request.slot, depth]), None)))
-        # the deepest boundaries first: when snapshots run short, a longer hit is worth more
-        for b, publish in reversed(queued):
-            publish.snapshot = self.prefix.take_snapshot()
-            if publish.snapshot is None:
-                break
-            request, start = requests[b], int(starts[b])
-            boundary = (publish.depth + 1) * page
-            for name, size in (("snapshot_window", window), ("snapshot_state", m)):
-                if size:
-                    positions = np.arange(max(boundary - size, start), boundary)
-                    host[name][host["query_start"][b] + positions - start] = publish.snapshot * size + positions % size
-            if start > boundary - window:
-                self.pools.copy_to_snapshot(request.slot, publish.snapshot, range(boundary - window, start),
-                                            range(boundary - m, max(start, boundary - m)) if m else ())
-        self._pending.extend(publish for _, publish in queued)
-        return int(((host["snapshot_window"] >= 0) | (host["snapshot_state"] >= 0)).sum())
 
     def _map_blocks(self, requests: list[_Request], need: list[int], fresh: list[int]) -> None:
         if not fresh:
