@@ -132,7 +132,7 @@ def test_every_step_kernel_has_a_stage():
     import pkgutil
 
     import dsv4kv.ops
-    from dsv4kv.tools.bench.workloads import _stage
+    from dsv4kv.tools.bench.common import kernel_stage as _stage
 
     kernels = {name for info in pkgutil.walk_packages(dsv4kv.ops.__path__, "dsv4kv.ops.")
                for name, value in vars(importlib.import_module(info.name)).items()
@@ -444,7 +444,7 @@ def test_transformers_indexer_hooks_give_its_last_row():
     from transformers import DeepseekV4Config
     from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4Attention, DeepseekV4RotaryEmbedding
 
-    from dsv4kv.tools.bench.workloads import _hook_indexer
+    from dsv4kv.tools.bench.layer import _hook_indexer
 
     config = DeepseekV4Config(**json.loads(resources.files("dsv4kv.presets").joinpath("tiny.json").read_text()))
     config._attn_implementation = "eager"
@@ -469,7 +469,7 @@ def test_transformers_indexer_hooks_give_its_last_row():
 
 def chat_on_cpu(monkeypatch, sizes) -> Report:
     """The chat workload at `sizes` on the CPU (the tiny model in fp32, 128-token blocks)."""
-    from dsv4kv.tools.bench import workloads
+    from dsv4kv.tools.bench import serving as workloads
 
     monkeypatch.setattr(workloads, "CHAT_QUICK", sizes)
     threads = torch.get_num_threads()
