@@ -127,10 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.run(args)
     except (GeometryError, ValueError) as error:
-        prefix, message = f"dsv4kv {args.command}", str(error)
-        if message.startswith(prefix):  # a message that names the command already ("dsv4kv bench needs a ...")
-            message = message[len(prefix):].lstrip(": ")
-        print(f"{prefix}: {message}", file=sys.stderr)
+        print(f"dsv4kv {args.command}: {error}", file=sys.stderr)
         return 2
 
 

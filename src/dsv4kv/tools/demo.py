@@ -30,7 +30,6 @@ __all__ = ["Workload", "DemoResult", "DemoSetup", "build", "serve", "run_demo", 
 
 NEAR_TIE = 0.05  # transformers' top-2 logits closer than this count as a tie (docs/engine.md)
 DEMO_MODELS = ("demo-cpu", "demo-gpu")  # the demo's own models, named apart from the geometry presets (tiny, ...)
-_OLD_NAMES = {"tiny": "demo-cpu", "flash": "demo-gpu"}  # what bench's chat workload still passes to demo_model
 
 
 @dataclass(frozen=True)
@@ -57,7 +56,6 @@ def demo_model(name: str, device: torch.device | str, *, seed: int = 0):
     """The demo's random model, `(oracle, served)`: transformers' DeepseekV4ForCausalLM in fp32 ("demo-gpu": V4-Flash's
     attention geometry, 4 layers, reduced MoE; "demo-cpu": the three-layer one) and the copy the engine serves: bf16
     on CUDA, the fp32 model itself elsewhere. Every weight is bf16-representable, so both hold the same values."""
-    name = _OLD_NAMES.get(name, name)
     if name not in DEMO_MODELS:
         raise ValueError(f"model: expected one of {DEMO_MODELS}, got {name!r}")
     device = torch.device(device)

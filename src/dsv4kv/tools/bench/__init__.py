@@ -58,7 +58,7 @@ def bench_device(device: str | torch.device) -> torch.device:
     except (RuntimeError, TypeError) as err:
         raise ValueError(f"device: expected a CUDA device such as 'cuda' or 'cuda:1', got {device!r}") from err
     if device.type != "cuda" or not torch.cuda.is_available():
-        raise ValueError(f"dsv4kv bench needs a CUDA GPU (the figures are GPU times), got device {str(device)!r}"
+        raise ValueError(f"needs a CUDA GPU (the figures are GPU times), got device {str(device)!r}"
                          + ("" if torch.cuda.is_available() else " and no CUDA device is available"))
     index = torch.cuda.current_device() if device.index is None else device.index
     count = torch.cuda.device_count()
