@@ -4,7 +4,7 @@ Accepted names: transformers' (`model.layers.{i}.mlp.experts.gate_up_proj`, ...)
 ones (`embed.weight`, `head.weight`, `hc_head_fn`, `layers.{i}.attn_norm.weight`, `layers.{i}.hc_attn_fn`,
 `layers.{i}.ffn.gate.bias`, `layers.{i}.ffn.experts.{e}.w1.weight`, ...), and the mix transformers' own
 `save_pretrained` writes; each with or without a `model.` prefix. Attention weights go to
-`DSV4Attention.from_state_dict` (`dsv4kv.weights`), the rest to transformers' per-token modules. FP8 weights
+`DSV4Attention.from_state_dict` (`dsv4kv.model.weights`), the rest to transformers' per-token modules. FP8 weights
 with 128x128 block scales (`.scale` or `.weight_scale_inv`) are dequantized, as for attention. MTP layers
 (`mtp.*`, layers past num_hidden_layers) are ignored. FP4 expert weights are refused, not guessed at.
 """

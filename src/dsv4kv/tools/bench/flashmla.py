@@ -7,8 +7,9 @@ slot), its extra cache our compressed-entry pages. The step's kv is appended to 
 the window of every row in the pool (ours reads the step's own key from the step page, with the same bytes).
 
 Each kernel is timed as a CUDA-graph replay with the L2 flushed, and checked against the fp32 reference on the
-dequantized keys (`ops.gather` + `ops.attention.sparse_attention`): error = max |out - ref| / max |ref| per
-(row, head). A figure is refused when ours exceeds ATTENTION_TOL or FlashMLA's exceeds FLASHMLA_TOL.
+dequantized keys (`ops.attention.gather` + `ops.attention.reference.sparse_attention`): error =
+max |out - ref| / max |ref| per (row, head). A figure is refused when ours exceeds ATTENTION_TOL or FlashMLA's
+exceeds FLASHMLA_TOL.
 """
 
 from __future__ import annotations

@@ -139,8 +139,8 @@ class InputCheck:
       off by its own size. A NaN in either path's inputs fails.
     - The quantized queries of the two paths: >= 99.9% of the values equal bit for bit, and >= 99% in every row, for
       MXFP4 and bf16 keys. Reported, not gated, for FP8 keys: the rotation spreads one input's rounding over a head's
-      128 values, and FP8's 3-bit mantissas under one scale per head change more codes than MXFP4's (H100,
-      2026-11-27: 99.854% at 1M / batch 1, one row of batch 8 at 96.29%); the two checks above then bound it."""
+      128 values, and FP8's 3-bit mantissas under one scale per head change more codes than MXFP4's (about 99.85%
+      equal at 1M / batch 1, a row of batch 8 as low as 96.3%); the two checks above then bound it."""
     key_bytes_differ: int
     new_key_bytes: int
     query_equal: float
@@ -174,12 +174,12 @@ class InputCheck:
 class CSACapture:
     """Records one CSA layer's picks and scores on each path while active (`with CSACapture() as cap:`):
 
-    - the reference (`layer._forward_reference` -> `ops.indexer.indexer_topk`): its picks [n, k], its scores
+    - the reference (`layer._forward_reference` -> `ops.indexer.reference.indexer_topk`): its picks [n, k], its scores
       [n, J] (-inf past each row's visible entries), its quantized query [n, H, D], and a copy of the key pool;
     - the kernels (`layer.attention_core` -> `kernels.indexer_query_and_weights`, `kernels.indexer_scores_paged`,
       `kernels.topk_indices`): the fused query's input roped by torch and the reference query of that input, the
       picks of the plan's first n rows, a copy of the key pool, the query the kernel scored, and `input_scores`: the
-      reference's scores (`ops.indexer.indexer_scores`) of the kernels' own query, weights and keys.
+      reference's scores (`ops.indexer.reference.indexer_scores`) of the kernels' own query, weights and keys.
 
     It patches module attributes the layer looks up at call time, and restores them on exit (not reentrant)."""
 
@@ -318,9 +318,10 @@ def _assemble(calls: list[torch.Tensor], rows, ratio: int, device) -> torch.Tens
 
 def _torch_scores(q, weights, plan, rows, key_pool, layout, ratio: int, page_tokens: int,
                   block_rows: int = 512) -> torch.Tensor:
-    """`ops.indexer.indexer_scores` in fp64 (exact products and nearly exact sums, whatever the GEMM's precision
-    mode) of an already-quantized query q [n, H, D] and weights [n, H] against the pool's keys, each row over its
-    request's visible entries -> fp32 [n, J], -inf past them. Rows go in blocks to bound the [rows, H, J] dots."""
+    """`ops.indexer.reference.indexer_scores` in fp64 (exact products and nearly exact sums, whatever the GEMM's
+    precision mode) of an already-quantized query q [n, H, D] and weights [n, H] against the pool's keys, each row
+    over its request's visible entries -> fp32 [n, J], -inf past them. Rows go in blocks to bound the [rows, H, J]
+    dots."""
     from ...ops.shared.rows import entry_slots
     from ...ops.indexer.reference import indexer_scores
 

@@ -46,8 +46,8 @@ _flush_buffers: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 def _flush_l2(device: torch.device) -> None:
     """Evict the timed work's data from the L2 by reading 256 MiB into one scalar. A flush by writing would leave
     the L2 full of dirty lines, which the timed kernels would then write back as they evict them: work a real step
-    does not do (H100, docs/device/2026-11-27-l2-flush-h100.log: a 67 MB GEMV 37.1 us after a written flush, 28.9
-    after a read one and 28.8 with none; a CSA decode layer at batch 1 / 16K 150.8 / 141.0 / 141.8 us)."""
+    does not do (a 67 MB GEMV takes about 30% longer after a written flush than after a read one, which times it as
+    no flush does; a CSA decode layer at batch 1 / 16K about 7% longer)."""
     if device not in _flush_buffers:
         _flush_buffers[device] = (torch.zeros(_FLUSH_BYTES // 8, dtype=torch.int64, device=device),
                                   torch.empty((), dtype=torch.int64, device=device))
