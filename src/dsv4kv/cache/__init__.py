@@ -1,5 +1,5 @@
 """Memory: block allocator (ids, refcounts), cache spec (byte counts), pools (tensors), planner (reports),
-prefix cache index (which blocks hold which prefix), swap records."""
+prefix cache index (which blocks hold which prefix), swap records, a request's state exported and saved."""
 
 from .allocator import AllocatorError, BlockAllocator
 from .planner import MemoryPlan, parse_bytes
@@ -7,7 +7,9 @@ from .pools import CachePools, LayerCache
 from .prefix import CachedBlock, PrefixCache, PrefixStats
 from .spec import DEFAULT_PAGE_TOKENS, CacheSpec, LayerCacheSpec
 from .swap import NoRoom
+from .transfer import RequestState
+from .files import load_request, save_request
 
 __all__ = ["AllocatorError", "BlockAllocator", "CachePools", "LayerCache", "CacheSpec", "LayerCacheSpec",
            "DEFAULT_PAGE_TOKENS", "MemoryPlan", "parse_bytes", "CachedBlock", "PrefixCache", "PrefixStats",
-           "NoRoom"]
+           "NoRoom", "RequestState", "save_request", "load_request"]

@@ -9,7 +9,8 @@ With `prefix_caching=True` (docs/prefix-caching.md), full blocks and the state a
 of the window ring and the CSA compressor rows) are kept by token content: `admit(tokens)` reuses the
 longest cached prefix at a block boundary and the caller feeds only the rest; a step's full blocks are
 published once every layer has run over its plan (`PrefixPublisher`, cache/publish.py). `swap_out` / `swap_in`
-preempt a request to host memory and bring it back bit for bit, with or without prefix caching.
+preempt a request to host memory and bring it back bit for bit, with or without prefix caching;
+`export_request` / `import_request` move one into another cache of the same spec (cache/transfer.py).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from .pools import POISON_BYTE, CachePools, LayerCache
 from .prefix import CachedBlock, PrefixCache, PrefixStats
 from .spec import DEFAULT_PAGE_TOKENS, CacheSpec
 from .swap import NoRoom, Swapped
+from .transfer import RequestState, check_state, spec_fields, tensor_names
 from .plan import EntryWrites, OutOfBlocks, SnapshotWrites, StepBuffers, StepPlan, StepStatus, new_cache_id
 from .publish import PrefixPublisher, Publication, TokenIds, token_ids
 
@@ -270,6 +272,35 @@ class CacheManager:
         self._swap_used -= record.nbytes
         self._requests[rid] = request
         return record.nbytes
+
+    def export_request(self, rid: int) -> RequestState:
+        """A host copy of the live request's pages, window ring, compressor state, length and token ids, taken between
+        steps (cache/transfer.py). An unknown, released or swapped-out id raises RequestError; nothing changes."""
+        request = self._request(rid)
+        saved = self.pools.save(request.slot, self._host_table[request.slot, :request.num_blocks].tolist())
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()  # the asynchronous host copies have landed
+        tokens = torch.from_numpy(request.tokens[:].copy()) if request.tokens is not None else None
+        return RequestState(spec_fields(self.spec), request.length, tokens, dict(zip(tensor_names(self.pools), saved)))
+
+    def import_request(self, state: RequestState) -> int | NoRoom:
+        """Admit a request holding `state` byte for byte in a fresh slot and blocks: its id, or `NoRoom` (nothing
+        changed) when no slot or too few blocks are free. Another spec, or a malformed or too long state, raises."""
+        saved, ids = check_state(state, self.pools, max_seq_len=self.max_seq_len)
+        n = self.spec.blocks_for(state.length)
+        self._settle(final=False)
+        if not self._free_slots:
+            return NoRoom("request slots", 1, 0)
+        if n > self.allocator.num_free:
+            return NoRoom("blocks", n, self.allocator.num_free)
+        blocks, slot, rid = self._allocate(n), self._free_slots.popleft(), self._next_rid
+        self._next_rid += 1
+        request = self._requests[rid] = _Request(rid, slot, length=state.length, num_blocks=n)
+        if self.prefix is not None and ids is not None:
+            request.tokens, request.publishing = TokenIds(ids), True  # private blocks: publishes only from block 0
+        self._set_table(slot, 0, blocks)
+        self.pools.load(saved, slot, blocks, range(n))
+        return rid
 
     def plan_step(self, batch: Sequence[tuple[int, int]], *, buffers: StepBuffers | None = None
                   ) -> StepPlan | OutOfBlocks:

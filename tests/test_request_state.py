@@ -1,0 +1,239 @@
+"""A request's cache state exported, imported, saved and loaded (issue 39), with the real layers of the `tiny`
+preset (window, CSA m=4 with its indexer, HCA m=16, window 16; DSV4Attention on the PyTorch reference, CPU),
+128-token blocks and NaN-poisoned pools: a request continued in the cache it was imported into (in memory or
+through a file) gives outputs, pages, window and state bit-identical to the sender's own continuation; another
+geometry or format, a corrupted or truncated file, no room and a bad id are refused with nothing changed."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import pytest
+import torch
+
+from dsv4kv import CacheManager, StepPlan
+from dsv4kv.cache import NoRoom, RequestState, load_request, save_request
+from dsv4kv.cache.manager import RequestError
+from dsv4kv.geometry import ModelGeometry
+from dsv4kv.model.layer import DSV4Attention, init_random_weights
+
+G = ModelGeometry.preset("tiny")
+P = 128  # page_tokens
+CONTINUE = (1, 1, 37, 1, 1)  # after the prompt: decode steps and a chunk that crosses a CSA / HCA boundary
+
+
+@functools.lru_cache(maxsize=None)
+def layers() -> tuple[DSV4Attention, ...]:
+    return tuple(init_random_weights(DSV4Attention(G, i, device="cpu", backend="torch"), seed=10 + i)
+                 for i in range(G.num_layers))
+
+
+def make(**kw) -> CacheManager:
+    kw.setdefault("max_requests", 2)
+    kw.setdefault("max_tokens", 1024)
+    kw.setdefault("page_tokens", P)
+    return CacheManager(kw.pop("geometry", G), poison=True, **kw)
+
+
+def hidden(seed: int, n: int) -> torch.Tensor:
+    return torch.randn(n, G.hidden_size, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+
+
+def step(cache: CacheManager, rid: int, h: torch.Tensor) -> torch.Tensor:
+    """One step of `rid` over every layer (h <- h + layer(h)); the output rows."""
+    plan = cache.plan_step([(rid, h.shape[0])])
+    assert isinstance(plan, StepPlan), plan
+    for layer in layers():
+        h = h + layer(h, plan, cache)
+    return h
+
+
+def prefill(cache: CacheManager, length: int, seed: int, tokens=None) -> int:
+    rid = cache.admit(tokens)
+    for i, n in enumerate(chunks(length)):
+        step(cache, rid, hidden(seed + i, n))
+    return rid
+
+
+def chunks(length: int) -> list[int]:
+    return [min(100, length - i) for i in range(0, length, 100)]  # 100: not a multiple of 16, nor of 128
+
+
+def continued(cache: CacheManager, rid: int, seed: int) -> list[torch.Tensor]:
+    outs = []
+    for i, n in enumerate(CONTINUE):
+        if cache.prefix is not None:
+            cache.append_tokens(rid, list(range(seed + i * 50, seed + i * 50 + n)))
+        outs.append(step(cache, rid, hidden(seed + 1000 + i, n)))
+    return outs
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8)
+
+
+def assert_same_state(a: RequestState, b: RequestState) -> None:
+    assert (a.length, a.spec, sorted(a.tensors)) == (b.length, b.spec, sorted(b.tensors))
+    for name in a.tensors:
+        assert torch.equal(bits(a.tensors[name]), bits(b.tensors[name])), name
+    assert (a.tokens is None) == (b.tokens is None)
+    assert a.tokens is None or torch.equal(a.tokens, b.tokens)
+
+
+def snapshot(cache: CacheManager) -> tuple:
+    """Everything an import could change."""
+    tensors = [bits(t).clone() for layer in cache.pools.layers for t in layer.tensors()]
+    counters = (cache.num_free_blocks, cache.num_used_blocks, cache.num_live_requests, cache.request_ids(),
+                cache._next_rid, list(cache._free_slots), cache.block_table.clone().tolist())
+    return tensors, counters
+
+
+def assert_unchanged(cache: CacheManager, before: tuple) -> None:
+    tensors, counters = snapshot(cache)
+    assert counters == before[1]
+    assert len(tensors) == len(before[0]) and all(torch.equal(a, b) for a, b in zip(tensors, before[0]))
+
+
+def busy_receiver(**kw) -> tuple[CacheManager, int]:
+    """A fresh cache where another request already holds slot 0 and the first blocks, so the import lands in
+    another slot and other block ids than the sender's."""
+    cache = make(**kw)
+    other = cache.admit(list(range(150)) if kw.get("prefix_caching") else None)
+    assert cache.plan_step([(other, 150)])  # its layers need not run: only the block ids matter here
+    return cache, other
+
+
+# --- the round trip -------------------------------------------------------------------------------
+@pytest.mark.parametrize("length,via,prefix_caching", [
+    (203, "memory", False), (37, "file", False), (261, "file", True), (128, "memory", True),
+], ids=["T203-memory", "T37-file", "T261-file-prefix", "T128-memory-prefix"])
+def test_imported_request_continues_bit_for_bit(tmp_path, length, via, prefix_caching):
+    tokens = list(range(7, 7 + length)) if prefix_caching else None
+    sender = make(prefix_caching=prefix_caching)
+    rid = prefill(sender, length, seed=length, tokens=tokens)
+    state = sender.export_request(rid)
+    assert state.length == length and state.num_blocks == -(-length // P)
+    assert (state.tokens is not None) == prefix_caching
+    if via == "file":
+        save_request(state, tmp_path / "r.safetensors")
+        loaded = load_request(tmp_path / "r.safetensors")
+        assert_same_state(loaded, state)
+        state = loaded
+    receiver, _ = busy_receiver(prefix_caching=prefix_caching)
+    got = receiver.import_request(state)
+    assert isinstance(got, int) and receiver.length(got) == length
+    assert receiver.slot(got) != sender.slot(rid) and receiver.blocks(got) != sender.blocks(rid)
+    assert_same_state(receiver.export_request(got), state)
+
+    want, outs = continued(sender, rid, seed=length), continued(receiver, got, seed=length)
+    for i, (a, b) in enumerate(zip(outs, want)):
+        assert torch.isfinite(a).all(), f"step {i}: a poisoned byte was read"
+        assert torch.equal(bits(a), bits(b)), f"step {i}: outputs differ"
+    assert_same_state(receiver.export_request(got), sender.export_request(rid))
+
+
+def test_a_state_of_length_zero_round_trips(tmp_path):
+    sender = make()
+    rid = sender.admit()
+    save_request(sender.export_request(rid), tmp_path / "empty.safetensors")
+    receiver = make()
+    got = receiver.import_request(load_request(tmp_path / "empty.safetensors"))
+    assert receiver.length(got) == 0 and receiver.blocks(got) == []
+    want, outs = continued(sender, rid, seed=5), continued(receiver, got, seed=5)
+    assert all(torch.equal(bits(a), bits(b)) for a, b in zip(outs, want))
+
+
+# --- refusals -------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def state() -> RequestState:
+    sender = make()
+    return sender.export_request(prefill(sender, 203, seed=1))
+
+
+@pytest.mark.parametrize("kw,says", [
+    (dict(kv_format="bf16"), "kv_format: fp8 in the state, bf16 here"),
+    (dict(indexer_format="fp8"), "indexer_format: mxfp4 in the state, fp8 here"),
+    (dict(page_tokens=256), "page_tokens: 128 in the state, 256 here"),
+    (dict(geometry=dataclasses.replace(G, window=32)), "window: 16 in the state, 32 here"),
+], ids=["kv-format", "indexer-format", "page-tokens", "geometry"])
+def test_another_geometry_or_format_is_refused(state, kw, says):
+    receiver = make(**kw)
+    before = snapshot(receiver)
+    with pytest.raises(ValueError, match=says):
+        receiver.import_request(state)
+    assert_unchanged(receiver, before)
+
+
+def test_a_malformed_state_is_refused_with_nothing_changed(state):
+    receiver, _ = busy_receiver()
+    before = snapshot(receiver)
+    short = dict(state.tensors)
+    short["layers.1.entries"] = short["layers.1.entries"][:1]
+    with pytest.raises(ValueError, match=r"layers.1.entries: expected torch.uint8 \[2, .*got torch.uint8 \[1, "):
+        receiver.import_request(dataclasses.replace(state, tensors=short))
+    missing = {k: v for k, v in state.tensors.items() if k != "layers.3.index_keys"}
+    with pytest.raises(ValueError, match=r"missing \['layers.3.index_keys'\]"):
+        receiver.import_request(dataclasses.replace(state, tensors=missing))
+    with pytest.raises(ValueError, match="203 tokens; this cache holds at most 200 tokens"):
+        make(max_seq_len=200).import_request(state)
+    with pytest.raises(TypeError, match="expected a RequestState, got dict"):
+        receiver.import_request(dict(state.tensors))
+    assert_unchanged(receiver, before)
+
+
+@pytest.mark.parametrize("damage", ["flip-data", "flip-header", "truncate", "metadata"])
+def test_a_corrupted_or_truncated_file_is_refused(tmp_path, state, damage):
+    path = tmp_path / "r.safetensors"
+    save_request(state, path)
+    data = bytearray(path.read_bytes())
+    header = 8 + int.from_bytes(data[:8], "little")
+    if damage == "flip-data":
+        data[header + (len(data) - header) // 2] ^= 0x01
+    elif damage == "flip-header":
+        data[12] ^= 0x55
+    elif damage == "truncate":
+        del data[-1000:]
+    else:  # a valid file whose recorded length was changed
+        text = data[8:header].decode()
+        data[8:header] = text.replace('"length":"203"', '"length":"204"').encode()
+    path.write_bytes(bytes(data))
+    receiver, _ = busy_receiver()
+    before = snapshot(receiver)
+    says = "checksum mismatch" if damage in ("flip-data", "metadata") else "truncated or corrupted|checksum mismatch"
+    with pytest.raises(ValueError, match=says):
+        receiver.import_request(load_request(path))
+    assert_unchanged(receiver, before)
+
+
+def test_no_room_on_import_changes_nothing(state):
+    receiver = make(num_blocks=3)  # the state needs 2 blocks
+    assert receiver.plan_step([(receiver.admit(), 200)])  # holds 2 of them
+    before = snapshot(receiver)
+    answer = receiver.import_request(state)
+    assert isinstance(answer, NoRoom) and not answer
+    assert (answer.resource, answer.needed, answer.free) == ("blocks", 2, 1)
+    assert_unchanged(receiver, before)
+
+    full = make(max_requests=1)
+    full.admit()
+    before = snapshot(full)
+    answer = full.import_request(state)
+    assert isinstance(answer, NoRoom) and answer.resource == "request slots"
+    assert_unchanged(full, before)
+
+
+def test_exporting_a_bad_id_raises_and_changes_nothing():
+    cache = make()
+    rid = prefill(cache, 40, seed=2)
+    gone = cache.admit()
+    cache.release(gone)
+    swapped = prefill(cache, 20, seed=4)
+    cache.swap_out(swapped)
+    before = snapshot(cache)
+    for bad, says in ((99, "unknown request id 99"), (gone, "already released"), (swapped, "swapped out"),
+                      ("0", "unknown request id '0'")):
+        with pytest.raises(RequestError, match=says):
+            cache.export_request(bad)
+    assert_unchanged(cache, before)
+    assert cache.export_request(rid).length == 40
