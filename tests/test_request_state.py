@@ -133,6 +133,24 @@ def test_imported_request_continues_bit_for_bit(tmp_path, length, via, prefix_ca
     assert_same_state(receiver.export_request(got), sender.export_request(rid))
 
 
+def test_a_request_that_hit_the_senders_prefix_cache_moves_as_private_copies():
+    """Its first two blocks are shared cached blocks in the sender; the receiver gets copies it holds alone."""
+    prompt = list(range(3, 303))
+    sender = make(prefix_caching=True)
+    donor = prefill(sender, 300, seed=40, tokens=prompt)
+    sender.release(donor)
+    rid = sender.admit(prompt)
+    assert sender.cached_tokens(rid) == 256
+    step(sender, rid, hidden(41, 44))
+    receiver, _ = busy_receiver(prefix_caching=True)
+    got = receiver.import_request(sender.export_request(rid))
+    assert [receiver.allocator.refcount(b) for b in receiver.blocks(got)] == [1, 1, 1]
+    assert receiver.cached_tokens(got) == 0 and receiver.num_cached_blocks == 0
+    want, outs = continued(sender, rid, seed=42), continued(receiver, got, seed=42)
+    assert all(torch.isfinite(a).all() and torch.equal(bits(a), bits(b)) for a, b in zip(outs, want))
+    assert_same_state(receiver.export_request(got), sender.export_request(rid))
+
+
 def test_a_state_of_length_zero_round_trips(tmp_path):
     sender = make()
     rid = sender.admit()
