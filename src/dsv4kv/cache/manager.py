@@ -31,7 +31,7 @@ from .prefix import CachedBlock, PrefixCache, PrefixStats
 from .spec import DEFAULT_PAGE_TOKENS, CacheSpec
 from .swap import NoRoom, Swapped
 from .transfer import RequestState, check_state, spec_fields, tensor_names
-from .plan import EntryWrites, OutOfBlocks, SnapshotWrites, StepBuffers, StepPlan, StepStatus, new_cache_id
+from .plan import EntryWrites, OutOfBlocks, SnapshotWrites, StepBuffers, StepPlan, StepStatus, host_fields, new_cache_id
 from .publish import PrefixPublisher, Publication, TokenIds, token_ids
 
 __all__ = ["CacheManager", "RequestError"]
@@ -332,7 +332,9 @@ class CacheManager:
 
         for request, n in zip(requests, counts):
             request.length += n
-        host = self._plan_fields(requests, starts, counts_np, new_entries)
+        host = host_fields(np.array([r.slot for r in requests], dtype=np.int64), starts, counts_np, new_entries,
+                           window=self.geometry.window, page_tokens=self.spec.page_tokens,
+                           block_table=self._host_table)
         capture_rows = 0
         if self._publisher is not None:
             capture_rows = self._publisher.plan_captures(requests, starts, counts_np, host, self._host_table)
@@ -596,32 +598,3 @@ class CacheManager:
                 for pool in (layer.entries, layer.index_keys):
                     if pool is not None:
                         pool[update[2]] = POISON_BYTE
-
-    def _plan_fields(self, requests: list[_Request], starts: np.ndarray, counts: np.ndarray,
-                     new_entries: dict[int, np.ndarray]) -> dict[str, np.ndarray]:
-        rows = np.arange(len(requests))
-        slots = np.array([r.slot for r in requests], dtype=np.int64)
-        query_start = np.concatenate(([0], np.cumsum(counts)))
-        token_request = np.repeat(rows, counts)
-        positions = np.arange(query_start[-1]) - query_start[token_request] + starts[token_request]
-        window = self.geometry.window
-        fields = {
-            "positions": positions, "token_request": token_request,
-            # Only a request's last `window` tokens land in its ring; earlier tokens of a long chunk would
-            # be overwritten within the same step (and duplicate scatter targets are nondeterministic).
-            "window_slots": np.where(positions >= (starts + counts)[token_request] - window,
-                                     slots[token_request] * window + positions % window, -1),
-            "request_slots": slots, "query_start": query_start, "seq_lens": starts + counts,
-        }
-        page = self.spec.page_tokens
-        for m, per_request in new_entries.items():
-            first = starts // m  # entries complete before the step
-            entry_request = np.repeat(rows, per_request)
-            offsets = np.concatenate(([0], np.cumsum(per_request)))[:-1]
-            index = np.arange(per_request.sum()) - offsets[entry_request] + first[entry_request]
-            token = index * m
-            block = self._host_table[slots[entry_request], token // page]
-            fields[f"slots{m}"] = block * (page // m) + (token % page) // m
-            fields[f"request{m}"] = entry_request
-            fields[f"index{m}"] = index
-        return fields

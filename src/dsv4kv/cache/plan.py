@@ -19,7 +19,7 @@ import torch
 
 from ..checks import positive_int
 
-__all__ = ["EntryWrites", "SnapshotWrites", "StepPlan", "StepStatus", "StepBuffers", "OutOfBlocks"]
+__all__ = ["EntryWrites", "SnapshotWrites", "StepPlan", "StepStatus", "StepBuffers", "OutOfBlocks", "host_fields"]
 
 
 @dataclass(frozen=True)
@@ -182,6 +182,36 @@ class StepBuffers:
         if self._copied is not None:
             self._copied.record()
         return self.views
+
+
+def host_fields(slots: np.ndarray, starts: np.ndarray, counts: np.ndarray, new_entries: dict[int, np.ndarray], *,
+                window: int, page_tokens: int, block_table: np.ndarray) -> dict[str, np.ndarray]:
+    """A step's index fields on the host (`StepBuffers.load` takes them): request b (state slot slots[b], starts[b]
+    tokens before the step) brings counts[b] tokens and completes new_entries[m][b] entries of each ratio m;
+    block_table: the host copy of the manager's table, the step's blocks already mapped."""
+    rows = np.arange(len(slots))
+    query_start = np.concatenate(([0], np.cumsum(counts)))
+    token_request = np.repeat(rows, counts)
+    positions = np.arange(query_start[-1]) - query_start[token_request] + starts[token_request]
+    fields = {
+        "positions": positions, "token_request": token_request,
+        # Only a request's last `window` tokens land in its ring; earlier tokens of a long chunk would
+        # be overwritten within the same step (and duplicate scatter targets are nondeterministic).
+        "window_slots": np.where(positions >= (starts + counts)[token_request] - window,
+                                 slots[token_request] * window + positions % window, -1),
+        "request_slots": slots, "query_start": query_start, "seq_lens": starts + counts,
+    }
+    for m, per_request in new_entries.items():
+        first = starts // m  # entries complete before the step
+        entry_request = np.repeat(rows, per_request)
+        offsets = np.concatenate(([0], np.cumsum(per_request)))[:-1]
+        index = np.arange(per_request.sum()) - offsets[entry_request] + first[entry_request]
+        token = index * m
+        block = block_table[slots[entry_request], token // page_tokens]
+        fields[f"slots{m}"] = block * (page_tokens // m) + (token % page_tokens) // m
+        fields[f"request{m}"] = entry_request
+        fields[f"index{m}"] = index
+    return fields
 
 
 _cache_ids = itertools.count(1)  # tags plans and buffers with the manager that made them
