@@ -107,7 +107,7 @@ def test_decode_steps_append_the_window_beside_attention(monkeypatch, index):
 
 
 def test_indexer_pair_first_kernel_always_launches(monkeypatch):
-    """The indexer compress goes first in its pair with the query (`layer.COMPRESS_FIRST`, `launch_next`; the query
+    """The indexer compress goes first in its pair with the query (`schedules._csa`, `launch_next`; the query
     waits last, `wait_late`, on it), so it must launch on every step: an exact-size decode plan whose step completes no
     entry has no entry slot, and the compress then launches one program that returns (under the interpreter, where the
     PDL calls are plain functions, seen here: it waits, then lets the query in). Outputs match the reference."""
@@ -243,7 +243,7 @@ def plan_of(layer, plan, cache):
     return layer.attention_plan(plan, cache.pages(layer.layer_index), "triton")
 
 
-def test_indexer_takes_fp8_is_the_scores_choice(monkeypatch):
+def test_attention_plan_indexer_fp8_is_the_scores_choice(monkeypatch):
     """`AttentionPlan.indexer_fp8` (what the bench reports, and when the layer makes the query's FP8 operand): CSA
     layers with MXFP4 keys on decode steps (the row kernel) and prefill steps (the stacked kernel), unless the
     indexer's tuning turns its FP8 MMAs off; not FP8 keys, or layers without an indexer."""
@@ -264,7 +264,7 @@ def test_indexer_takes_fp8_is_the_scores_choice(monkeypatch):
         assert plan_of(csa, decode, cache).indexer_fp8 == want and not plan_of(window, decode, cache).indexer_fp8
 
 
-def test_indexer_counts_topk_digit_is_the_steps_choice(monkeypatch):
+def test_attention_plan_counts_digit_is_the_steps_choice(monkeypatch):
     """`AttentionPlan.counts_digit` (what the bench reports): CSA decode steps whose top-k takes the split kernel; not
     prefill steps (the stacked scores kernel), rows the top-k row kernel takes, or layers without an indexer. The
     layer's step then launches top-k three times, else four (or once: the row kernel)."""
@@ -360,3 +360,31 @@ def test_decode_graph_replays_equal_eager_steps_flash(batch):
     assert entries > 0
     assert max(diffs) == 0.0, diffs
     assert all(a <= 0 for a in alloc), alloc
+
+
+def test_a_step_plan_is_freed_when_dropped():
+    """The attention plans a step's layers share (`StepPlan.layer_plans`) do not point back at the step: a dropped plan
+    and its tensors (RoPE tables, top-k's workspace) go at once, without the cycle collector; every layer of a kind
+    reads the same tensors, and the reference's plan is one per step for every kind."""
+    import gc
+    import weakref
+
+    layers = [init_random_weights(DSV4Attention(TINY, i), i) for i in range(3)]
+    cache = make_cache("fp8", "mxfp4")
+    rid = cache.admit()
+    gc.disable()
+    try:
+        plan = cache.plan_step([(rid, 20)])
+        x = torch.randn(20, TINY.hidden_size, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16)
+        for layer in layers:
+            layer(x, plan, cache)
+        kernel = [layer.attention_plan(plan, cache.pages(layer.layer_index), "triton") for layer in layers]
+        again = layers[1].attention_plan(plan, cache.pages(1), "triton")
+        assert again.topk_workspace is kernel[1].topk_workspace and again.step is plan
+        assert len({id(p.step) for p in kernel}) == 1 and kernel[0].kind is not kernel[1].kind
+        assert len([key for key in plan.layer_plans if key[0] == "torch"]) == 1
+        step, workspace = weakref.ref(plan), weakref.ref(kernel[1].topk_workspace)
+        del plan, kernel, again
+        assert step() is None and workspace() is None
+    finally:
+        gc.enable()

@@ -448,8 +448,8 @@ class CacheManager:
         return layer_index in self._status.layers_run
 
     def mark_layer_run(self, layer_index: int) -> None:
-        """Record that a layer ran over the current plan outside `DSV4Attention` (a replayed graph, a test's stand-in
-        layer): the plan's status holds what the layer records itself."""
+        """Record that a layer ran over the current plan outside `DSV4Attention` (a stand-in layer of a test or a
+        simulation): the plan's status holds what a layer records itself."""
         self._status.layers_run.add(layer_index)
 
     def pages(self, layer_index: int) -> LayerCache:

@@ -64,7 +64,7 @@ class DecodeStepGraph:
     the same padded computation eagerly."""
 
     def __init__(self, model: DSV4Model, cache: CacheManager, batch: int, *, max_seq_len: int, capture: bool):
-        self.model, self.cache, self.batch, self.capture = model, cache, batch, capture
+        self.model, self.cache, self.batch = model, cache, batch
         self.buffers = cache.step_buffers(max_tokens=batch, max_requests=batch, max_seq_len=max_seq_len)
         self.input_ids = torch.zeros(batch, dtype=torch.long, device=cache.device)
         # the step's token ids are staged in pinned memory and copied without a host sync (padding rows: 0)
@@ -73,6 +73,11 @@ class DecodeStepGraph:
         self._copied = torch.cuda.Event() if pinned else None
         self._expert_configs = _expert_configs(model)
         self.captured = CapturedStep(capture)
+
+    @property
+    def capture(self) -> bool:
+        """Whether this step is captured as a CUDA graph (else every step runs eagerly)."""
+        return self.captured.capture
 
     def run(self, batch: Sequence[tuple[int, int]]) -> torch.Tensor:
         """batch: (cache request id, token id) pairs -> fp32 logits [len(batch), vocab] (a view: copy or use it

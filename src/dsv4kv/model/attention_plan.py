@@ -3,13 +3,15 @@
 A step's `StepPlan` holds the index fields the manager wrote (positions, slots, block table). A layer kind needs more,
 derived from them alone: RoPE tables at the rows' positions and at the completing entries' first tokens, the visible
 entry counts, the widths of the score rows, the indexer's path choices and top-k's workspace. `attention_plan` builds
-them once per step and kind, before the first such layer runs (inside a CUDA-graph capture, so every replay rebuilds
-them before their first use), and every later layer of the kind reads the same frozen plan: the layer asks the kernel
-modules no host question of its own.
+them once per step and kind (and RoPE), before the first such layer runs, and every later layer of the kind reads the
+same tensors: the layer asks the kernel modules no host question of its own. A plan asked for inside a CUDA-graph
+capture is built there, so every replay rebuilds its tensors before their first use; one built eagerly is never read
+by a capture. The reference path's plan (the step's rows, read back to the host) is one per step for every kind.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -20,17 +22,17 @@ from ..geometry import LayerKind, ModelGeometry
 from ..ops.rope.reference import rope_cos_sin
 from ..ops.shared.rows import StepRows, step_rows
 
-__all__ = ["AttentionPlan", "attention_plan", "score_columns"]
+__all__ = ["AttentionPlan", "attention_plan"]
 
 
 @dataclass(frozen=True)
 class AttentionPlan:
     """One step's plan for the layers of one kind, on one backend ("torch": the reference; "triton": the kernels)."""
 
-    step: StepPlan
-    kind: LayerKind
+    step: StepPlan | None  # None only in the step's memo (`StepPlan.layer_plans`), which must not point back at it
+    kind: LayerKind | None  # None: the reference's plan, one for every kind
     backend: str
-    # the reference: the step's rows read back to the host once (the reference's one sync per step)
+    # the reference: the step's rows read back to the host (the reference's one sync per step)
     rows: StepRows | None = None
     # the kernels, over every padded row
     cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None  # fp32 [R, rope_dim / 2]: RoPE at each row's position
@@ -57,13 +59,16 @@ def score_columns(step: StepPlan, ratio: int) -> int:
 def attention_plan(step: StepPlan, spec: LayerCacheSpec, geometry: ModelGeometry, backend: str) -> AttentionPlan:
     """The attention plan of `step` for the layers of `spec`'s kind: built by the first layer of the kind that asks
     (kept in `step.layer_plans`), read by the rest."""
-    key = (spec.layer.kind, backend)
+    if backend == "triton":
+        capturing = step.positions.is_cuda and torch.cuda.is_current_stream_capturing()
+        key = (backend, spec.layer.kind, spec.layer.rope, capturing)
+    else:
+        key = (backend,)
     plan = step.layer_plans.get(key)
     if plan is None:
         plan = step.layer_plans[key] = (_kernel_plan(step, spec, geometry) if backend == "triton"
-                                        else AttentionPlan(step=step, kind=spec.layer.kind, backend=backend,
-                                                           rows=step_rows(step)))
-    return plan
+                                        else AttentionPlan(step=None, kind=None, backend=backend, rows=step_rows(step)))
+    return dataclasses.replace(plan, step=step)
 
 
 def _kernel_plan(step: StepPlan, spec: LayerCacheSpec, geometry: ModelGeometry) -> AttentionPlan:
@@ -85,4 +90,4 @@ def _kernel_plan(step: StepPlan, spec: LayerCacheSpec, geometry: ModelGeometry) 
                       indexer_fp8=fp8_query_wanted(step, spec.index, columns),
                       counts_digit=counts_digits(step) and takes_first_digit_counts(rows, columns),
                       topk_workspace=workspace)
-    return AttentionPlan(step=step, kind=layer.kind, backend="triton", **fields)
+    return AttentionPlan(step=None, kind=layer.kind, backend="triton", **fields)

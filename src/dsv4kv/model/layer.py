@@ -29,6 +29,7 @@ from typing import Mapping
 import torch
 from torch import nn
 
+from ..backend import kernels_can_run
 from ..cache.plan import StepPlan
 from ..cache.pools import LayerCache
 from ..checks import require
@@ -39,7 +40,6 @@ from ..ops.compress.reference import append_state, compress_and_insert
 from ..ops.indexer.reference import indexer_topk
 from ..ops.projection.reference import unit_rms_norm
 from ..ops.rope.reference import apply_rope
-from ..backend import kernels_can_run
 from ..ops.shared.rows import StepRows
 from ..ops.window.reference import append_window
 from .attention_plan import AttentionPlan, attention_plan
@@ -290,7 +290,6 @@ class DSV4Attention(nn.Module):
         streams.join()
         return Projected(q=q, kv=kv, state=state_rows[0], index_state=state_rows[1], index_q=index_q,
                          index_weights=weights)
-
 
     def _grouped_o_a(self, out: torch.Tensor) -> torch.Tensor:
         """[N, heads, head_dim] -> [N, o_groups * o_lora_rank]: each contiguous head group through its own block."""

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..cache.pools import LayerCache
+from ..checks import require
 from ..geometry import LayerKind
 from .attention_plan import AttentionPlan
 from .streams import StepStreams
@@ -57,6 +58,9 @@ class Projected:
 
 def attention_core(layer, p: Projected, plan: AttentionPlan, pages: LayerCache) -> torch.Tensor:
     """`layer`'s attention core over `plan` and its `pages` on the kernels -> bf16 [R, heads, head_dim]."""
+    require(plan.backend == "triton" and plan.kind is layer.spec.kind,
+            f"attention_core: a {plan.backend} plan of {plan.kind} layers for layer {layer.layer_index} "
+            f"({layer.spec.kind})")
     step = _Step(layer, p, plan, pages)
     schedule = {LayerKind.WINDOW: _window, LayerKind.CSA: _csa, LayerKind.HCA: _hca}[plan.kind]
     step.streams.fork()

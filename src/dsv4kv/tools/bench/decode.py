@@ -226,8 +226,6 @@ def _decode_layer(ctx: Context, cache: CacheManager, layer: DSV4Attention, plan,
     # of its kind runs it; `cold` adds the attention plan the first layer builds for all of them
     core = time_cuda(lambda: layer.attention_core(projected, attn, pages), device=ctx.device, runs=ctx.runs)
     first = time_cuda(cold, device=ctx.device, runs=ctx.runs)
-    plan.layer_plans.clear()  # `cold` left the plan its graph captured: build one outside any graph
-    attn = layer.attention_plan(plan, pages, "triton")
     whole = time_cuda(lambda: layer._forward_kernels(x, attn, pages), device=ctx.device, runs=ctx.runs)
     ctx.report.add(Result("decode", f"{kind} core, {at}", params, core.median_us,
                           bytes=sum(parts.values()), check=check, passed=passed,
