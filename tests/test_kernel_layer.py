@@ -382,6 +382,8 @@ def test_a_step_plan_is_freed_when_dropped():
         again = layers[1].attention_plan(plan, cache.pages(1), "triton")
         assert again.topk_workspace is kernel[1].topk_workspace and again.step is plan
         assert len({id(p.step) for p in kernel}) == 1 and kernel[0].kind is not kernel[1].kind
+        assert all(p.row_slots is kernel[0].row_slots for p in kernel)
+        assert TINY.layers[1].rope == TINY.layers[2].rope and kernel[1].cos_sin is kernel[2].cos_sin
         assert len([key for key in plan.layer_plans if key[0] == "torch"]) == 1
         step, workspace = weakref.ref(plan), weakref.ref(kernel[1].topk_workspace)
         del plan, kernel, again

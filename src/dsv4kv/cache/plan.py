@@ -101,7 +101,8 @@ class StepPlan:
     snapshots: SnapshotWrites | None = None  # prefix caching only
     status: StepStatus = field(default_factory=StepStatus, compare=False, repr=False)
     # per layer kind, the attention plan (`model.attention_plan.AttentionPlan`: RoPE tables, visible counts, path
-    # choices, workspaces) that the first layer of the kind builds and the others read: built once per step
+    # choices, workspaces) that the first layer of the kind builds and the others read, and the tensors kinds share
+    # (row slots, RoPE tables of one RoPE): built once per step
     layer_plans: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __repr__(self) -> str:

@@ -66,19 +66,27 @@ def attention_plan(step: StepPlan, spec: LayerCacheSpec, geometry: ModelGeometry
         key = (backend,)
     plan = step.layer_plans.get(key)
     if plan is None:
-        plan = step.layer_plans[key] = (_kernel_plan(step, spec, geometry) if backend == "triton"
+        plan = step.layer_plans[key] = (_kernel_plan(step, spec, geometry, key[-1]) if backend == "triton"
                                         else AttentionPlan(step=None, kind=None, backend=backend, rows=step_rows(step)))
     return dataclasses.replace(plan, step=step)
 
 
-def _kernel_plan(step: StepPlan, spec: LayerCacheSpec, geometry: ModelGeometry) -> AttentionPlan:
+def _kernel_plan(step: StepPlan, spec: LayerCacheSpec, geometry: ModelGeometry, capturing: bool) -> AttentionPlan:
     layer, positions = spec.layer, step.positions
     rows, device = positions.shape[0], positions.device
-    fields = dict(cos_sin=rope_cos_sin(layer.rope, positions),
-                  row_slots=torch.arange(rows, dtype=torch.int32, device=device),
+
+    def shared(key, make):  # tensors more than one kind reads (CSA's and HCA's RoPE is one): made once a step
+        key = ("shared", *key, capturing)
+        if key not in step.layer_plans:
+            step.layer_plans[key] = make()
+        return step.layer_plans[key]
+
+    fields = dict(cos_sin=shared(("rope", layer.rope), lambda: rope_cos_sin(layer.rope, positions)),
+                  row_slots=shared(("rows",), lambda: torch.arange(rows, dtype=torch.int32, device=device)),
                   decode=step.num_tokens == step.num_requests)
     if layer.compressed:
-        fields.update(entry_cos_sin=rope_cos_sin(layer.rope, step.entries[layer.ratio].index * layer.ratio),
+        fields.update(entry_cos_sin=shared(("entry rope", layer.rope, layer.ratio), lambda: rope_cos_sin(
+                          layer.rope, step.entries[layer.ratio].index * layer.ratio)),
                       max_entries=max(step.max_seq_len // layer.ratio, 1))
     if layer.kind is LayerKind.CSA:
         from ..ops.indexer.kernel import counts_digits, fp8_query_wanted
