@@ -6,7 +6,8 @@
 #   bash scripts/gpu_check.sh [tests] [memcheck] [demo] [bench]          (default: tests memcheck)
 #
 # Wheels in .whl/ (transformers, sgl-flash-mla for `bench flashmla`) are installed with --no-deps into /tmp/site.
-# tests: TESTS (default tests/) over TESTS_WORKERS pytest-xdist workers (default 8) sharing the GPU.
+# tests: TESTS (default tests/) over TESTS_WORKERS pytest-xdist workers (default 8) sharing the GPU,
+# one line per test (a stage cut short still names what failed), each test at most TEST_TIMEOUT s.
 # bench: `dsv4kv bench flashmla topk decode --runs 30`; with BASELINE=<a checkout's src folder> the same benches of
 # that tree run too, each workload old then new in turn, so the two are measured in one session of the machine.
 set -u
@@ -36,7 +37,7 @@ stage() {  # name, timeout seconds, command...
 for s in ${*:-tests memcheck}; do
     case $s in
     tests) stage tests "${TESTS_TIMEOUT:-420}" python3 -m pytest ${TESTS:-tests} -o addopts="" -p no:cacheprovider -rfEs \
-        -n "${TESTS_WORKERS:-8}" ;;
+        -n "${TESTS_WORKERS:-8}" -v --timeout "${TEST_TIMEOUT:-240}" --durations 25 ;;
     memcheck) stage memcheck "${MEMCHECK_TIMEOUT:-400}" compute-sanitizer --tool memcheck --leak-check no \
         python3 scripts/memcheck_kernels.py ;;
     demo) stage demo 300 python3 -m dsv4kv demo --no-progress ;;
