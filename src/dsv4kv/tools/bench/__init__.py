@@ -4,7 +4,7 @@
     report = run_bench(["machine", "topk", "decode"], out_dir="docs/bench")   # -> Report (also JSON + PNG)
 
 Workloads are in `workloads.py` (`WORKLOADS`), timing in `timing.py`, results and plots in `report.py`.
-The issue's targets are evaluated from the results (`evaluate_targets`) and written with them.
+The project's speed targets are evaluated from the results (`targets.py`) and written with them.
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ from typing import Callable, Sequence
 
 import torch
 
-from .report import Report, Result, indexer_keys, markdown, plot_report
+from .report import Report, Result, markdown, plot_report
+from .targets import evaluate_targets
 from .timing import machine_info
 from .workloads import QUICK, WORKLOADS, Context
 
@@ -65,70 +66,3 @@ def bench_device(device: str | torch.device) -> torch.device:
     if not 0 <= index < count:
         raise ValueError(f"device: cuda:{index} does not exist ({count} CUDA device{'s' * (count != 1)} visible)")
     return torch.device("cuda", index)
-
-
-def _find(report: Report, workload: str, **params) -> Result | None:
-    """The first result of `workload` with these params; a decode row: the core stage over MXFP4 indexer keys (the
-    official format, which the core targets name)."""
-    return next((r for r in report.results if r.workload == workload
-                 and all(r.params.get(k) == v for k, v in params.items())
-                 and (workload != "decode" or (r.extra.get("stage") == "core" and indexer_keys(r.params) == "mxfp4"))), None)
-
-
-def evaluate_targets(report: Report) -> list[dict]:
-    """The issue's speed targets that this run measured: met or missed, and by how much."""
-    targets = []
-
-    def add(target: str, measured: str, met: bool) -> None:
-        targets.append({"target": target, "measured": measured, "met": bool(met)})
-
-    r = _find(report, "decode", kind="csa", context=1 << 20, batch=1)
-    if r and r.time_us:
-        add("CSA core decode, batch 1, 1M context <= 40 us", f"{r.time_us:.1f} us ({r.time_us / 40:.2f}x the target)",
-            r.time_us <= 40)
-    for kind in ("csa", "hca"):  # issue 12: <= 2x the bytes floor (CSA moonshot 1.4x)
-        r = _find(report, "decode", kind=kind, context=131072, batch=64)
-        if r and r.time_us and r.bytes and report.copy_bw:
-            floor = r.bytes / report.copy_bw * 1e6
-            add(f"{kind.upper()} core decode, batch 64, 128K context <= 2x bytes / bandwidth",
-                f"{r.time_us:.1f} us = {r.time_us / floor:.2f}x the {floor:.1f} us floor", r.time_us <= 2 * floor)
-    for rows, cols, bound in ((1, 262144, 12), (1, 1 << 20, 25), (64, 32768, 25)):
-        r = _find(report, "topk", rows=rows, cols=cols)
-        if r and r.time_us:
-            add(f"top-{r.params.get('k', 512)} of {cols:,} candidates x {rows} row{'s' * (rows > 1)} <= {bound} us",
-                f"{r.time_us:.1f} us", r.time_us <= bound)
-    for r in report.results:  # the indexer's share of the copy bandwidth (its keys' own bytes), from the decode
-        # step's kernel split: MXFP4 keys, and FP8 keys "at the same fractions of their own bytes"
-        if (r.workload == "decode" and r.extra.get("stage") == "indexer scores" and r.time_us and r.bytes
-                and report.copy_bw):
-            batch, context = r.params.get("batch", 0), r.params.get("context", 0)
-            need = 60 if batch >= 8 and context >= 65536 else 40 if batch == 1 and context >= 1 << 20 else None
-            if need is not None:
-                pct = 100 * r.bytes / (r.time_us * 1e-6) / report.copy_bw
-                keys = "" if indexer_keys(r.params) == "mxfp4" else f" ({indexer_keys(r.params)} keys)"
-                add(f"indexer scores{keys}, batch {batch}, {context // 1024}K context >= {need}% of copy bandwidth",
-                    f"{pct:.0f}%", pct >= need)
-    for r in report.results:
-        if r.workload == "insert" and r.time_us and report.copy_bw and r.params.get("rows", 0) >= 8192:
-            pct = 100 * r.bytes / (r.time_us * 1e-6) / report.copy_bw
-            add(f"{r.name} >= 75% of copy bandwidth", f"{pct:.0f}%", pct >= 75)
-    for kind in ("window", "csa", "hca"):
-        hf = next((r for r in report.results if r.workload == "layer" and r.name.startswith("transformers")
-                   and r.params == {"kind": kind, "context": 16384, "batch": 1}), None)
-        ours = next((r for r in report.results if r.workload == "layer" and r.params.get("kind") == kind
-                     and r.params.get("context") == 16384 and r.params.get("mode") == "official"), None)
-        if hf and ours and ours.time_us and hf.time_us:
-            ratio = hf.time_us / ours.time_us
-            add(f"{kind} layer decode, batch 1, 16K: >= 20x transformers", f"{ratio:.1f}x "
-                f"({hf.time_us:.0f} us vs {ours.time_us:.1f} us)", ratio >= 20)
-    r = next((r for r in report.results if r.workload == "prefill" and r.name.startswith("CSA layer")), None)
-    if r and r.time_us and report.gemm:
-        floor = r.flops / report.gemm * 1e6
-        add(f"prefill {r.params['prompt']} tokens in {r.params['chunk']}-token chunks within 3x of the indexer FLOP floor",
-            f"{r.time_us / 1e3:.1f} ms = {r.time_us / floor:.1f}x the {floor / 1e3:.2f} ms floor", r.time_us <= 3 * floor)
-    for r in report.results:
-        if r.workload == "scale" and r.time_us:
-            ratio = r.extra["reserved_over_planned"]
-            add(f"scale: {r.name}, memory within 2% of dsv4kv plan", f"cache tensors / planned = {ratio:.4f}, step "
-                f"{r.time_us / 1e3:.2f} ms", abs(ratio - 1) <= 0.02)
-    return targets

@@ -16,7 +16,8 @@ from ...model.layer import DSV4Attention
 from .picks import explain_rows
 from .report import Report
 
-__all__ = ["Context", "check_layer", "layer_index", "row_error", "free_cuda", "kernel_stage", "ROW_TOL", "TIE_TOL"]
+__all__ = ["Context", "check_layer", "layer_index", "row_error", "free_cuda", "kernel_stage", "model_geometry",
+           "MODEL_NAMES", "ROW_TOL", "TIE_TOL"]
 
 ROW_TOL = 2e-2  # kernels against the reference layer: row error / row max (tests/test_kernel_layer.py)
 # A CSA row beyond ROW_TOL passes only when its top-k picks explain it (tools/bench/picks.py): each of the kernels'
@@ -37,12 +38,17 @@ class Context:
 
     @property
     def geometry(self) -> ModelGeometry:
-        return _flash()
+        """V4-Flash: the geometry of every workload but the rows `decode` and `flashmla` time for V4-Pro."""
+        return model_geometry("flash")
 
 
-@functools.lru_cache(maxsize=1)
-def _flash() -> ModelGeometry:
-    return ModelGeometry.from_hf_config("flash")
+MODEL_NAMES = {"flash": "V4-Flash", "pro": "V4-Pro"}
+
+
+@functools.lru_cache(maxsize=None)
+def model_geometry(model: str) -> ModelGeometry:
+    """The attention geometry of a preset model ("flash" or "pro")."""
+    return ModelGeometry.from_hf_config(model)
 
 
 def layer_index(g: ModelGeometry, kind: str) -> int:

@@ -9,9 +9,10 @@ from __future__ import annotations
 import torch
 
 from ...cache.manager import CacheManager
+from ...cache.spec import CacheSpec
 from ...geometry import LayerKind, ModelGeometry
 from ...model.layer import DSV4Attention, init_random_weights
-from .common import Context, check_layer, free_cuda, kernel_stage, layer_index
+from .common import MODEL_NAMES, Context, check_layer, free_cuda, kernel_stage, layer_index, model_geometry
 from .report import Result
 from .synthetic import fill_layer
 from .timing import copy_bandwidth, gemm_rate, profile_kernels, time_cuda
@@ -143,26 +144,32 @@ def _compress_insert(ctx: Context, n: int) -> None:
 
 
 # --- decode --------------------------------------------------------------------------------------------------
-def _decode_grid(quick: bool) -> list[tuple[int, int, tuple[str, ...], str]]:
-    """(context, batch, kinds, indexer key format) configurations: MXFP4 keys (the official format) everywhere, and
-    FP8 keys at the indexer's target points (issue 12: FP8 keys at the same fractions of their own bytes)."""
+def _decode_grid(quick: bool) -> list[tuple[str, int, int, tuple[str, ...], str]]:
+    """(model, context, batch, kinds, indexer key format) configurations: V4-Flash with MXFP4 keys (the official
+    format) everywhere and FP8 keys at the indexer's target points (at the same fractions of their own bytes), and
+    V4-Pro (128 heads, 1024 picks) at the core targets' points."""
     if quick:
         grid = [(16384, 1, ("csa",)), (1 << 20, 1, ("csa",)), (131072, 64, ("csa",))]
         fp8 = [(1 << 20, 1), (131072, 64)]
+        pro = [(1 << 20, 1, ("csa",))]
     else:
         grid = [(4096, 1, ("window", "csa", "hca")), (16384, 1, ("window", "csa", "hca")), (65536, 1, ("csa",)),
                 (131072, 1, ("csa", "hca")), (262144, 1, ("csa",)), (1 << 20, 1, ("csa", "hca")),
                 (131072, 8, ("csa",)), (131072, 32, ("csa",)), (131072, 64, ("window", "csa", "hca"))]
         fp8 = [(1 << 20, 1), (131072, 8), (131072, 64)]
-    return [(*config, "mxfp4") for config in grid] + [(context, batch, ("csa",), "fp8") for context, batch in fp8]
+        pro = [(1 << 20, 1, ("csa", "hca")), (131072, 8, ("csa",)), (131072, 64, ("csa", "hca"))]
+    return ([("flash", *config, "mxfp4") for config in grid]
+            + [("flash", context, batch, ("csa",), "fp8") for context, batch in fp8]
+            + [("pro", *config, "mxfp4") for config in pro])
 
 
-def core_bytes(g: ModelGeometry, cache: CacheManager, layer_index: int, context: int, batch: int) -> dict[str, int]:
+def core_bytes(g: ModelGeometry, spec: CacheSpec, layer_index: int, context: int, batch: int) -> dict[str, int]:
     """Bytes one decode step's attention core must move, per part, for `batch` requests at `context` tokens
     (the step's own token included): the keys it reads, the compressor state it pools when an entry completes,
     q in and the output out. Scores written by the indexer and read by top-k are the implementation's, not
     counted."""
-    spec, ls = g.layers[layer_index], cache.spec.layers[layer_index]
+    ls = spec.layers[layer_index]
+    spec = g.layers[layer_index]
     entry = ls.main.entry_bytes
     parts = {"window keys": min(g.window, context) * entry, "q + out": 2 * 2 * g.num_heads * g.head_dim}
     if spec.compressed:
@@ -178,10 +185,12 @@ def core_bytes(g: ModelGeometry, cache: CacheManager, layer_index: int, context:
             parts["compressor state"] = state + entry + (ls.index.entry_bytes if ls.index else 0)
     return {k: v * batch for k, v in parts.items()}
 
+
 def decode(ctx: Context) -> None:
-    g = ctx.geometry
-    for context, batch, kinds, indexer_format in _decode_grid(ctx.quick):
-        ctx.log(f"decode: context {context}, batch {batch}, {'/'.join(kinds)}, {indexer_format} indexer keys")
+    for model, context, batch, kinds, indexer_format in _decode_grid(ctx.quick):
+        g = model_geometry(model)
+        ctx.log(f"decode: {MODEL_NAMES[model]}, context {context}, batch {batch}, {'/'.join(kinds)}, {indexer_format} "
+                f"indexer keys")
         cache = CacheManager(g, max_requests=batch, max_tokens=batch * context, device=ctx.device,
                              indexer_format=indexer_format)
         rids = [cache.admit() for _ in range(batch)]
@@ -196,24 +205,25 @@ def decode(ctx: Context) -> None:
                         device=ctx.device).bfloat16()
         for kind, i in zip(kinds, indices):
             layer = init_random_weights(DSV4Attention(g, i, device=ctx.device), seed=i)
-            _decode_layer(ctx, cache, layer, plan, x, kind, context, batch)
+            _decode_layer(ctx, model, cache, layer, plan, x, kind, context, batch)
             del layer
             free_cuda()
         del cache, plan, buffers
         free_cuda()
 
 
-def _decode_layer(ctx: Context, cache: CacheManager, layer: DSV4Attention, plan, x, kind: str, context: int,
-                  batch: int) -> None:
+def _decode_layer(ctx: Context, model: str, cache: CacheManager, layer: DSV4Attention, plan, x, kind: str,
+                  context: int, batch: int) -> None:
     from ...ops.shared.launch import launch_options
 
-    g = ctx.geometry
+    g = model_geometry(model)
     check, passed = check_layer(layer, x, plan, cache, "layer vs reference")
     projected = layer.project(x, plan.positions)
     keys = cache.spec.indexer_format.value  # MXFP4 (the official format) unless the grid asks for FP8 keys
-    params = {"kind": kind, "context": context, "batch": batch, "indexer_format": keys}
-    at = f"ctx {context}, batch {batch}" + ("" if keys == "mxfp4" or kind != "csa" else f", {keys} indexer keys")
-    parts = core_bytes(g, cache, layer.layer_index, context, batch)
+    params = {"model": model, "kind": kind, "context": context, "batch": batch, "indexer_format": keys}
+    at = (f"ctx {context}, batch {batch}" + ("" if keys == "mxfp4" or kind != "csa" else f", {keys} indexer keys")
+          + ("" if model == "flash" else f", {MODEL_NAMES[model]}"))
+    parts = core_bytes(g, cache.spec, layer.layer_index, context, batch)
     pages = cache.pages(layer.layer_index)
     attn = layer.attention_plan(plan, pages, "triton")
     fp8, counted = attn.indexer_fp8, attn.counts_digit

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from ...cache.manager import CacheManager
+from .common import MODEL_NAMES, model_geometry
 from .report import Result
 from .synthetic import fill_layer
 from .timing import time_cuda
@@ -28,10 +29,15 @@ ATTENTION_TOL = 4e-3
 # FlashMLA's own error against the fp32 reference is its own (2.2e-3 to 4.1e-3 measured on the H200): this bound only
 # tells a page FlashMLA read as we do from one it misread (errors of order 1)
 FLASHMLA_TOL = 2 * ATTENTION_TOL
-# (layer kind, batch, context): the decode shapes of issue 11 (CSA: 128 window + 512 picks per row)
-SHAPES = [("CSA", 1, 1 << 20), ("CSA", 8, 1 << 17), ("CSA", 64, 1 << 17), ("CSA", 128, 1 << 16),
-          ("HCA", 1, 1 << 20), ("HCA", 8, 1 << 17), ("HCA", 64, 1 << 17)]
-QUICK_SHAPES = [("CSA", 1, 1 << 20), ("CSA", 64, 1 << 17), ("HCA", 64, 1 << 17)]
+# (model, layer kind, batch, context): V4-Flash (64 heads; CSA: 128 window + 512 picks per row) and V4-Pro (128 heads;
+# 128 window + 1024 picks) decode shapes
+SHAPES = [("flash", "CSA", 1, 1 << 20), ("flash", "CSA", 8, 1 << 17), ("flash", "CSA", 64, 1 << 17),
+          ("flash", "CSA", 128, 1 << 16), ("flash", "HCA", 1, 1 << 20), ("flash", "HCA", 8, 1 << 17),
+          ("flash", "HCA", 64, 1 << 17),
+          ("pro", "CSA", 1, 1 << 20), ("pro", "CSA", 8, 1 << 17), ("pro", "CSA", 64, 1 << 16),
+          ("pro", "HCA", 1, 1 << 20), ("pro", "HCA", 64, 1 << 16)]
+QUICK_SHAPES = [("flash", "CSA", 1, 1 << 20), ("flash", "CSA", 64, 1 << 17), ("flash", "HCA", 64, 1 << 17),
+                ("pro", "CSA", 64, 1 << 16)]
 
 
 def _flash_mla():
@@ -51,8 +57,9 @@ def _paged_view(pool: torch.Tensor, entries: int, entry_bytes: int) -> torch.Ten
 
 class Case:
     """One decode step of one layer over `cache`, whose requests `rids` hold a history of context - 1 tokens each,
-    with everything both kernels read: q, sinks, picks (CSA: random distinct visible entries), the step page and
-    the pools. The step's kv is encoded by dsv4kv's kv insert and appended to the ring by its append kernel."""
+    with everything both kernels read: q, sinks, picks (CSA: random distinct entries every row can see, in ascending
+    column order as `topk_indices` writes them), the step page and the pools. The step's kv is encoded by dsv4kv's
+    kv insert and appended to the ring by its append kernel."""
 
     def __init__(self, cache: CacheManager, layer_index: int, rids: list[int], device: torch.device, seed: int = 0):
         from ...ops.window.kernel import append_window, kv_insert
@@ -79,7 +86,8 @@ class Case:
         if self.kind == "CSA":
             shared = int(plan.positions[:batch].min() + 1) // spec.ratio  # entries every row can see
             k = min(g.index_topk, shared)
-            self.picks = torch.rand(batch, shared, generator=gen, device=device).topk(k).indices.int().contiguous()
+            picks = torch.rand(batch, shared, generator=gen, device=device).topk(k).indices
+            self.picks = picks.sort(dim=1).values.int().contiguous()
         self.window, self.ratio, self.page_tokens = g.window, spec.ratio, cache.spec.page_tokens
         self.scale = g.head_dim ** -0.5
         self.out = torch.empty(batch, g.num_heads, g.head_dim, device=device)
@@ -175,8 +183,8 @@ def flashmla(ctx) -> None:
         ctx.report.meta["flashmla_skipped"] = reason
         return
     ctx.report.meta["flash_mla_version"] = getattr(module, "__version__", "unknown")
-    g = ctx.geometry
-    for kind, batch, context in (QUICK_SHAPES if ctx.quick else SHAPES):
+    for model, kind, batch, context in (QUICK_SHAPES if ctx.quick else SHAPES):
+        g = model_geometry(model)
         case = Case.synthetic(g, kind, batch, context, ctx.device)
         theirs = case.flash_mla_runner(module)
         ref = case.reference()
@@ -190,14 +198,15 @@ def flashmla(ctx) -> None:
         passed = ours_err <= ATTENTION_TOL and theirs_err <= FLASHMLA_TOL
         check = (f"vs fp32 reference: dsv4kv {ours_err:.2e} (tolerance {ATTENTION_TOL:g}), FlashMLA {theirs_err:.2e} "
                  f"({FLASHMLA_TOL:g}) of the row max")
-        params = {"kind": kind, "batch": batch, "context": context, "keys_per_row": case.keys_per_row}
+        params = {"model": model, "kind": kind, "batch": batch, "context": context, "keys_per_row": case.keys_per_row}
         extra = {"flashmla_us": t_theirs.median_us, "ratio": t_ours.median_us / t_theirs.median_us,
                  "dsv4kv_error": ours_err, "flashmla_error": theirs_err, "flashmla": t_theirs.as_dict(),
                  **t_ours.as_dict()}
-        ctx.report.add(Result("flashmla", f"{kind} attention, batch {batch}, {context // 1024}K", params,
+        name = f"{MODEL_NAMES[model]} {kind} attention, batch {batch}, {context // 1024}K"
+        ctx.report.add(Result("flashmla", name, params,
                               t_ours.median_us, bytes=keys * 584, flops=flops, check=check, passed=passed,
                               extra=extra))
-        ctx.log(f"  flashmla {kind} batch {batch} ctx {context}: dsv4kv {t_ours.median_us:.1f} us, FlashMLA "
+        ctx.log(f"  flashmla {name}: dsv4kv {t_ours.median_us:.1f} us, FlashMLA "
                 f"{t_theirs.median_us:.1f} us (x{t_ours.median_us / t_theirs.median_us:.2f}); errors "
                 f"{ours_err:.1e} / {theirs_err:.1e}")
         del case, theirs

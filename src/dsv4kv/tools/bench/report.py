@@ -155,7 +155,8 @@ def plot_report(data: dict, out_dir: str) -> list[str]:
         return []
     rows = [r for r in data["results"] if r["workload"] == "decode" and r["time_us"]
             and r["extra"].get("stage") == "core"
-            and indexer_keys(r["params"]) == "mxfp4"]  # FP8 keys: extra points, not plotted
+            and indexer_keys(r["params"]) == "mxfp4"  # FP8 keys: extra points, not plotted
+            and r["params"].get("model", "flash") == "flash"]  # V4-Pro: a few points, in the tables only
     written = []
     stamp = f"{data['meta'].get('gpu')}, torch {data['meta'].get('torch')}, triton {data['meta'].get('triton')}, " \
             f"{data['meta'].get('date', '')[:10]}, {data['meta'].get('commit')}"
@@ -180,11 +181,11 @@ def plot_report(data: dict, out_dir: str) -> list[str]:
         ax_t.set_ylabel("decode step, us (CUDA graph)")
         ax_r.set_ylabel("time / (bytes read / measured bandwidth)")
         ax_r.axhline(1.0, color="gray", lw=0.8)
-        ax_t.legend(fontsize=7)
-        ax_r.legend(fontsize=7)
         if not ax_t.lines:  # this run has no such series: leave any earlier plot in place
             plt.close(fig)
             continue
+        ax_t.legend(fontsize=7)
+        ax_r.legend(fontsize=7)
         fixed = f"batch {fixed_value}" if fixed_key == "batch" else f"context {fixed_value}"
         fig.suptitle(f"V4-Flash decode attention core, {fixed} -- {stamp}", fontsize=8)
         fig.tight_layout()
