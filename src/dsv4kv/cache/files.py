@@ -36,7 +36,7 @@ def _checksum(meta: Mapping[str, str], tensors: Mapping[str, torch.Tensor]) -> s
 
 
 def save_request(state: RequestState, path: str | os.PathLike) -> None:
-    """Write `state` (from `CacheManager.export_request`) to a safetensors file at `path`."""
+    """Write `state` (from `CacheManager.export_request`) to a safetensors file at `path`, replacing it whole."""
     if not isinstance(state, RequestState):
         raise TypeError(f"state: expected a RequestState, got {type(state).__name__}")
     tensors = {name: t.detach().cpu().contiguous() for name, t in state.tensors.items()}
@@ -46,7 +46,14 @@ def save_request(state: RequestState, path: str | os.PathLike) -> None:
         tensors[_TOKENS] = state.tokens.detach().cpu().to(torch.int64).contiguous()
     meta = {"format": FORMAT, "length": str(state.length), **{f"spec.{k}": v for k, v in state.spec.items()}}
     meta["checksum"] = _checksum(meta, tensors)
-    save_file(tensors, os.fspath(path), metadata=meta)
+    path = os.fspath(path)
+    partial = f"{path}.partial-{os.getpid()}"
+    try:  # a write that stops midway leaves no file under `path` (an older one there stays whole)
+        save_file(tensors, partial, metadata=meta)
+        os.replace(partial, path)
+    finally:
+        if os.path.exists(partial):
+            os.remove(partial)
 
 
 def load_request(path: str | os.PathLike) -> RequestState:

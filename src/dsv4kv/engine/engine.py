@@ -4,7 +4,8 @@
     outputs = engine.generate([[1, 2, 3], [4, 5]], SamplingParams(max_new_tokens=32))
 
 or online: `add_request(prompt, params) -> id`, `step() -> [StepOutput(id, new tokens, finished)]`,
-`abort(id)`, `output(id) -> RequestOutput`. Each step the scheduler picks the work, the runner computes
+`abort(id)`, `output(id) -> RequestOutput`. `save(id, path)` writes a request's cache to a file and
+`add_request(prompt, params, cache_file=path)` starts a request from one (engine/cache_files.py). Each step the scheduler picks the work, the runner computes
 the logits of each request's last new token, and the sampler picks the tokens. `next_token_logits(prompts)`
 returns the logits themselves: what this engine (its formats, kernels and step budget) computes after each prompt.
 """
@@ -24,10 +25,12 @@ import torch
 from ..checks import positive_int
 from ..cache.layout import IndexerFormat, KVFormat
 from ..cache.manager import CacheManager, RequestError
+from ..cache.files import save_request
 from ..cache.spec import DEFAULT_PAGE_TOKENS
+from .cache_files import request_state, state_for_prompt, state_to_save
 from .model import DSV4Model
 from .params import SamplingParams
-from .request import Request, RequestOutput, StepOutput
+from .request import Request, RequestOutput, Status, StepOutput
 from .runner import ModelRunner, default_graph_sizes
 from .sampler import sample_with_logprobs
 from .scheduler import Scheduler
@@ -154,10 +157,32 @@ class Engine:
         return cls(model, max_requests=max_requests, max_tokens=max_tokens, **kwargs)
 
     # --- online API ---------------------------------------------------------------------------------
-    def add_request(self, prompt: Sequence[int], params: SamplingParams | None = None) -> int:
-        """Queue a request; returns its id. A bad prompt or params raise ValueError / TypeError and change nothing."""
+    def add_request(self, prompt: Sequence[int], params: SamplingParams | None = None, *,
+                    cache_file: str | os.PathLike | None = None, keep_cache: bool = False) -> int:
+        """Queue a request; returns its id. A bad prompt or params raise ValueError / TypeError and change nothing.
+
+        cache_file: a file `save` wrote (this engine's cache geometry and formats) whose token ids are a prefix of
+            `prompt`, shorter than it: the request starts from the file's cache and only the rest of the prompt is
+            prefilled (`RequestOutput.cached_tokens` counts the file's tokens). Read and checked in full here; an
+            unreadable, corrupted, mismatched or non-prefix file raises ValueError and changes nothing.
+        keep_cache: when the request finishes, keep a host copy of its cache so that `save` works until its
+            output is read (a finished request's blocks are released at once otherwise).
+        """
         prompt, params = self._check_prompt(prompt), self._check_params(params)
-        return self._add(prompt, params)
+        if not isinstance(keep_cache, bool):
+            raise TypeError(f"keep_cache: expected a bool, got {type(keep_cache).__name__}")
+        state = state_for_prompt(self.cache, cache_file, prompt) if cache_file is not None else None
+        request_id = self._add(prompt, params)
+        self._requests[request_id].cache_state, self._requests[request_id].keep_cache = state, keep_cache
+        return request_id
+
+    def save(self, request_id: int, path: str | os.PathLike) -> None:
+        """Write the request's cache (the tokens it holds: prompt and generated tokens but the last) to a
+        safetensors file at `path`, for `add_request(..., cache_file=path)` here or in another engine of the same
+        cache geometry and formats. A running request is saved as it is between steps; a finished one only if it was
+        added with keep_cache=True and its output not read yet. RequestError for an unknown id or a request
+        holding nothing to save (waiting, swapped out, finished without keep_cache)."""
+        save_request(state_to_save(self.cache, self._request(request_id)), path)
 
     def step(self) -> list[StepOutput]:
         """Run one step; returns the requests that got a token in it."""
@@ -200,7 +225,7 @@ class Engine:
             request.token_times.append(now)
             reason = self._finish_reason(request, token)
             if reason is not None:
-                self.scheduler.finish(request, reason)
+                self._finish(request, reason)
             elif self.prefix_caching:  # the cache needs the id of every token it is fed, to publish full blocks
                 self.cache.append_tokens(request.cache_id, [token])
             outputs.append(StepOutput(request.id, (token,), reason is not None))
@@ -212,7 +237,7 @@ class Engine:
         an unknown id raises RequestError."""
         request = self._request(request_id)
         if not request.finished:
-            self.scheduler.finish(request, "abort")
+            self._finish(request, "abort")
 
     def output(self, request_id: int) -> RequestOutput:
         """A request's output so far. Reading a finished request's output forgets the request."""
@@ -272,6 +297,11 @@ class Engine:
         self._requests[request.id] = request
         self.scheduler.add(request)
         return request.id
+
+    def _finish(self, request: Request, reason: str) -> None:
+        if request.keep_cache and request.status is Status.RUNNING:  # before its blocks are released
+            request.kept_state = request_state(self.cache, request)
+        self.scheduler.finish(request, reason)
 
     def _finish_reason(self, request: Request, token: int) -> str | None:
         if token in request.params.stop_token_ids:

@@ -9,6 +9,7 @@ from typing import NamedTuple
 
 import torch
 
+from ..cache.transfer import RequestState
 from .params import SamplingParams
 
 __all__ = ["Status", "Request", "RequestOutput", "StepOutput"]
@@ -30,7 +31,9 @@ class RequestOutput:
     token_ids: tuple[int, ...]  # the generated tokens (a stop token included)
     finished: bool
     finish_reason: str | None  # "stop" (a stop token), "length" (max_new_tokens or max_seq_len), "abort"; None while running
-    cached_tokens: int  # tokens served from the prefix cache at its (last) admission; 0 with prefix caching off
+    # tokens not prefilled at its (last) admission: served from the prefix cache, or the tokens its cache file held
+    # (add_request(..., cache_file=path)); 0 otherwise
+    cached_tokens: int
     ttft: float | None  # time to first token, from add_request
     itl: float | None  # mean time between consecutive tokens (None below two tokens)
     preemptions: int  # times the request was preempted (swapped out, or released and recomputed later)
@@ -59,7 +62,10 @@ class Request:
     status: Status = Status.WAITING
     cache_id: int | None = None  # CacheManager request id while RUNNING or SWAPPED
     num_computed: int = 0  # leading tokens already in the cache
-    cached_tokens: int = 0  # served from the prefix cache at the last admission (a multiple of page_tokens)
+    cached_tokens: int = 0  # at the last admission: served from the prefix cache (whole blocks) or its cache file
+    cache_state: RequestState | None = None  # a checked cache file's state, imported at admission (then dropped)
+    keep_cache: bool = False  # keep a host copy of its cache state when it finishes (`Engine.save` after finishing)
+    kept_state: RequestState | None = None
     finish_reason: str | None = None
     token_times: list[float] = field(default_factory=list)
     preemptions: int = 0

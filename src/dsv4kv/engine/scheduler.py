@@ -7,7 +7,8 @@ Continuous batching under a token budget (`step_tokens`) per step:
    chunks in arrival order, while the budget lasts;
 3. waiting requests are admitted in arrival order while a cache slot is free, the budget is not spent
    and the blocks for all their tokens are free (less a prefix hit's blocks that live requests hold), and get
-   a first chunk.
+   a first chunk. A request added with a cache file is admitted by importing the file's state
+   (`CacheManager.import_request`) and is fed only the tokens past it.
 
 When a running request's tokens need more blocks than are free, the most recently admitted request is
 preempted, by recompute or by swap (`preemption`):
@@ -37,6 +38,7 @@ from dataclasses import dataclass, field
 
 from ..checks import positive_int
 from ..cache.manager import CacheManager
+from ..cache.swap import NoRoom
 from .request import Request, Status
 
 __all__ = ["Scheduler", "ScheduledStep", "PREEMPTION"]
@@ -146,18 +148,19 @@ class Scheduler:
             free -= self._need(request, n)
         while not self.swapped and self.waiting and budget > 0 and len(self.running) < self.cache.max_requests:
             request = self.waiting[0]
-            if self.cache.admission_blocks(request.tokens) > free:
+            if request.cache_state is not None:
+                need = self.cache.spec.blocks_for(request.num_tokens)
+            else:
+                need = self.cache.admission_blocks(request.tokens)
+            if need > free:
                 break
             before = self.cache.num_free_blocks
-            # with prefix caching the longest cached prefix of prompt + generated tokens is mapped in (a
-            # preempted request hits its own published blocks)
-            cache_id = self.cache.admit(request.tokens if self.cache.prefix is not None else None)
+            cache_id = self._admit(request)
             if cache_id is None:  # every slot is held outside this scheduler
                 break
             free += self.cache.num_free_blocks - before  # a hit takes unreferenced cached blocks out of the free ones
             self.waiting.popleft()
             request.cache_id, request.status = cache_id, Status.RUNNING
-            request.num_computed = request.cached_tokens = self.cache.cached_tokens(cache_id)
             self.running.append(request)
             n = min(request.pending, budget)
             chosen[request] = n
@@ -166,6 +169,25 @@ class Scheduler:
         step.batch = list(chosen.items())
         step.is_decode = bool(step.batch) and all(n == 1 and r.pending == 1 for r, n in step.batch)
         return step
+
+    def _admit(self, request: Request) -> int | None:
+        """The request's cache id, with `num_computed` and `cached_tokens` set, or None when no slot is free."""
+        state = request.cache_state
+        if state is None:
+            # with prefix caching the longest cached prefix of prompt + generated tokens is mapped in (a
+            # preempted request hits its own published blocks)
+            cache_id = self.cache.admit(request.tokens if self.cache.prefix is not None else None)
+            if cache_id is not None:
+                request.num_computed = request.cached_tokens = self.cache.cached_tokens(cache_id)
+            return cache_id
+        cache_id = self.cache.import_request(state)  # checked when the request was added
+        if isinstance(cache_id, NoRoom):
+            return None
+        if self.cache.prefix is not None:  # the state holds the ids of its own tokens; the rest are fed
+            self.cache.append_tokens(cache_id, request.tokens[state.length:])
+        request.cache_state = None  # in the cache now; a preemption by recompute recomputes every token
+        request.num_computed = request.cached_tokens = state.length
+        return cache_id
 
     # --- block arithmetic (the manager holds ceil(length / page_tokens) blocks per request) -------
     def _held(self, request: Request) -> int:
