@@ -250,3 +250,16 @@ def test_every_option_has_help(command, capsys):
     out = capsys.readouterr().out
     for action in parser._actions:
         assert all(option in out for option in action.option_strings)
+
+
+def test_plan_into_a_closed_pipe_stops_quietly():
+    """`dsv4kv plan | head -1`: the reader leaves before the table is written; no traceback, a non-zero status."""
+    import subprocess
+    import sys
+
+    reader = subprocess.Popen([sys.executable, "-c", "pass"], stdin=subprocess.PIPE)
+    reader.wait()  # gone: writing into its pipe raises BrokenPipeError
+    plan = subprocess.run([sys.executable, "-m", "dsv4kv", "plan"], stdout=reader.stdin, stderr=subprocess.PIPE,
+                          text=True, timeout=120)
+    reader.stdin.close()
+    assert plan.returncode == 1 and "Traceback" not in plan.stderr, plan.stderr

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from ..geometry import PRESET_NOTES, PRESETS, GeometryError, LayerKind, ModelGeometry
@@ -129,6 +130,9 @@ def main(argv: list[str] | None = None) -> int:
     except (GeometryError, ValueError) as error:
         print(f"dsv4kv {args.command}: {error}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # the reader left (`dsv4kv plan | head`): stop quietly, as other command-line tools do
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error when Python flushes stdout
+        return 1
 
 
 if __name__ == "__main__":
