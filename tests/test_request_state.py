@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+import numpy as np
 import pytest
 import torch
 
@@ -255,3 +256,80 @@ def test_exporting_a_bad_id_raises_and_changes_nothing():
             cache.export_request(bad)
     assert_unchanged(cache, before)
     assert cache.export_request(rid).length == 40
+
+
+# --- pages the receiver already caches are not sent -----------------------------------------------
+@pytest.mark.parametrize("donor_length,hit", [(300, 256), (130, 128)], ids=["hit-2-blocks", "hit-1-block"])
+def test_pages_the_receiver_caches_are_not_sent(tmp_path, donor_length, hit):
+    """The receiver computed a prefix of the same tokens (same chunks, so the same bytes) and released it; the
+    sender exports only the blocks past `receiver.lookup(tokens)`: the receiver maps its cached blocks in, writes
+    the rest, and the continuation is bit for bit the sender's."""
+    length, tokens = 330, list(range(11, 341))
+    sender = make(prefix_caching=True)
+    rid = prefill(sender, length, seed=60, tokens=tokens)
+    receiver = make(prefix_caching=True, max_requests=3)
+    receiver.release(prefill(receiver, donor_length, seed=60, tokens=tokens[:donor_length]))
+    assert receiver.lookup(tokens) == hit
+    whole = sender.export_request(rid)
+    state = sender.export_request(rid, skip_tokens=receiver.lookup(tokens))
+    k = hit // P
+    assert (state.first_block, state.num_blocks, whole.num_blocks) == (k, 3 - k, 3)
+    assert whole.nbytes - state.nbytes == k * sender.spec.block_bytes
+    cached = [node.block for node in receiver.prefix.match(np.array(tokens), k)]
+    free = receiver.num_free_blocks
+    got = receiver.import_request(state)
+    assert receiver.blocks(got)[:k] == cached and receiver.num_free_blocks == free - 3  # k idle cached + fresh ones
+    assert [receiver.allocator.refcount(b) for b in receiver.blocks(got)] == [1, 1, 1]
+    assert_same_state(receiver.export_request(got), whole)
+    want, outs = continued(sender, rid, seed=61), continued(receiver, got, seed=61)
+    for i, (a, b) in enumerate(zip(outs, want)):
+        assert torch.isfinite(a).all() and torch.equal(bits(a), bits(b)), f"step {i}"
+    assert_same_state(receiver.export_request(got), sender.export_request(rid))
+    with pytest.raises(ValueError, match="first 1 blocks were left out|first 2 blocks were left out"):
+        save_request(state, tmp_path / "partial.safetensors")
+    assert not (tmp_path / "partial.safetensors").exists()
+
+
+def test_a_cached_block_held_by_a_live_request_is_shared():
+    tokens = list(range(11, 341))
+    sender = make(prefix_caching=True)
+    rid = prefill(sender, 330, seed=60, tokens=tokens)
+    receiver = make(prefix_caching=True, max_requests=3)
+    donor = prefill(receiver, 300, seed=60, tokens=tokens[:300])
+    free = receiver.num_free_blocks
+    got = receiver.import_request(sender.export_request(rid, skip_tokens=receiver.lookup(tokens)))
+    assert receiver.blocks(got)[:2] == receiver.blocks(donor)[:2] and receiver.num_free_blocks == free - 1
+    assert [receiver.allocator.refcount(b) for b in receiver.blocks(got)] == [2, 2, 1]
+    want, outs = continued(sender, rid, seed=62), continued(receiver, got, seed=62)
+    assert all(torch.equal(bits(a), bits(b)) for a, b in zip(outs, want))
+    receiver.release(got)
+    assert [receiver.allocator.refcount(b) for b in receiver.blocks(donor)[:2]] == [1, 1]
+
+
+def test_a_partial_state_the_receiver_cannot_complete_is_refused_with_nothing_changed():
+    tokens = list(range(11, 341))
+    sender = make(prefix_caching=True)
+    rid = prefill(sender, 330, seed=60, tokens=tokens)
+    partial = sender.export_request(rid, skip_tokens=256)
+    evicted, _ = busy_receiver(prefix_caching=True)  # caches nothing of these tokens (its blocks were evicted, say)
+    before = snapshot(evicted)
+    answer = evicted.import_request(partial)
+    assert isinstance(answer, NoRoom)
+    assert (answer.resource, answer.needed, answer.free) == ("cached prefix blocks", 2, 0)
+    assert_unchanged(evicted, before)
+    plain, _ = busy_receiver()
+    before = snapshot(plain)
+    with pytest.raises(ValueError, match="first 2 blocks are left out .* no prefix cache"):
+        plain.import_request(partial)
+    with pytest.raises(ValueError, match="left out, and it has no token ids"):
+        plain.import_request(dataclasses.replace(partial, tokens=None))
+    with pytest.raises(ValueError, match=r"first_block: expected an int in \[0, 2\]"):
+        plain.import_request(dataclasses.replace(partial, first_block=3))
+    with pytest.raises(ValueError, match=r"layers.1.entries: expected torch.uint8 \[2, .* from block 1, got .*\[1, "):
+        plain.import_request(dataclasses.replace(partial, first_block=1))
+    assert_unchanged(plain, before)
+    before = snapshot(sender)
+    for bad in (100, -128, 384, True, 128.0):
+        with pytest.raises(ValueError, match="skip_tokens: expected a multiple of page_tokens 128 in"):
+            sender.export_request(rid, skip_tokens=bad)
+    assert_unchanged(sender, before)

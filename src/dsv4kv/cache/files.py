@@ -39,6 +39,9 @@ def save_request(state: RequestState, path: str | os.PathLike) -> None:
     """Write `state` (from `CacheManager.export_request`) to a safetensors file at `path`, replacing it whole."""
     if not isinstance(state, RequestState):
         raise TypeError(f"state: expected a RequestState, got {type(state).__name__}")
+    if state.first_block:
+        raise ValueError(f"state: its first {state.first_block} blocks were left out (a receiver's cached prefix); "
+                         f"a file holds every block: export it with skip_tokens=0")
     tensors = {name: t.detach().cpu().contiguous() for name, t in state.tensors.items()}
     if _TOKENS in tensors:
         raise ValueError(f"state: a tensor named {_TOKENS!r} clashes with the token ids")

@@ -30,7 +30,7 @@ from .pools import POISON_BYTE, CachePools, LayerCache
 from .prefix import CachedBlock, PrefixCache, PrefixStats
 from .spec import DEFAULT_PAGE_TOKENS, CacheSpec
 from .swap import NoRoom, Swapped
-from .transfer import RequestState, check_state, spec_fields, tensor_names
+from .transfer import RequestState, cached_prefix, check_state, first_block, spec_fields, tensor_names
 from .plan import EntryWrites, OutOfBlocks, SnapshotWrites, StepBuffers, StepPlan, StepStatus, host_fields, new_cache_id
 from .publish import PrefixPublisher, Publication, TokenIds, token_ids
 
@@ -273,33 +273,49 @@ class CacheManager:
         self._requests[rid] = request
         return record.nbytes
 
-    def export_request(self, rid: int) -> RequestState:
+    def export_request(self, rid: int, *, skip_tokens: int = 0) -> RequestState:
         """A host copy of the live request's pages, window ring, compressor state, length and token ids, taken between
-        steps (cache/transfer.py). An unknown, released or swapped-out id raises RequestError; nothing changes."""
+        steps (cache/transfer.py). `skip_tokens` (whole blocks; what the receiver's `lookup(tokens)` said it caches)
+        leaves out the pages of those first blocks. An unknown, released or swapped-out id raises RequestError, a bad
+        skip_tokens ValueError; nothing changes."""
         request = self._request(rid)
-        saved = self.pools.save(request.slot, self._host_table[request.slot, :request.num_blocks].tolist())
+        k = first_block(skip_tokens, request.length, self.spec.page_tokens)
+        saved = self.pools.save(request.slot, self._host_table[request.slot, k:request.num_blocks].tolist())
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()  # the asynchronous host copies have landed
         tokens = torch.from_numpy(request.tokens[:].copy()) if request.tokens is not None else None
-        return RequestState(spec_fields(self.spec), request.length, tokens, dict(zip(tensor_names(self.pools), saved)))
+        return RequestState(spec_fields(self.spec), request.length, tokens, dict(zip(tensor_names(self.pools), saved)),
+                            first_block=k)
 
     def import_request(self, state: RequestState) -> int | NoRoom:
         """Admit a request holding `state` byte for byte in a fresh slot and blocks: its id, or `NoRoom` (nothing
-        changed) when no slot or too few blocks are free. Another spec, or a malformed or too long state, raises."""
+        changed) when no slot or too few blocks are free. A state without its first blocks (`first_block`) gets this
+        cache's cached blocks of its token ids for them (shared, as a prefix hit's), or `NoRoom("cached prefix
+        blocks", ...)` when some are no longer cached. Another spec, or a malformed or too long state, raises."""
         saved, ids = check_state(state, self.pools, max_seq_len=self.max_seq_len)
-        n = self.spec.blocks_for(state.length)
+        n, k = self.spec.blocks_for(state.length), state.first_block
         self._settle(final=False)
+        chain = cached_prefix(self.prefix, state, ids)
         if not self._free_slots:
             return NoRoom("request slots", 1, 0)
-        if n > self.allocator.num_free:
-            return NoRoom("blocks", n, self.allocator.num_free)
-        blocks, slot, rid = self._allocate(n), self._free_slots.popleft(), self._next_rid
+        if len(chain) < k:
+            return NoRoom("cached prefix blocks", k, len(chain))
+        idle = sorted(node.block for node in chain if self.allocator.refcount(node.block) == 0)
+        if n - k + len(idle) > self.allocator.num_free:
+            return NoRoom("blocks", n - k + len(idle), self.allocator.num_free)
+        self.allocator.take(idle)  # cached blocks waiting in the free queue
+        self.allocator.share([node.block for node in chain if node.block not in idle])
+        blocks = [node.block for node in chain] + self._allocate(n - k)
+        slot, rid = self._free_slots.popleft(), self._next_rid
         self._next_rid += 1
         request = self._requests[rid] = _Request(rid, slot, length=state.length, num_blocks=n)
         if self.prefix is not None and ids is not None:
-            request.tokens, request.publishing = TokenIds(ids), True  # private blocks: publishes only from block 0
+            # publishes on from its cached chain; a private full block past it ends its publication
+            request.tokens, request.publishing, request.nodes = TokenIds(ids), True, list(chain)
+            if chain:
+                self.prefix.touch(chain[-1])
         self._set_table(slot, 0, blocks)
-        self.pools.load(saved, slot, blocks, range(n))
+        self.pools.load(saved, slot, blocks[k:], range(n - k))
         return rid
 
     def plan_step(self, batch: Sequence[tuple[int, int]], *, buffers: StepBuffers | None = None

@@ -5,6 +5,10 @@ The bytes are those `CachePools.save` copies for a swap: per layer, in `LayerCac
 paged pools' rows of the request's blocks (in block-table order) and its slot's window ring and compressor rows.
 Here they get names (`layers.<i>.<field>`) so a file can hold them, and beside them the cache's spec as text, so
 a receiver of another geometry or format refuses the state naming what differs.
+
+Pages a receiver already caches need not travel: a state may leave out its first `first_block` blocks when the
+receiver's prefix cache holds them (the sender exports with `skip_tokens=receiver.lookup(tokens)`); the receiver
+maps its own cached blocks for them (`cached_prefix`) and writes the rest.
 """
 
 from __future__ import annotations
@@ -18,10 +22,11 @@ import numpy as np
 import torch
 
 from .pools import CachePools, LayerCache
+from .prefix import CachedBlock, PrefixCache
 from .spec import CacheSpec
 
 __all__ = ["RequestState", "spec_fields", "check_spec", "tensor_names", "check_tensors", "token_array",
-           "check_state"]
+           "check_state", "first_block", "cached_prefix"]
 
 # LayerCache fields a request owns, by name (`LayerCache.request_tensors` gives them in its own order)
 _FIELDS = ("entries", "index_keys", "window", "state_kv", "state_score", "index_state_kv", "index_state_score")
@@ -36,17 +41,21 @@ class RequestState:
     length: tokens the cache holds for it (the next step feeds position `length`).
     tokens: int64 [n >= length] token ids the sender knew (prefix caching), or None.
     tensors: name -> CPU tensor, in `tensor_names` order: `layers.<i>.entries` / `.index_keys` uint8
-        [blocks, page_bytes] (its blocks in block-table order), `layers.<i>.window` uint8 [window_bytes] and
-        `.state_kv` / `.state_score` / `.index_state_kv` / `.index_state_score` fp32 [rows, width].
+        [blocks - first_block, page_bytes] (its blocks from `first_block` on, in block-table order),
+        `layers.<i>.window` uint8 [window_bytes] and `.state_kv` / `.state_score` / `.index_state_kv` /
+        `.index_state_score` fp32 [rows, width].
+    first_block: blocks left out (0: none): the receiver's prefix cache holds them, found by the token ids.
     """
 
     spec: Mapping[str, str]
     length: int
     tokens: torch.Tensor | None
     tensors: Mapping[str, torch.Tensor]
+    first_block: int = 0
 
     @property
     def num_blocks(self) -> int:
+        """Blocks whose pages the state holds (its first `first_block` are left out)."""
         return next((t.shape[0] for name, t in self.tensors.items() if name.rsplit(".", 1)[1] in _PAGED), 0)
 
     @property
@@ -90,7 +99,11 @@ def check_tensors(state: RequestState, pools: CachePools) -> list[torch.Tensor]:
     (one block per page of `length`); ValueError naming the first that differs."""
     if isinstance(state.length, bool) or not isinstance(state.length, int) or state.length < 0:
         raise ValueError(f"request state: length: expected an int >= 0, got {state.length!r}")
-    blocks = pools.spec.blocks_for(state.length)
+    k = state.first_block
+    if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k * pools.spec.page_tokens <= state.length:
+        raise ValueError(f"request state: first_block: expected an int in [0, {state.length // pools.spec.page_tokens}]"
+                         f" (whole blocks of its {state.length} tokens), got {k!r}")
+    blocks = pools.spec.blocks_for(state.length) - k
     names = tensor_names(pools)
     if sorted(state.tensors) != sorted(names):
         missing, extra = sorted(set(names) - set(state.tensors)), sorted(set(state.tensors) - set(names))
@@ -103,8 +116,8 @@ def check_tensors(state: RequestState, pools: CachePools) -> list[torch.Tensor]:
         got = state.tensors[name]
         if not isinstance(got, torch.Tensor) or got.dtype != pool.dtype or tuple(got.shape) != shape:
             what = f"{got.dtype} {list(got.shape)}" if isinstance(got, torch.Tensor) else type(got).__name__
-            raise ValueError(f"request state: {name}: expected {pool.dtype} {list(shape)} for {state.length} tokens, "
-                             f"got {what}")
+            raise ValueError(f"request state: {name}: expected {pool.dtype} {list(shape)} for {state.length} tokens "
+                             f"from block {k}, got {what}")
         ordered.append(got)
     return ordered
 
@@ -133,4 +146,29 @@ def check_state(state: RequestState, pools: CachePools, *, max_seq_len: int) -> 
     if state.length > max_seq_len or pools.spec.blocks_for(state.length) > pools.num_blocks:
         raise ValueError(f"request state: {state.length} tokens; this cache holds at most {max_seq_len} tokens and "
                          f"{pools.num_blocks} blocks per request")
+    if state.first_block and ids is None:
+        raise ValueError(f"request state: its first {state.first_block} blocks are left out, and it has no token ids "
+                         f"to find them by")
     return saved, ids
+
+
+def first_block(skip_tokens: int, length: int, page_tokens: int) -> int:
+    """The blocks an export leaves out for `skip_tokens` (what the receiver's `lookup` said it caches): whole blocks
+    of the request's `length` tokens; ValueError otherwise."""
+    if isinstance(skip_tokens, bool) or not isinstance(skip_tokens, int) or skip_tokens < 0 \
+            or skip_tokens % page_tokens or skip_tokens > length:
+        raise ValueError(f"skip_tokens: expected a multiple of page_tokens {page_tokens} in [0, {length}] (the "
+                         f"receiver's lookup of the request's tokens), got {skip_tokens!r}")
+    return skip_tokens // page_tokens
+
+
+def cached_prefix(prefix: PrefixCache | None, state: RequestState, ids: np.ndarray | None) -> list[CachedBlock]:
+    """The receiver's cached blocks for the state's left-out first blocks, found by its token ids (checked by
+    `check_state`): the whole chain, or a shorter one when some were evicted since the sender was told (the caller
+    answers NoRoom). ValueError when the state leaves blocks out and the receiver has no prefix cache."""
+    if not state.first_block:
+        return []
+    if prefix is None:
+        raise ValueError(f"request state: its first {state.first_block} blocks are left out (the receiver's cached "
+                         f"prefix), and this cache has no prefix cache")
+    return prefix.match(ids, state.first_block)

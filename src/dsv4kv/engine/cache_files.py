@@ -61,7 +61,8 @@ def state_for_prompt(cache: CacheManager, path: str | os.PathLike, prompt: tuple
     n = min(len(ids), len(prompt))
     differ = np.flatnonzero(ids[:n] != np.asarray(prompt[:n], dtype=np.int64))
     if differ.size or len(ids) > len(prompt):
-        where = f"differs at token {differ[0]}" if differ.size else f"holds {len(ids)} token ids, the prompt {len(prompt)}"
+        where = (f"differs at token {differ[0]}" if differ.size
+                 else f"holds {len(ids)} token ids, the prompt {len(prompt)}")
         raise ValueError(f"{name}: the file's token ids are not a prefix of the prompt ({where})")
     if state.length >= len(prompt):
         raise ValueError(f"{name}: caches all {len(prompt)} prompt tokens; the prompt must extend them by at least "
