@@ -5,9 +5,14 @@
 
 or online: `add_request(prompt, params) -> id`, `step() -> [StepOutput(id, new tokens, finished)]`,
 `abort(id)`, `output(id) -> RequestOutput`. `save(id, path)` writes a request's cache to a file and
-`add_request(prompt, params, cache_file=path)` starts a request from one (engine/cache_files.py). Each step the scheduler picks the work, the runner computes
-the logits of each request's last new token, and the sampler picks the tokens. `next_token_logits(prompts)`
-returns the logits themselves: what this engine (its formats, kernels and step budget) computes after each prompt.
+`add_request(prompt, params, cache_file=path)` starts a request from one (engine/cache_files.py). Each step the
+scheduler picks the work, the runner computes the logits of each request's last new token, and the sampler picks the
+tokens. `next_token_logits(prompts)` returns the logits themselves: what this engine (its formats, kernels and step
+budget) computes after each prompt.
+
+With speculative decoding (`speculative=`, docs/speculative-decoding.md) a drafter proposes tokens before each step,
+each decoding request feeds its newest token and its drafts as a tentative step, and the engine keeps the drafts the
+model's own tokens confirm (`speculative_sampling`), accepting them in the cache (`CacheManager.accept`).
 """
 
 from __future__ import annotations
@@ -31,9 +36,12 @@ from .cache_files import request_state, state_for_prompt, state_to_save
 from .model import DSV4Model
 from .params import SamplingParams
 from .request import Request, RequestOutput, Status, StepOutput
+from .drafters import Drafter, ObservedRows
 from .runner import ModelRunner, default_graph_sizes
 from .sampler import sample_with_logprobs
 from .scheduler import Scheduler
+from .speculative import Speculator
+from .speculative_sampling import accepted_prefix, advance, peek_uniforms
 
 __all__ = ["Engine", "EngineStats"]
 
@@ -43,10 +51,10 @@ class EngineStats:
     """Counters since the engine was made. Prefill tokens include recomputed ones (after a preemption by recompute)."""
 
     steps: int = 0
-    decode_steps: int = 0  # steps that only decoded (one token per request)
+    decode_steps: int = 0  # steps that only decoded (one token per request, or with speculation a verify)
     graph_steps: int = 0  # decode steps served by a DecodeStepGraph (replayed on CUDA)
     prefill_tokens: int = 0
-    decode_tokens: int = 0
+    decode_tokens: int = 0  # tokens decoding requests added to their cache (a verify: its token and accepted drafts)
     preemptions: int = 0  # of both kinds: swap_preemptions + recompute_preemptions
     swap_preemptions: int = 0  # swapped out to host memory (CacheManager.swap_out)
     recompute_preemptions: int = 0  # released, recomputed on readmission (a swap refused by the host budget included)
@@ -62,6 +70,22 @@ class EngineStats:
     prefix_hits: int = 0
     prefix_hit_tokens: int = 0
     prefix_evicted_blocks: int = 0
+    # speculative decoding (all 0 with it off): draft tokens fed to verify steps, those accepted, requests verified
+    # (one request's drafts checked in one step) and steps holding any verify
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    verifies: int = 0
+    verify_steps: int = 0
+
+    @property
+    def acceptance_length(self) -> float:
+        """Tokens a request gains per verify: accepted drafts + the target's own token (0.0 with no verify)."""
+        return 1 + self.accepted_tokens / self.verifies if self.verifies else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted over proposed draft tokens (0.0 with none proposed)."""
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -91,6 +115,12 @@ class Engine:
             back, bit for bit: `CacheManager.swap_out` / `swap_in`) or "auto" (recompute when at most page_tokens
             of its tokens would be prefilled again, swap otherwise). A swap the host budget cannot take recomputes.
         swap_bytes: host memory swapped-out requests may hold (default: no limit; needs a preemption that swaps).
+        speculative: speculative decoding (docs/speculative-decoding.md): None (default, off), "ngram" (prompt
+            lookup), "mtp" (the checkpoint's MTP layer: `from_pretrained` only) or a `Drafter`. Each decode step of
+            a request then feeds its newest token and up to `draft_tokens` drafts, and keeps the drafts the model
+            itself would have generated: greedy tokens are those of plain decoding, sampled ones follow the same
+            distribution (with a seed, the same tokens). `stats` counts drafts proposed and accepted.
+        draft_tokens: the most drafts a request feeds per step, k >= 0 (default 3; 1 + k within step_tokens).
     """
 
     def __init__(self, model: DSV4Model, *, max_requests: int, max_tokens: int,
@@ -98,9 +128,12 @@ class Engine:
                  device: torch.device | str | None = None, page_tokens: int | None = None, step_tokens: int = 1024,
                  max_seq_len: int | None = None, decode_graph_sizes: Sequence[int] | None = None,
                  prefix_caching: bool = False, prefix_snapshots: int | None = None, preemption: str = "recompute",
-                 swap_bytes: int | None = None):
+                 swap_bytes: int | None = None, speculative: str | Drafter | None = None,
+                 draft_tokens: int | None = None):
         if not isinstance(model, DSV4Model):
             raise TypeError(f"model: expected a DSV4Model, got {type(model).__name__}")
+        draft_tokens = Speculator.check(speculative, draft_tokens, step_tokens)
+        drafter = Speculator.drafter_for(speculative) if speculative is not None else None
         if device is not None:
             model.to(device)
         self.model = model
@@ -126,8 +159,12 @@ class Engine:
         sizes = [positive_int("decode_graph_sizes", b) for b in decode_graph_sizes]
         if any(b > self.cache.max_requests for b in sizes):
             raise ValueError(f"decode_graph_sizes: {sizes} exceed max_requests {self.cache.max_requests}")
+        if drafter is not None:
+            drafter.bind(model, self.cache)
+        self._speculator = Speculator(drafter, draft_tokens, model.vocab_size) if drafter is not None else None
         self.runner = ModelRunner(model, self.cache, graph_sizes=sizes, capture=capture and bool(sizes),
-                                  max_seq_len=self.max_seq_len)
+                                  max_seq_len=self.max_seq_len, verify_width=1 + draft_tokens if drafter else 0,
+                                  streams=drafter is not None and drafter.needs_streams)
         self.backend = "Triton kernels" if kernels else "PyTorch reference"
         self.stats = EngineStats()
         self._requests: dict[int, Request] = {}
@@ -149,12 +186,22 @@ class Engine:
                         dtype: torch.dtype = torch.bfloat16, device=None, **kwargs) -> "Engine":
         """An engine over a checkpoint folder (config.json + *.safetensors; transformers or official DeepSeek
         names; FP8 128x128 block weights dequantized). Weights load in `dtype` (norms, hyper-connections, sinks
-        and biases in fp32), on `device` (default: CUDA when available)."""
-        from .checkpoint import load_pretrained
+        and biases in fp32), on `device` (default: CUDA when available). speculative="mtp" also reads the
+        checkpoint's MTP layer (`mtp.*`; a checkpoint without one raises ValueError)."""
+        from .checkpoint import load_pretrained, load_pretrained_mtp
 
         device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
-        model = load_pretrained(path, dtype=dtype, device=device)
-        return cls(model, max_requests=max_requests, max_tokens=max_tokens, **kwargs)
+        if kwargs.get("speculative") != "mtp":
+            model = load_pretrained(path, dtype=dtype, device=device)
+            return cls(model, max_requests=max_requests, max_tokens=max_tokens, **kwargs)
+        from .mtp import MTPDrafter
+
+        model, layer = load_pretrained_mtp(path, dtype=dtype, device=device)
+        if layer is None:
+            raise ValueError(f"speculative='mtp': the checkpoint at {os.fspath(path)!r} has no MTP layer (no mtp.* "
+                             "weights); use speculative='ngram', or a checkpoint that ships its MTP layer")
+        return cls(model, max_requests=max_requests, max_tokens=max_tokens,
+                   **{**kwargs, "speculative": MTPDrafter(layer)})
 
     # --- online API ---------------------------------------------------------------------------------
     def add_request(self, prompt: Sequence[int], params: SamplingParams | None = None, *,
@@ -185,40 +232,112 @@ class Engine:
         save_request(state_to_save(self.cache, self._request(request_id)), path)
 
     def step(self) -> list[StepOutput]:
-        """Run one step; returns the requests that got a token in it."""
-        scheduled = self.scheduler.schedule()
+        """Run one step; returns the requests that got tokens in it (several for a speculative step's accepted
+        drafts)."""
+        # with speculation, drafts first (checked: a drafter's bug raises before anything is scheduled); the
+        # scheduler gives each decode its drafts where the budget and the free blocks allow
+        drafts = self._speculator.propose(self.scheduler.running, self.max_seq_len) if self._speculator else {}
+        scheduled = self.scheduler.schedule({r: len(d) for r, d in drafts.items()} if drafts else None)
         s = self.stats
         s.preemptions += len(scheduled.preempted)
         s.swap_preemptions += len(scheduled.swapped_out)
         s.recompute_preemptions += len(scheduled.preempted) - len(scheduled.swapped_out)
         s.swap_ins += len(scheduled.swapped_in)
         s.swap_bytes += scheduled.swap_bytes
+        if self._speculator:
+            for request in scheduled.preempted:  # it comes back from another position (or another cache slot)
+                self._speculator.drafter.release(request.id)
         if not scheduled.batch:
             return []
         start = time.perf_counter()
-        batch = [(r.cache_id, r.tokens[r.num_computed:r.num_computed + n]) for r, n in scheduled.batch]
-        logits = self.runner.run(batch, decode=scheduled.is_decode)  # [len(batch), vocab]
-        rows, ready = [], []
-        for row, (request, n) in enumerate(scheduled.batch):
-            if request.pending == 1:
-                self.stats.decode_tokens += 1
-            else:
-                self.stats.prefill_tokens += n
-            request.num_computed += n
-            if request.pending == 0:  # its last token went in: the logits give the next one
-                rows.append(row)
-                ready.append(request)
+        fed = [self._fed(request, n, drafts) for request, n in scheduled.batch]
+        verifying = [request.pending == 1 and n > 1 for request, n in scheduled.batch]
+        tentative = any(verifying)
+        if tentative and self.prefix_caching:  # the cache needs the id of every token it is fed
+            for (request, _), tokens, verify in zip(scheduled.batch, fed, verifying):
+                if verify:
+                    self.cache.append_tokens(request.cache_id, tokens[1:])
+        rows = [n if verify else 1 for (_, n), verify in zip(scheduled.batch, verifying)]
+        result = self.runner.run([(r.cache_id, tokens) for (r, _), tokens in zip(scheduled.batch, fed)],
+                                 decode=scheduled.is_decode or scheduled.is_verify, rows=rows, tentative=tentative)
+        logits = result.logits  # [sum(rows), vocab]
+        # the rows that give tokens: each verify's rows, each request's last row once its last pending token is in
+        first = np.concatenate(([0], np.cumsum(rows)))
+        picked, ready = [], []  # logits rows to sample; (request, rows, drafts)
+        for b, ((request, n), verify) in enumerate(zip(scheduled.batch, verifying)):
+            if request.pending - n <= 0 or verify:
+                picked.extend(range(first[b], first[b + 1]))
+                ready.append((request, rows[b], fed[b][1:] if verify else []))
                 if request.keep_logits:  # a copy: the row is a view of the step's (or a decode graph's) logits
-                    request.logits = logits[row].clone()
-        if rows:  # read now: the logits may be a decode graph's buffer, which the next step overwrites
-            sampled = sample_with_logprobs(logits[rows], [r.params for r in ready], [r.generator for r in ready])
-        else:
-            sampled = None
+                    request.logits = logits[first[b + 1] - 1].clone()
+        sampled = None
+        if picked:  # read now: the logits may be a decode graph's buffer, which the next step overwrites
+            params, generators, uniforms = [], [], []
+            for request, count, _ in ready:
+                params += [request.params] * count
+                generators += [request.generator] * count
+                # a sampled request's rows take its next draws; it spends only those of the tokens it emits
+                uniforms += peek_uniforms(request.generator, count) if request.generator is not None else [None] * count
+            sampled = sample_with_logprobs(logits[picked], params, generators, uniforms)
+        # what each request keeps: a verify its newest token and the accepted drafts, any other all it fed
+        emitted, kept, row = {}, [], 0
+        targets = sampled.tokens if sampled is not None else []
+        ready_at = {id(r): (count, d) for r, count, d in ready}
+        for (request, n), verify in zip(scheduled.batch, verifying):
+            if id(request) in ready_at:
+                count, request_drafts = ready_at[id(request)]
+                accepted = accepted_prefix(targets[row:row + count], request_drafts) if verify else 0
+                emitted[id(request)] = (row, accepted + 1)
+                row += count
+                kept.append(1 + accepted if verify else n)
+            else:
+                kept.append(n)
+        if tentative:
+            for (request, _), k in zip(scheduled.batch, kept):
+                self.cache.accept(request.cache_id, k)
+        for (request, n), verify, k in zip(scheduled.batch, verifying, kept):
+            if request.pending == 1:
+                s.decode_tokens += k
+            else:
+                s.prefill_tokens += n
+            if verify:
+                s.verifies += 1
+                s.draft_tokens += n - 1
+                s.accepted_tokens += k - 1
+            request.num_computed += k
         now = time.perf_counter()
-        outputs = []
-        for i, request in enumerate(ready):
+        outputs, observed = [], []
+        for b, ((request, n), k) in enumerate(zip(scheduled.batch, kept)):
+            start_position = request.num_computed - k
+            if id(request) in emitted:
+                row, count = emitted[id(request)]
+                outputs.append(self._emit(request, sampled, row, count, now))
+            if self._speculator and not request.finished and self._speculator.drafter.needs_streams:
+                offset = sum(n_ for _, n_ in scheduled.batch[:b])
+                observed.append(ObservedRows(request.id, start_position,
+                                             request.tokens[start_position + 1:start_position + k + 1],
+                                             result.streams[offset:offset + k], request.pending == 1))
+        if observed:
+            self._speculator.drafter.observe(observed)
+        s.verify_steps += tentative
+        self._count_step(scheduled, now - start)
+        return outputs
+
+    def _fed(self, request: Request, n: int, drafts: dict) -> list[int]:
+        """The tokens `request` feeds in a step of n tokens: its pending ones, then (a verify) its drafts."""
+        c = request.num_computed
+        if request.pending == 1:
+            return request.tokens[c:] + drafts.get(request, [])[:n - 1]
+        return request.tokens[c:c + n]
+
+    def _emit(self, request: Request, sampled, row: int, count: int, now: float) -> StepOutput:
+        """Append a request's new tokens (sampled rows row .. row + count - 1) one by one, as plain decoding would
+        have generated them: it stops at a stop token, max_new_tokens or max_seq_len."""
+        new = []
+        for i in range(row, row + count):
             token = sampled.tokens[i]
             request.tokens.append(token)
+            new.append(token)
             if request.params.logprobs:
                 request.logprobs.append(sampled.logprobs[i])
                 request.token_logprobs.append(sampled.token_logprobs[i])
@@ -226,11 +345,12 @@ class Engine:
             reason = self._finish_reason(request, token)
             if reason is not None:
                 self._finish(request, reason)
-            elif self.prefix_caching:  # the cache needs the id of every token it is fed, to publish full blocks
-                self.cache.append_tokens(request.cache_id, [token])
-            outputs.append(StepOutput(request.id, (token,), reason is not None))
-        self._count_step(scheduled, now - start)
-        return outputs
+                break
+        if request.generator is not None:
+            advance(request.generator, len(new))
+        if not request.finished and self.prefix_caching:  # the cache needs the id of every token it is fed
+            self.cache.append_tokens(request.cache_id, [new[-1]])
+        return StepOutput(request.id, tuple(new), request.finished)
 
     def abort(self, request_id: int) -> None:
         """Stop a request now (finish reason "abort"), releasing its cache. Aborting a finished request does nothing;
@@ -302,6 +422,8 @@ class Engine:
         if request.keep_cache and request.status is Status.RUNNING:  # before its blocks are released
             request.kept_state = request_state(self.cache, request)
         self.scheduler.finish(request, reason)
+        if self._speculator:
+            self._speculator.drafter.release(request.id)
 
     def _finish_reason(self, request: Request, token: int) -> str | None:
         if token in request.params.stop_token_ids:
@@ -318,10 +440,10 @@ class Engine:
             s.prefix_queries, s.prefix_query_tokens = prefix.queries, prefix.query_tokens
             s.prefix_hits, s.prefix_hit_tokens = prefix.hits, prefix.hit_tokens
             s.prefix_evicted_blocks = prefix.evicted_blocks
-        if scheduled.is_decode:
+        if scheduled.is_decode or scheduled.is_verify:
             s.decode_steps += 1
             s.decode_seconds += seconds
-            s.graph_steps += self.runner.graph_for(len(scheduled.batch)) is not None
+            s.graph_steps += self.runner.last_graph
         else:
             s.prefill_seconds += seconds
             s.tokens_in_prefill_steps += scheduled.num_tokens

@@ -1,4 +1,4 @@
-"""ModelRunner: one step's token ids -> fp32 logits of each request's last new token, over one step plan.
+"""ModelRunner: one step's token ids -> fp32 logits of each request's last new token(s), over one step plan.
 
 Mixed and prefill steps run eagerly with a plan of their own size. Pure decode steps of up to
 `max(graph_sizes)` requests run through a `DecodeStepGraph` of the smallest size that holds them: the
@@ -7,6 +7,13 @@ harmless and discarded), and on CUDA the whole model step, embedding to logits, 
 CUDA graph and replayed. On a CPU the same padded path runs eagerly (nothing is captured), which is what
 the CPU tests check.
 
+Speculative decoding adds verify steps: every request feeds its newest token and up to k drafts, as a tentative
+step (`CacheManager.plan_step(..., tentative=True)`; the engine then `accept`s each request's kept prefix), and the
+logits of every one of those rows are returned. Such steps of up to `max(graph_sizes)` requests run through a
+verify `DecodeStepGraph` of width 1 + k: a fixed capacity of batch x (1 + k) rows, each request's rows contiguous
+and the padding after the last, so a step whose requests feed different numbers of drafts replays the same graph. The
+runner can also return the last hidden streams of every row (`keep_streams`: the MTP drafter reads them).
+
 The MoE runs as transformers' "batched_mm" experts inside a decode graph: its default loop over the
 experts that were hit reads the routing back to the host, which a CUDA graph cannot hold.
 """
@@ -14,7 +21,7 @@ experts that were hit reads the routing back to the host, which a CUDA graph can
 from __future__ import annotations
 
 import contextlib
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import torch
 
@@ -23,7 +30,7 @@ from ..cache.plan import OutOfBlocks
 from ..model.graph import CapturedStep
 from .model import DSV4Model
 
-__all__ = ["ModelRunner", "DecodeStepGraph", "default_graph_sizes"]
+__all__ = ["ModelRunner", "DecodeStepGraph", "StepLogits", "default_graph_sizes", "final_streams", "head"]
 
 
 def default_graph_sizes(max_requests: int) -> tuple[int, ...]:
@@ -56,20 +63,48 @@ def _experts_implementation(configs: dict, name: str):
             config._experts_implementation = saved[key]
 
 
+class StepLogits(NamedTuple):
+    """What a step gives back: the logits of the rows asked for, and with keep_streams every row's last hidden
+    streams. Both may be views of a graph's buffers: read them before the next step."""
+
+    logits: torch.Tensor  # fp32 [sum(rows), vocab]: each request's last rows[b] rows, in batch order
+    streams: torch.Tensor | None  # [N, hc_mult, hidden]: every token row, before the final hyper-head
+
+
+@torch.no_grad()
+def final_streams(model: DSV4Model, input_ids: torch.Tensor, plan, cache: CacheManager) -> torch.Tensor:
+    """`DSV4Model.forward` up to its last block: the streams [N, hc_mult, hidden] the final hyper-head collapses."""
+    ids = input_ids[None]  # [1, N]
+    streams = model.embed_tokens(ids).unsqueeze(2).expand(-1, -1, model.hc_mult, -1).contiguous()
+    for block in model.blocks:
+        streams = block(streams, ids, plan, cache)
+    return streams[0]
+
+
+@torch.no_grad()
+def head(model: DSV4Model, streams: torch.Tensor) -> torch.Tensor:
+    """The final hyper-head and norm of `DSV4Model.forward`: streams [R, hc_mult, hidden] -> hidden [R, hidden]."""
+    return model.norm(model.hc_head(streams[None]))[0]
+
+
 class DecodeStepGraph:
-    """A decode step of up to `batch` requests, one token each, through the whole model.
+    """A decode step (width 1: one token per request) or a verify step (width 1 + k: each request its newest token
+    and up to k drafts, planned tentative) of up to `batch` requests, through the whole model. streams=True: the step
+    also returns every row's last hidden streams.
 
     capture=True (CUDA, every attention layer on the Triton kernels): the first step runs eagerly
     (compiling the kernels), the second is captured, later steps replay. capture=False: every step runs
     the same padded computation eagerly."""
 
-    def __init__(self, model: DSV4Model, cache: CacheManager, batch: int, *, max_seq_len: int, capture: bool):
-        self.model, self.cache, self.batch = model, cache, batch
-        self.buffers = cache.step_buffers(max_tokens=batch, max_requests=batch, max_seq_len=max_seq_len)
-        self.input_ids = torch.zeros(batch, dtype=torch.long, device=cache.device)
+    def __init__(self, model: DSV4Model, cache: CacheManager, batch: int, *, max_seq_len: int, capture: bool,
+                 width: int = 1, streams: bool = False):
+        self.model, self.cache, self.batch, self.width, self.streams = model, cache, batch, width, streams
+        rows = batch * width
+        self.buffers = cache.step_buffers(max_tokens=rows, max_requests=batch, max_seq_len=max_seq_len)
+        self.input_ids = torch.zeros(rows, dtype=torch.long, device=cache.device)
         # the step's token ids are staged in pinned memory and copied without a host sync (padding rows: 0)
         pinned = cache.device.type == "cuda"
-        self._host_ids = torch.zeros(batch, dtype=torch.long, pin_memory=pinned)
+        self._host_ids = torch.zeros(rows, dtype=torch.long, pin_memory=pinned)
         self._copied = torch.cuda.Event() if pinned else None
         self._expert_configs = _expert_configs(model)
         self.captured = CapturedStep(capture)
@@ -79,37 +114,50 @@ class DecodeStepGraph:
         """Whether this step is captured as a CUDA graph (else every step runs eagerly)."""
         return self.captured.capture
 
-    def run(self, batch: Sequence[tuple[int, int]]) -> torch.Tensor:
-        """batch: (cache request id, token id) pairs -> fp32 logits [len(batch), vocab] (a view: copy or use it
-        before the next step)."""
-        n = len(batch)
-        plan = self.cache.plan_step([(rid, 1) for rid, _ in batch], buffers=self.buffers)
+    def run(self, batch: Sequence[tuple[int, Sequence[int]]]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """batch: (cache request id, token ids) pairs, 1 token each (width 1) or 1 .. width (a verify step; at least
+        one request feeds more than one) -> (fp32 logits [T, vocab], streams [T, hc_mult, hidden] or None) of the
+        T = total tokens rows, each request's rows contiguous in batch order (views: use them before the next step)."""
+        counts = [len(tokens) for _, tokens in batch]
+        if self.width == 1:
+            plan = self.cache.plan_step([(rid, 1) for rid, _ in batch], buffers=self.buffers)
+        else:  # a decode step's plan has one row per request: the graph is captured for verify plans only
+            plan = self.cache.plan_step([(rid, n) for (rid, _), n in zip(batch, counts)], buffers=self.buffers,
+                                        tentative=True)
         if isinstance(plan, OutOfBlocks):
-            raise RuntimeError(f"decode step: {plan} (the scheduler counted them free)")
+            raise RuntimeError(f"{'decode' if self.width == 1 else 'verify'} step: {plan} (the scheduler counted "
+                               "them free)")
+        total = sum(counts)
         if self._copied is not None:
             self._copied.synchronize()  # the previous step's copy may still read the staging buffer
         host = self._host_ids.numpy()
-        host[:n] = [token for _, token in batch]
-        host[n:] = 0
+        host[:total] = [token for _, tokens in batch for token in tokens]
+        host[total:] = 0
         self.input_ids.copy_(self._host_ids, non_blocking=self._copied is not None)
         if self._copied is not None:
             self._copied.record()
         with _experts_implementation(self._expert_configs, "batched_mm"):
-            logits = self.captured.run(lambda: self._forward(plan), plan,
-                                       [layer.layer_index for layer in self.model.attention_layers])
-        return logits[:n]
+            logits, streams = self.captured.run(lambda: self._forward(plan), plan,
+                                                [layer.layer_index for layer in self.model.attention_layers])
+        return logits[:total], (streams[:total] if streams is not None else None)
 
-    def _forward(self, plan) -> torch.Tensor:
-        return self.model.logits(self.model(self.input_ids, plan, self.cache))
+    def _forward(self, plan) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if not self.streams:
+            return self.model.logits(self.model(self.input_ids, plan, self.cache)), None
+        streams = final_streams(self.model, self.input_ids, plan, self.cache)
+        return self.model.logits(head(self.model, streams)), streams
 
 
 class ModelRunner:
     """Runs steps of `model` over `cache`. `graph_sizes`: decode batch sizes served by a `DecodeStepGraph`
     (empty: every step eager); `capture`: whether those graphs are captured (CUDA only); `max_seq_len`: the
-    longest request, the graphs' fixed context bound (default the cache's)."""
+    longest request, the graphs' fixed context bound (default the cache's). `verify_width` (1 + the most drafts a
+    request feeds; 0: no speculation): verify steps of those batch sizes are served by verify graphs of that width.
+    `streams`: every step also returns the last hidden streams (`StepLogits.streams`)."""
 
     def __init__(self, model: DSV4Model, cache: CacheManager, *, graph_sizes: Sequence[int] = (),
-                 capture: bool = False, max_seq_len: int | None = None):
+                 capture: bool = False, max_seq_len: int | None = None, verify_width: int = 0,
+                 streams: bool = False):
         if capture and cache.device.type != "cuda":
             raise ValueError(f"capture: CUDA graphs need a CUDA cache, got one on {cache.device}")
         if capture:
@@ -118,25 +166,53 @@ class ModelRunner:
             if slow:
                 raise ValueError(f"capture: layers {slow} run the PyTorch reference, which reads the plan back to "
                                  "the host; a captured step needs the Triton kernels (bf16 weights on CUDA)")
-        self.model, self.cache = model, cache
+        self.model, self.cache, self.streams = model, cache, streams
+        self.last_graph = False  # whether the latest step ran through a graph
         max_seq_len = max_seq_len or cache.max_seq_len
-        self.graphs = {b: DecodeStepGraph(model, cache, b, max_seq_len=max_seq_len, capture=capture)
-                       for b in sorted(set(graph_sizes))}
+        sizes = sorted(set(graph_sizes))
+        self.graphs = {b: DecodeStepGraph(model, cache, b, max_seq_len=max_seq_len, capture=capture, streams=streams)
+                       for b in sizes}
+        self.verify_graphs = {b: DecodeStepGraph(model, cache, b, max_seq_len=max_seq_len, capture=capture,
+                                           width=verify_width, streams=streams)
+                              for b in (sizes if verify_width > 1 else ())}
 
-    def graph_for(self, num_requests: int) -> DecodeStepGraph | None:
-        return next((g for b, g in self.graphs.items() if b >= num_requests), None)
+    def graph_for(self, num_requests: int, width: int = 1) -> DecodeStepGraph | None:
+        """The graph serving a decode step (width 1) or a verify step whose requests feed at most `width` tokens."""
+        graphs = self.graphs if width == 1 else self.verify_graphs
+        return next((g for b, g in graphs.items() if b >= num_requests and g.width >= width), None)
 
-    def run(self, batch: Sequence[tuple[int, Sequence[int]]], *, decode: bool) -> torch.Tensor:
-        """batch: (cache request id, new token ids) in plan order -> fp32 logits [len(batch), vocab] after each
-        request's last new token. decode: every request feeds one token (a graph may serve the step)."""
-        graph = self.graph_for(len(batch)) if decode else None
+    def run(self, batch: Sequence[tuple[int, Sequence[int]]], *, decode: bool, rows: Sequence[int] | None = None,
+            tentative: bool = False) -> StepLogits:
+        """batch: (cache request id, new token ids) in plan order -> the fp32 logits of each request's last rows[b]
+        new tokens (default 1 each), in batch order. decode: every request feeds its newest token and, in a verify
+        step, drafts after it (a graph may serve the step); tentative: plan a verify step (the caller then accepts
+        each request's kept tokens)."""
+        counts = [len(tokens) for _, tokens in batch]
+        rows = [1] * len(batch) if rows is None else list(rows)
+        width = max(counts)
+        graph = self.graph_for(len(batch), width) if decode and (width > 1) == tentative else None
+        self.last_graph = graph is not None
         if graph is not None:
-            return graph.run([(rid, tokens[0]) for rid, tokens in batch])
-        plan = self.cache.plan_step([(rid, len(tokens)) for rid, tokens in batch])
+            logits, streams = graph.run(batch)
+            if width == 1:
+                return StepLogits(logits, streams)
+            return StepLogits(logits[self._last_rows(counts, rows, logits.device)], streams)
+        plan = self.cache.plan_step([(rid, n) for (rid, _), n in zip(batch, counts)], tentative=True) if tentative \
+            else self.cache.plan_step([(rid, n) for (rid, _), n in zip(batch, counts)])
         if isinstance(plan, OutOfBlocks):
             raise RuntimeError(f"step: {plan} (the scheduler counted them free)")
         flat = [token for _, tokens in batch for token in tokens]
         input_ids = torch.tensor(flat, dtype=torch.long).to(self.cache.device)
-        hidden = self.model(input_ids, plan, self.cache)  # [N, hidden]
-        last = torch.tensor([len(tokens) for _, tokens in batch]).cumsum(0) - 1
-        return self.model.logits(hidden[last.to(hidden.device)])
+        index = self._last_rows(counts, rows, self.cache.device)
+        if not self.streams:
+            hidden = self.model(input_ids, plan, self.cache)  # [N, hidden]
+            return StepLogits(self.model.logits(hidden[index]), None)
+        streams = final_streams(self.model, input_ids, plan, self.cache)  # [N, hc, hidden]
+        return StepLogits(self.model.logits(head(self.model, streams[index])), streams)
+
+    @staticmethod
+    def _last_rows(counts: Sequence[int], rows: Sequence[int], device) -> torch.Tensor:
+        """The indices of each request's last rows[b] token rows (requests' rows contiguous, in order)."""
+        ends = torch.tensor(counts).cumsum(0)
+        index = torch.cat([torch.arange(end - r, end) for end, r in zip(ends.tolist(), rows)])
+        return index.to(device)

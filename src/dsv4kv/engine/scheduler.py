@@ -2,7 +2,8 @@
 
 Continuous batching under a token budget (`step_tokens`) per step:
 
-1. every running request with one pending token (a decode) gets it, in admission order;
+1. every running request with one pending token (a decode) gets it, in admission order; with speculative
+   decoding, each then also gets its draft tokens (`lookahead`) while the budget and the free blocks last;
 2. running requests with several pending tokens (prompt, or recompute after preemption) get prefill
    chunks in arrival order, while the budget lasts;
 3. waiting requests are admitted in arrival order while a cache slot is free, the budget is not spent
@@ -34,7 +35,7 @@ from __future__ import annotations
 import bisect
 from collections import deque
 from dataclasses import dataclass, field
-
+from typing import Mapping
 
 from ..checks import positive_int
 from ..cache.manager import CacheManager
@@ -54,6 +55,8 @@ class ScheduledStep:
     swapped_in: list[Request] = field(default_factory=list)  # swapped requests brought back in this step
     swap_bytes: int = 0  # bytes copied to and from host memory in this step
     is_decode: bool = False  # every request feeds exactly its one pending token (a pure decode step)
+    # every request is decoding, some with drafts after their pending token (speculative decoding's verify step)
+    is_verify: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -97,34 +100,48 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
 
-    def schedule(self) -> ScheduledStep:
+    def schedule(self, lookahead: Mapping[Request, int] | None = None) -> ScheduledStep:
+        """The next step's work. lookahead: speculative decoding's drafts per decoding request: after every decode's
+        token, a decode also takes up to that many draft tokens while the budget and the free blocks last (a draft
+        never preempts anyone, nor displaces a decode), before any prefill chunk."""
         step = ScheduledStep()
         chosen: dict[Request, int] = {}
         budget, free = self.step_tokens, self.cache.num_free_blocks
         decodes = [r for r in self.running if r.pending == 1]
         prefills = sorted((r for r in self.running if r.pending > 1), key=lambda r: r.id)
-        for request in decodes + prefills:
-            if budget == 0:
-                break
-            if request.status is not Status.RUNNING:  # preempted earlier in this loop
-                continue
-            want = min(request.pending, budget)
-            while True:
-                n = self._fit(request, want, free)
-                if n == want or (n > 0 and request.pending > 1):
+        for group in (decodes, prefills):
+            for request in group:
+                if budget == 0:
                     break
-                victim = self.running[-1]
-                free += self._need(victim, chosen.get(victim, 0))
-                budget += chosen.pop(victim, 0)
-                before = self.cache.num_free_blocks
-                self._preempt(victim, step)
-                free += self.cache.num_free_blocks - before  # its blocks, less those other requests share
-                if victim is request:
-                    break
-            if request.status is Status.RUNNING:
-                chosen[request] = n
-                budget -= n
-                free -= self._need(request, n)
+                if request.status is not Status.RUNNING:  # preempted earlier in this loop
+                    continue
+                want = min(request.pending, budget)
+                while True:
+                    n = self._fit(request, want, free)
+                    if n == want or (n > 0 and request.pending > 1):
+                        break
+                    victim = self.running[-1]
+                    free += self._need(victim, chosen.get(victim, 0))
+                    budget += chosen.pop(victim, 0)
+                    before = self.cache.num_free_blocks
+                    self._preempt(victim, step)
+                    free += self.cache.num_free_blocks - before  # its blocks, less those other requests share
+                    if victim is request:
+                        break
+                if request.status is Status.RUNNING:
+                    chosen[request] = n
+                    budget -= n
+                    free -= self._need(request, n)
+            if group is decodes and lookahead:
+                for request in decodes:
+                    drafts = lookahead.get(request, 0)
+                    if drafts <= 0 or chosen.get(request) != 1 or budget == 0:
+                        continue
+                    own = self._need(request, 1)  # the blocks its token already counted
+                    n = self._fit(request, 1 + min(drafts, budget), free + own)
+                    chosen[request] = n
+                    budget -= n - 1
+                    free += own - self._need(request, n)
         # swapped requests come back first, oldest first; none is admitted while one of them waits for room
         while self.swapped and budget > 0 and len(self.running) < self.cache.max_requests:
             request = self.swapped[0]
@@ -168,6 +185,8 @@ class Scheduler:
             free -= self._need(request, n)
         step.batch = list(chosen.items())
         step.is_decode = bool(step.batch) and all(n == 1 and r.pending == 1 for r, n in step.batch)
+        step.is_verify = (bool(step.batch) and all(r.pending == 1 for r, _ in step.batch)
+                          and any(n > 1 for _, n in step.batch))
         return step
 
     def _admit(self, request: Request) -> int | None:

@@ -1,0 +1,320 @@
+"""Speculative decoding (issue 38, the engine side): the drafters, the verification's statistics, the MTP layer and
+its checkpoint names, and the engine's tokens with speculation against plain decoding on the tiny three-layer model
+(CPU, exact mode unless said)."""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import pytest
+import torch
+
+from dsv4kv.engine import DSV4Model, Engine, SamplingParams
+from dsv4kv.engine.drafters import DraftRequest, Drafter, NgramDrafter, ObservedRows
+from dsv4kv.engine.mtp import MTPDrafter, MTPLayer
+from dsv4kv.engine.reference import random_model, tiny_config
+from dsv4kv.engine.sampler import probabilities, sample_with_logprobs, uniform
+from dsv4kv.engine.speculative_sampling import accepted_prefix, advance, peek_uniforms, rejection_sample
+from dsv4kv.model.weights import OFFICIAL_NAMES
+
+EXACT = dict(kv_format="bf16", indexer_format="bf16")
+CACHE = dict(max_requests=4, max_tokens=1024, page_tokens=128, step_tokens=96, **EXACT)
+# the 0.999 quantile of the chi-square distribution by degrees of freedom: a correct sampler fails 1 time in 1000
+# per comparison, and the seeds are fixed
+CHI2_999 = {1: 10.828, 2: 13.816, 3: 16.266, 4: 18.467, 5: 20.515, 6: 22.458}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """The tiny model's ops are too small to gain from a second thread (see tests/test_engine.py)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@functools.lru_cache(maxsize=None)
+def tiny_model():
+    return random_model(tiny_config(), seed=0)
+
+
+def prompts(lengths, seed: int = 3) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 512, (n,), generator=g).tolist() for n in lengths]
+
+
+def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, int]:
+    """(statistic, degrees of freedom) of observed counts against probabilities, over the tokens of nonzero
+    probability (a token of probability 0 must never be seen: asserted)."""
+    support = probs > 0
+    assert counts[~support].sum() == 0, "a token of probability 0 was drawn"
+    expected = probs[support] * counts.sum()
+    assert expected.min() >= 5, "too few draws for the chi-square approximation"
+    return float(((counts[support] - expected) ** 2 / expected).sum()), int(support.sum()) - 1
+
+
+# --- drafters ---------------------------------------------------------------------------------------------------
+def test_ngram_proposes_what_followed_the_latest_earlier_occurrence():
+    d = NgramDrafter(max_n=3, min_n=1)
+    ask = lambda tokens, k, rid=0: d.propose([DraftRequest(rid, tokens, k)])[0]
+    assert ask([5, 1, 2, 3, 9, 1, 2, 3, 7, 8, 1, 2, 3], 2) == [7, 8]  # the latest of two 3-gram matches
+    assert ask([4, 4, 6, 2, 3, 1, 2, 3], 3, rid=1) == [1, 2, 3]  # (2, 3) earlier ends at 5; it reaches the end,
+    assert ask([4, 7, 6], 3, rid=2) == []  # then repeats with its period; no match at all: no drafts
+    assert ask([1, 9, 5, 9], 2, rid=3) == [5, 9]  # n = 1: the last token alone
+    assert ask([9, 9, 9, 9], 4, rid=4) == [9, 9, 9, 9]
+    assert ask([3, 1, 2, 3], 0, rid=5) == []
+    # the index grows with the request and starts over when its tokens were replaced
+    assert ask([5, 1, 2, 3, 9, 1, 2, 3, 7, 8, 1, 2, 3, 7], 3) == [8, 1, 2]
+    assert ask([6, 6, 1], 2) == []
+    with pytest.raises(ValueError, match="min_n"):
+        NgramDrafter(max_n=2, min_n=3)
+
+
+def test_ngram_drafts_equal_a_brute_force_search():
+    """Random token sequences over a small vocabulary, grown a few tokens at a time: the incremental index gives what
+    a search of the whole sequence gives."""
+    g = torch.Generator().manual_seed(5)
+    d = NgramDrafter(max_n=4, min_n=2)
+    for rid in range(6):
+        tokens = torch.randint(0, 4, (3,), generator=g).tolist()
+        while len(tokens) < 60:
+            tokens += torch.randint(0, 4, (int(torch.randint(1, 4, (), generator=g)),), generator=g).tolist()
+            want = []
+            for n in range(min(4, len(tokens) - 1), 1, -1):
+                ends = [e for e in range(n, len(tokens)) if tokens[e - n:e] == tokens[-n:]]
+                if ends:
+                    period = len(tokens) - ends[-1]
+                    want = [tokens[ends[-1] + j % period] for j in range(5)]
+                    break
+            assert d.propose([DraftRequest(rid, list(tokens), 5)])[0] == want
+
+
+# --- verification -----------------------------------------------------------------------------------------------
+def test_verifying_one_hot_drafts_is_rejection_sampling():
+    """Rows of a small vocabulary with temperature and top-k: the target's own token at each row (its next uniform,
+    as plain sampling draws it) accepts the draft when equal. Over 12,000 trials with drafts fixed per trial: the first
+    emitted token follows row 0's distribution, the first draft is kept with probability p_0(draft), and after a kept
+    first draft the next emitted token follows row 1's distribution (chi-square at the 0.999 level)."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 7, generator=g) * 1.5
+    params = [SamplingParams(temperature=0.8, top_k=5, seed=1)] * 3
+    p = probabilities(logits, params)  # [3, 7]
+    drafts = [int(p[0].argmax()), int(p[1].argsort()[-2])]  # a likely first draft, the second-best second one
+    gen = torch.Generator().manual_seed(7)
+    first, second, kept = torch.zeros(7), torch.zeros(7), 0
+    trials = 12000
+    for _ in range(trials):
+        uniforms = peek_uniforms(gen, 3)
+        targets = sample_with_logprobs(logits, params, [gen] * 3, uniforms).tokens
+        a = accepted_prefix(targets, drafts)
+        emitted = targets[:a + 1]
+        advance(gen, len(emitted))
+        first[emitted[0]] += 1
+        if a >= 1:
+            kept += 1
+            second[emitted[1]] += 1
+    stat, df = chi_square(first, p[0])
+    assert stat < CHI2_999[df]
+    stat, df = chi_square(second, p[1])
+    assert stat < CHI2_999[df]
+    rate, want = kept / trials, float(p[0, drafts[0]])
+    assert abs(rate - want) < 4 * (want * (1 - want) / trials) ** 0.5
+
+
+def test_peeked_uniforms_are_the_draws_plain_sampling_takes():
+    gen = torch.Generator().manual_seed(3)
+    peeked = peek_uniforms(gen, 4)
+    assert [uniform(gen) for _ in range(2)] == peeked[:2]
+    advance(gen, 1)
+    assert uniform(gen) == peeked[3]
+
+
+@pytest.mark.parametrize("draft_dist", ["q", "one-hot"])
+def test_rejection_sample_keeps_the_target_distribution(draft_dist):
+    """Drafts drawn from a distribution q (or fixed, q one-hot) over a vocabulary of 6, target rows p_0, p_1, p_2
+    (k = 2): over 12,000 trials the first emitted token follows p_0, and after a kept first draft the second follows
+    p_1; a kept draft's rate is sum_d min(p(d), q(d)) (chi-square / binomial bounds at the 0.999 level)."""
+    g = torch.Generator().manual_seed(1)
+    p = torch.softmax(torch.randn(3, 6, generator=g, dtype=torch.float64), -1)
+    q = torch.softmax(torch.randn(2, 6, generator=g, dtype=torch.float64), -1)
+    gen = torch.Generator().manual_seed(2)
+    first, second, kept = torch.zeros(6), torch.zeros(6), 0
+    trials = 12000
+    for _ in range(trials):
+        if draft_dist == "q":
+            drafts = [int(torch.multinomial(q[j], 1, generator=gen)) for j in range(2)]
+            out = rejection_sample(p, drafts, q, gen)
+        else:
+            drafts = [1, 4]
+            out = rejection_sample(p, drafts, None, gen)
+        first[out[0]] += 1
+        if out[0] == drafts[0] and len(out) > 1:
+            kept += 1
+            second[out[1]] += 1
+    for counts, row in ((first, p[0]), (second, p[1])):
+        stat, df = chi_square(counts, row.float())
+        assert stat < CHI2_999[df]
+    want = float(torch.minimum(p[0], q[0]).sum()) if draft_dist == "q" else float(p[0, 1])
+    assert abs(kept / trials - want) < 4 * (want * (1 - want) / trials) ** 0.5
+
+
+def test_rejection_sample_refuses_bad_input():
+    p = torch.full((3, 5), 0.2, dtype=torch.float64)
+    gen = torch.Generator().manual_seed(0)
+    with pytest.raises(ValueError, match="target"):
+        rejection_sample(p, [1], None, gen)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        rejection_sample(p, [1, 5], None, gen)
+    with pytest.raises(ValueError, match="draft_probs"):
+        rejection_sample(p, [1, 2], torch.ones(2, 4, dtype=torch.float64), gen)
+    with pytest.raises(ValueError, match="probability 0"):
+        rejection_sample(p, [1, 2], torch.eye(5, dtype=torch.float64)[[0, 2]], gen)
+    with pytest.raises(ValueError, match="targets"):
+        accepted_prefix([1, 2], [1, 2])
+
+
+# --- the MTP layer ----------------------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=None)
+def mtp_target() -> DSV4Model:
+    return DSV4Model.from_transformers(tiny_model())
+
+
+@functools.lru_cache(maxsize=None)
+def mtp_layer() -> MTPLayer:
+    return MTPLayer.random(mtp_target(), seed=1)
+
+
+def official_mtp_names(layer: MTPLayer) -> dict[str, torch.Tensor]:
+    """The MTP layer's weights as the official checkpoint names them (`mtp.0.*`, per-expert matrices)."""
+    attention = {new: old for old, new in OFFICIAL_NAMES.items()}
+    block = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
+             "mlp.gate.weight": "ffn.gate.weight", "mlp.gate.e_score_correction_bias": "ffn.gate.bias",
+             "mlp.shared_experts.gate_proj.weight": "ffn.shared_experts.w1.weight",
+             "mlp.shared_experts.down_proj.weight": "ffn.shared_experts.w2.weight",
+             "mlp.shared_experts.up_proj.weight": "ffn.shared_experts.w3.weight"}
+    out = {}
+    for name, value in layer.state_dict().items():
+        value = value.contiguous()
+        if name.startswith("block.self_attn."):
+            tail = name[len("block.self_attn."):]
+            new = next(n for n in attention if tail.startswith(n))
+            out["attn." + attention[new] + tail[len(new):]] = value
+        elif name.startswith(("block.attn_hc.", "block.ffn_hc.")):
+            out[f"hc_{name.split('.')[1][:-3]}_{name.split('.')[-1]}"] = value
+        elif name == "block.mlp.experts.gate_up_proj":
+            for e, rows in enumerate(value):
+                w1, w3 = rows.chunk(2, dim=0)
+                out[f"ffn.experts.{e}.w1.weight"], out[f"ffn.experts.{e}.w3.weight"] = w1.contiguous(), w3.contiguous()
+        elif name == "block.mlp.experts.down_proj":
+            for e, rows in enumerate(value):
+                out[f"ffn.experts.{e}.w2.weight"] = rows.contiguous()
+        elif name.startswith("block."):
+            out[block[name[len("block."):]]] = value
+        elif name.startswith("hc_head."):
+            out["hc_head_" + name.split(".")[-1][len("hc_"):]] = value
+        else:  # e_proj, h_proj, enorm, hnorm, norm
+            out[name] = value
+    return {f"mtp.0.{k}": v for k, v in out.items()}
+
+
+def write_checkpoint_with_mtp(path, mtp: bool = True) -> None:
+    from safetensors.torch import save_file
+
+    tiny_model().save_pretrained(path)
+    if mtp:
+        save_file(official_mtp_names(mtp_layer()), os.path.join(path, "mtp.safetensors"))
+
+
+def test_mtp_layer_loads_from_official_names(tmp_path):
+    """The checkpoint's `mtp.0.*` weights in official names load into an MTPLayer equal to the one written, weight
+    for weight (norms, hyper-connections and biases in fp32 as in the main layers), sharing the model's embedding and
+    head; without them speculative='mtp' is refused naming the checkpoint, and a model from transformers (which drops
+    them) is refused saying where the MTP layer comes from."""
+    from dsv4kv.engine.checkpoint import load_pretrained_mtp
+
+    write_checkpoint_with_mtp(tmp_path / "with")
+    model, layer = load_pretrained_mtp(tmp_path / "with", dtype=torch.float32)
+    want = mtp_layer().state_dict()
+    got = layer.state_dict()
+    assert sorted(got) == sorted(want)
+    for key in want:
+        assert torch.equal(got[key], want[key]) and got[key].dtype == want[key].dtype, key
+    assert layer.target is model and "embed_tokens.weight" not in got
+    assert layer.geometry.num_layers == 1 and layer.geometry.layers[0].ratio == 0
+    assert layer.geometry.layers[0].rope.theta == 10000.0 and layer.geometry.layers[0].rope.yarn is None
+    write_checkpoint_with_mtp(tmp_path / "without", mtp=False)
+    assert load_pretrained_mtp(tmp_path / "without", dtype=torch.float32)[1] is None
+    with pytest.raises(ValueError, match="has no MTP layer"):
+        Engine.from_pretrained(tmp_path / "without", dtype=torch.float32, device="cpu", speculative="mtp", **CACHE)
+    with pytest.raises(ValueError, match="from_pretrained"):
+        Engine.from_transformers(tiny_model(), speculative="mtp", **CACHE)
+
+
+def test_mtp_drafts_are_deterministic():
+    """Two MTP drafters fed the same target rows (a 40-token prompt's streams) propose the same first draft, an id
+    in the vocabulary, computed from the layer's own window over those rows: other streams give other drafts."""
+    from dsv4kv import CacheManager
+
+    model = mtp_target()
+    streams = torch.randn(40, model.hc_mult, model.config.hidden_size, generator=torch.Generator().manual_seed(4))
+    tokens = prompts((41,), seed=8)[0]
+
+    def first_draft(streams):
+        cache = CacheManager(model.geometry, max_requests=2, max_tokens=512, page_tokens=128, **EXACT)
+        drafter = MTPDrafter(mtp_layer())
+        drafter.bind(model, cache)
+        drafter.observe([ObservedRows(7, 0, tokens[1:], streams, True)])
+        return drafter.propose([DraftRequest(7, tokens, 1)])[0]
+
+    a, b = first_draft(streams), first_draft(streams.clone())
+    assert a == b and len(a) == 1 and 0 <= a[0] < 512
+    assert first_draft(streams * -1) != a
+
+
+# --- the engine -------------------------------------------------------------------------------------------------
+class Scripted(Drafter):
+    """Proposes what `script(request_id, tokens, k)` returns (a test's drafter)."""
+
+    name = "scripted"
+
+    def __init__(self, script):
+        self.script = script
+
+    def propose(self, requests):
+        return [self.script(r.request_id, list(r.tokens), r.max_drafts) for r in requests]
+
+
+@pytest.mark.parametrize("kwargs,error,match", [
+    (dict(speculative="ngram", draft_tokens=-1), ValueError, "draft_tokens: expected an int >= 0"),
+    (dict(speculative="ngram", draft_tokens=2.0), ValueError, "draft_tokens: expected an int >= 0"),
+    (dict(speculative="ngram", draft_tokens=96), ValueError, "beyond the step budget"),
+    (dict(speculative="medusa"), ValueError, "speculative: expected None, one of 'ngram', 'mtp'"),
+    (dict(speculative=3), TypeError, "speculative: expected None"),
+    (dict(draft_tokens=2), ValueError, "without speculative"),
+])
+def test_bad_speculative_settings_are_refused(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        Engine.from_transformers(tiny_model(), **{**CACHE, **kwargs})
+
+
+def test_a_drafters_bad_ids_are_refused_before_anything_changes():
+    """A drafter proposing an id outside the vocabulary, too many drafts, or a non-int: step() raises naming the
+    drafter and the request, with nothing scheduled (the request's tokens, its cache length, the step count as
+    before); the engine then serves on, the same tokens as without speculation."""
+    plain = Engine.from_transformers(tiny_model(), **CACHE).generate(prompts((40,)), SamplingParams(max_new_tokens=5))
+    bad = iter([[512], [1, 2, 3, 4], ["7"], [-1]])
+    drafter = Scripted(lambda rid, tokens, k: next(bad, []))
+    e = Engine.from_transformers(tiny_model(), speculative=drafter, draft_tokens=3, **CACHE)
+    rid = e.add_request(prompts((40,))[0], SamplingParams(max_new_tokens=5))
+    e.step()  # the prompt's prefill: nothing to draft yet
+    for match in ("draft 512 for request 0 is not a token id in the vocabulary", "4 drafts for request 0, at most 3",
+                  "draft '7'", "draft -1"):
+        before = (list(e._requests[rid].tokens), e.cache.length(e._requests[rid].cache_id), e.stats.steps)
+        with pytest.raises(ValueError, match=match):
+            e.step()
+        assert (list(e._requests[rid].tokens), e.cache.length(e._requests[rid].cache_id), e.stats.steps) == before
+    while e.has_unfinished:
+        e.step()
+    assert e.output(rid).token_ids == plain[0].token_ids
+    assert e.stats.draft_tokens == 0 and e.stats.verifies == 0
