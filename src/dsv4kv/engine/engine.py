@@ -234,6 +234,7 @@ class Engine:
     def step(self) -> list[StepOutput]:
         """Run one step; returns the requests that got tokens in it (several for a speculative step's accepted
         drafts)."""
+        start = time.perf_counter()  # the step's time includes its drafter's
         # with speculation, drafts first (checked: a drafter's bug raises before anything is scheduled); the
         # scheduler gives each decode its drafts where the budget and the free blocks allow
         drafts = self._speculator.propose(self.scheduler.running, self.max_seq_len) if self._speculator else {}
@@ -249,7 +250,6 @@ class Engine:
                 self._speculator.drafter.release(request.id)
         if not scheduled.batch:
             return []
-        start = time.perf_counter()
         fed = [self._fed(request, n, drafts) for request, n in scheduled.batch]
         verifying = [request.pending == 1 and n > 1 for request, n in scheduled.batch]
         tentative = any(verifying)
