@@ -18,6 +18,8 @@ compares outputs with transformers, which needs a real history.
     flashmla  our sparse attention beside FlashMLA's on the same pages (skipped without `import flash_mla`)
     chat      the engine over a shared 8K system prompt and 64 different 1K-token questions, prefix caching off and
               on: time to first token, total time, output tokens/s, hit rate (the demo's V4-Flash-geometry model)
+    spec      speculative decoding: a CSA verify step's core (4 tokens per request) against a decode step's, and the
+              engine's decode tokens/s and acceptance length without speculation and with each drafter (spec.py)
 
 Where they live: machine, topk, insert and decode in `decode.py`; layer and prefill in `layer.py`; scale and chat
 in `serving.py`; flashmla in `flashmla.py`. `common.py` holds the `Context` and the check of a layer's kernels
@@ -33,11 +35,12 @@ from .decode import core_bytes, decode, insert, machine, topk
 from .flashmla import flashmla
 from .layer import layer_vs_transformers, prefill
 from .serving import ChatSizes, chat, scale
+from .spec import spec
 
 __all__ = ["Context", "WORKLOADS", "QUICK", "check_layer", "core_bytes", "ChatSizes"]
 
 WORKLOADS: dict[str, Callable[[Context], None]] = {
     "machine": machine, "topk": topk, "insert": insert, "decode": decode, "layer": layer_vs_transformers,
-    "prefill": prefill, "scale": scale, "flashmla": flashmla, "chat": chat,
+    "prefill": prefill, "scale": scale, "flashmla": flashmla, "chat": chat, "spec": spec,
 }
 QUICK = ("machine", "topk", "insert", "decode", "layer")
