@@ -266,8 +266,9 @@ class RequestSender:
             raise TransferError(f"final reply: expected FAILED after an abort, got status {status} ({reason})")
 
     def finish(self) -> int | NoRoom:
-        """Wait until every layer is sent and the receiver answers: its request id, or NoRoom (its room or cached
-        prefix went meanwhile; nothing changed there). TransferError if it failed the transfer or on a fault."""
+        """Wait until every layer is sent and the receiver answers: its request id (-1: it took the state to import
+        later, `RequestReceiver.recv_state`), or NoRoom (its room or cached prefix went meanwhile; nothing changed
+        there). TransferError if it failed the transfer or on a fault."""
         if self.skip_tokens is None or self._next_layer != len(self._layers):
             raise RuntimeError(f"finish: {self._next_layer} of {len(self._layers)} layers sent")
         status, value, reason = self._final()
@@ -307,10 +308,19 @@ class RequestReceiver:
         self._stale: list = []
 
     def recv(self) -> int | NoRoom:
-        """Receive one request: its id here, or NoRoom (no slot, too few blocks, or its cached prefix evicted;
-        the sender was told, nothing changed). ValueError when its spec or shapes differ from this cache's (the
-        sender was told why, nothing changed); TransferError on an ABORT, a malformed message, a dead peer or a
+        """Receive one request and import it: its id here, or NoRoom (no slot, too few blocks, or its cached prefix
+        evicted; the sender was told, nothing changed). ValueError when its spec or shapes differ from this cache's
+        (the sender was told why, nothing changed); TransferError on an ABORT, a malformed message, a dead peer or a
         timeout, with nothing changed."""
+        return self._recv(import_now=True)
+
+    def recv_state(self) -> RequestState:
+        """Receive one request's whole state (every page: the cache may change before it is imported) without
+        importing it: the caller imports it later (`CacheManager.import_request`, or an engine's admission). Its
+        tensors are staging buffers on the transfer's device. The sender's `finish()` answers -1. Errors as `recv`."""
+        return self._recv(import_now=False)
+
+    def _recv(self, *, import_now: bool) -> int | NoRoom | RequestState:
         ch, cache = self.channel, self.cache
         words = ch.recv_control(HEADER, "header")
         transfer_id, n = words[4], words[3]
@@ -322,11 +332,11 @@ class RequestReceiver:
             self._reply(REPLY, REFUSED, 0, transfer_id, f"a malformed header: {e}")
             raise TransferError(f"header: a malformed message: {e}") from e
         try:
-            length, skip = self._check(header, tokens)
+            length, skip = self._check(header, tokens, skip_cached=import_now)
         except ValueError as e:
             self._reply(REPLY, REFUSED, 0, transfer_id, str(e))
             raise
-        room = self._room(length, tokens, skip)
+        room = self._room(length, tokens, skip) if import_now else None
         if room is not None:
             self._reply(REPLY, NO_ROOM, 0, transfer_id, json.dumps([room.resource, room.needed, room.free]))
             return room
@@ -351,6 +361,9 @@ class RequestReceiver:
         tensors = {part.name: buffer[part.offset:part.offset + part.nbytes].view(part.dtype).view(part.shape)
                    for parts, buffer in zip(layers, buffers) for part in parts}
         state = RequestState(header["spec"], length, tokens, tensors, first_block=k)
+        if not import_now:
+            self._reply(FINAL, DONE, -1, transfer_id)
+            return state
         try:
             answer = cache.import_request(state)
         except ValueError as e:  # checked with the header; only a bug gets here
@@ -362,7 +375,7 @@ class RequestReceiver:
             self._reply(FINAL, DONE, answer, transfer_id)
         return answer
 
-    def _check(self, header: dict, tokens: torch.Tensor | None) -> tuple[int, int]:
+    def _check(self, header: dict, tokens: torch.Tensor | None, *, skip_cached: bool) -> tuple[int, int]:
         """(length, skip_tokens) of a header this cache can take; ValueError naming what differs."""
         cache = self.cache
         if not isinstance(header, dict) or header.get("format") != FORMAT:
@@ -384,7 +397,7 @@ class RequestReceiver:
         if tokens is not None and tokens.numel() < length:
             raise ValueError(f"{tokens.numel()} token ids for {length} tokens")
         skip = 0
-        if tokens is not None and cache.prefix is not None:
+        if skip_cached and tokens is not None and cache.prefix is not None:
             page = cache.spec.page_tokens
             skip = min(cache.lookup(tokens), length // page * page)
         return length, skip

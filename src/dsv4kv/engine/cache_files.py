@@ -21,7 +21,7 @@ from ..cache.manager import CacheManager, RequestError
 from ..cache.transfer import RequestState, check_state, token_array
 from .request import Request, Status
 
-__all__ = ["request_state", "state_to_save", "state_for_prompt"]
+__all__ = ["request_state", "state_to_save", "state_for_prompt", "checked_for_prompt"]
 
 
 def request_state(cache: CacheManager, request: Request) -> RequestState:
@@ -46,15 +46,22 @@ def state_to_save(cache: CacheManager, request: Request) -> RequestState:
 
 
 def state_for_prompt(cache: CacheManager, path: str | os.PathLike, prompt: tuple[int, ...]) -> RequestState:
-    """The state saved at `path`, checked against `cache` and `prompt`, its token ids cut to the tokens it holds.
-    ValueError (naming the file) if it is unreadable, corrupted, of another geometry or format, holds no token ids,
-    or its tokens are not a prefix of the prompt that leaves at least one prompt token to feed."""
+    """The state saved at `path`, checked against `cache` and `prompt` (`checked_for_prompt`). ValueError naming the
+    file if it is unreadable or corrupted too."""
     name = os.fspath(path)
-    state = load_request(name)  # names the file in its errors
+    return checked_for_prompt(cache, load_request(name), prompt, name)  # load_request names the file in its errors
+
+
+def checked_for_prompt(cache: CacheManager, state: RequestState, prompt: tuple[int, ...], name: str) -> RequestState:
+    """`state` checked against `cache` and `prompt`, its token ids cut to the tokens it holds. ValueError (naming
+    `name`) if it is of another geometry or format, holds no token ids, or its tokens are not a prefix of the prompt
+    that leaves at least one prompt token to feed."""
     try:
         check_state(state, cache.pools, max_seq_len=cache.max_seq_len)
     except ValueError as e:
         raise ValueError(f"{name}: {e}") from e
+    if state.first_block:
+        raise ValueError(f"{name}: its first {state.first_block} blocks are left out; an engine takes whole states")
     ids = token_array(state)
     if ids is None:
         raise ValueError(f"{name}: holds no token ids (saved without them), so it cannot be matched to a prompt")
@@ -63,7 +70,7 @@ def state_for_prompt(cache: CacheManager, path: str | os.PathLike, prompt: tuple
     if differ.size or len(ids) > len(prompt):
         where = (f"differs at token {differ[0]}" if differ.size
                  else f"holds {len(ids)} token ids, the prompt {len(prompt)}")
-        raise ValueError(f"{name}: the file's token ids are not a prefix of the prompt ({where})")
+        raise ValueError(f"{name}: its token ids are not a prefix of the prompt ({where})")
     if state.length >= len(prompt):
         raise ValueError(f"{name}: caches all {len(prompt)} prompt tokens; the prompt must extend them by at least "
                          f"one token (its logits give the first new token)")

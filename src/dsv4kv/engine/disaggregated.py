@@ -1,0 +1,332 @@
+"""Prefill / decode disaggregation (docs/request-state.md): a prefill engine and a decode engine in two processes
+(one GPU each over NCCL, or CPU processes over gloo), and a small front that routes requests.
+
+    # every rank                                     (torch.distributed initialized: NCCL on GPUs, gloo on CPUs)
+    groups = PairGroups.make(prefill_rank=0, decode_rank=1)
+    # rank 0: the front and the prefill engine
+    router = PrefillRouter(prefill_engine, groups)
+    outputs = router.generate(prompts, SamplingParams(max_new_tokens=64))   # or add_request / step online
+    router.close()
+    # rank 1: the decode engine
+    DecodeWorker(decode_engine, groups).run()        # until the router closes
+
+A request goes to the prefill engine, which prefills its prompt and samples its first token. The router then sends
+it to the decode side: a control message (the prompt, the first token, the sampling params) over a gloo group and
+the request's cache state layer by layer over the transfer group (`cache.distributed`: NCCL between GPUs); once the
+decode side has every byte, the prefill engine drops the request. The decode engine queues the request with its
+prompt + first token, imports the state when it admits it (only the first token is fed) and decodes the rest,
+polling for new requests between its steps; finished outputs go back to the router. A request that finishes at its
+first token never moves; one whose transfer fails keeps decoding on the prefill engine. Greedy tokens are those of
+one engine serving alone (tests/test_disaggregated.py). Sampled requests draw their first token on the prefill side
+and the rest from a generator seeded alike on the decode side, so their tokens differ from one engine's; logprobs
+are not carried across the move (refused).
+
+Where the Engine's public API stops: the router finds a running request's cache id in `engine.scheduler.running`,
+and the decode side hands a received state to the engine by setting the queued request's `cache_state` (what
+`add_request(..., cache_file=)` sets from a file) before the engine admits it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from ..cache.distributed import RequestReceiver, RequestSender, TransferError
+from .cache_files import checked_for_prompt
+from .engine import Engine
+from .params import SamplingParams
+
+__all__ = ["PairGroups", "PrefillRouter", "DecodeWorker", "DisaggregatedOutput", "RouterStats"]
+
+NEW, STOP, OUTPUT = 1, 2, 3
+REASONS = ("stop", "length", "abort")
+
+
+@dataclass(frozen=True)
+class PairGroups:
+    """The two process groups between a prefill and a decode rank: `transfer` (the default backend: NCCL on GPUs)
+    for cache states, `control` (gloo, host tensors) for the small messages the sides poll for."""
+
+    prefill_rank: int
+    decode_rank: int
+    transfer: object
+    control: object
+
+    @classmethod
+    def make(cls, prefill_rank: int, decode_rank: int) -> "PairGroups":
+        """Every rank of the world calls this, in the same order (group creation is collective)."""
+        if not dist.is_initialized():
+            raise RuntimeError("torch.distributed is not initialized: call init_process_group first")
+        if prefill_rank == decode_rank:
+            raise ValueError(f"prefill_rank and decode_rank: expected two ranks, got {prefill_rank} twice")
+        ranks = sorted((prefill_rank, decode_rank))
+        return cls(prefill_rank, decode_rank, dist.new_group(ranks), dist.new_group(ranks, backend="gloo"))
+
+
+@dataclass(frozen=True)
+class DisaggregatedOutput:
+    """A finished request, as the router reports it. Times are `time.perf_counter` seconds of this host: the first
+    token's on the prefill side, the others on the decode side."""
+
+    request_id: int
+    prompt_token_ids: tuple[int, ...]
+    token_ids: tuple[int, ...]
+    finish_reason: str
+    arrival: float
+    token_times: tuple[float, ...]
+    moved: bool  # decoded by the decode engine (False: it finished at its first token, or its transfer failed)
+
+
+@dataclass
+class RouterStats:
+    moved: int = 0  # requests handed to the decode side
+    failed_moves: int = 0  # transfers that failed (the request decoded on the prefill engine)
+    bytes_sent: int = 0
+    transfer_seconds: float = 0.0  # wall time of the hand-offs (control message, state, the decode side's answer)
+
+
+@dataclass
+class _Route:
+    prompt: tuple[int, ...]
+    params: SamplingParams
+    arrival: float
+    times: list[float] = field(default_factory=list)
+    first: int | None = None
+    moved: bool = False
+
+
+class _Control:
+    """Host messages over the gloo group: int64 words, JSON, int64 / float64 arrays. Sends are posted, never waited
+    on at once: both sides send to each other while each may be blocked receiving something else (a gloo send
+    completes only once its receive is posted)."""
+
+    def __init__(self, peer: int, group, timeout: timedelta | None):
+        self.peer, self.group, self.timeout = peer, group, timeout
+        self._sending: list = []  # (work, tensor) posted and maybe not received yet
+
+    def send(self, tensor: torch.Tensor) -> None:
+        self._sending = [(w, t) for w, t in self._sending if not w.is_completed()]
+        self._sending.append((dist.isend(tensor, self.peer, group=self.group), tensor))
+
+    def flush(self) -> None:
+        """Wait until every posted send was received."""
+        for work, _ in self._sending:
+            work.wait()
+        self._sending.clear()
+
+    def recv(self, tensor: torch.Tensor) -> torch.Tensor:
+        dist.recv(tensor, self.peer, group=self.group)
+        return tensor
+
+    def send_words(self, *words: int) -> None:
+        self.send(torch.tensor(list(words) + [0] * (8 - len(words)), dtype=torch.int64))
+
+    def post_words(self) -> tuple:
+        buffer = torch.zeros(8, dtype=torch.int64)
+        return dist.irecv(buffer, self.peer, group=self.group), buffer
+
+    def recv_json(self, n: int):
+        return json.loads(self.recv(torch.empty(n, dtype=torch.uint8)).numpy().tobytes())
+
+
+def _params_json(params: SamplingParams) -> dict:
+    return {**dataclasses.asdict(params), "stop_token_ids": list(params.stop_token_ids)}
+
+
+class PrefillRouter:
+    """The front and the prefill side (on the prefill rank): routes requests through `engine` (the prefill engine)
+    to the decode rank's `DecodeWorker` and collects their outputs.
+
+    timeout: bound on each wait of a state transfer (default: the process group's timeout).
+    """
+
+    def __init__(self, engine: Engine, groups: PairGroups, *, timeout: timedelta | None = None):
+        if not isinstance(engine, Engine):
+            raise TypeError(f"engine: expected an Engine, got {type(engine).__name__}")
+        if dist.get_rank() != groups.prefill_rank:
+            raise ValueError(f"PrefillRouter: runs on the prefill rank {groups.prefill_rank}, this is "
+                             f"{dist.get_rank()}")
+        self.engine, self.groups, self.timeout = engine, groups, timeout
+        self.control = _Control(groups.decode_rank, groups.control, timeout)
+        self.stats = RouterStats()
+        self._routes: dict[int, _Route] = {}  # by the prefill engine's request id: the router's request id
+        self._outputs: dict[int, DisaggregatedOutput] = {}
+        self._pending = self.control.post_words()  # the decode side's next output
+        self._closed = False
+
+    def add_request(self, prompt: Sequence[int], params: SamplingParams | None = None) -> int:
+        """Queue a request on the prefill engine; returns its id. Bad input raises and changes nothing."""
+        if params is not None and isinstance(params, SamplingParams) and params.logprobs:
+            raise ValueError("params.logprobs: not carried across the move to the decode engine; ask for 0")
+        request_id = self.engine.add_request(prompt, params)
+        params = params if params is not None else SamplingParams()
+        self._routes[request_id] = _Route(tuple(int(t) for t in prompt), params, time.perf_counter())
+        return request_id
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self._routes)
+
+    def step(self) -> list[DisaggregatedOutput]:
+        """One prefill step (if the prefill engine has work), the hand-off of every request that got its first
+        token, and the outputs the decode side finished meanwhile."""
+        if self.engine.has_unfinished:
+            for out in self.engine.step():
+                now = time.perf_counter()
+                route = self._routes[out.request_id]
+                route.times.append(now)
+                if out.finished:  # at its first token, or decoded here after a failed move
+                    output = self.engine.output(out.request_id)
+                    self._finish(out.request_id, output.finish_reason, output.token_ids)
+                elif not route.moved and route.first is None:
+                    route.first = out.new_token_ids[0]
+                    self._hand_off(out.request_id, route)
+        self._poll(block=not self.engine.has_unfinished and bool(self._routes))
+        done, self._outputs = list(self._outputs.values()), {}
+        return done
+
+    def generate(self, prompts: Sequence[Sequence[int]],
+                 params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[DisaggregatedOutput]:
+        """Serve every prompt to completion; outputs in prompt order."""
+        if params is None or isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        ids = [self.add_request(p, q) for p, q in zip(prompts, params, strict=True)]
+        done: dict[int, DisaggregatedOutput] = {}
+        while not all(i in done for i in ids):
+            done.update((o.request_id, o) for o in self.step())
+        return [done[i] for i in ids]
+
+    def close(self) -> None:
+        """Tell the decode side to stop (after every request finished)."""
+        if self._routes:
+            raise RuntimeError(f"close: {len(self._routes)} requests are unfinished")
+        if not self._closed:
+            self.control.send_words(STOP)
+            self.control.flush()
+            self._closed = True
+
+    # --- internals --------------------------------------------------------------------------------
+    def _hand_off(self, request_id: int, route: _Route) -> None:
+        start = time.perf_counter()
+        cache_id = next(r.cache_id for r in self.engine.scheduler.running if r.id == request_id)
+        ch = self.control
+        params = _params_json(dataclasses.replace(route.params, max_new_tokens=route.params.max_new_tokens - 1))
+        data = json.dumps(params).encode()
+        ch.send_words(NEW, request_id, len(route.prompt), len(data), route.first)
+        ch.send(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+        ch.send(torch.tensor(route.prompt, dtype=torch.int64))
+        sender = RequestSender(self.engine.cache, cache_id, peer=self.groups.decode_rank, group=self.groups.transfer,
+                               tokens=route.prompt, timeout=self.timeout)
+        try:
+            sender.start()
+            sender.send_all()
+            sender.finish()
+        except TransferError:
+            self.stats.failed_moves += 1  # it keeps decoding here
+            return
+        self.engine.abort(request_id)
+        self.engine.output(request_id)  # forget it here
+        route.moved = True
+        self.stats.moved += 1
+        self.stats.bytes_sent += sender.bytes_sent
+        self.stats.transfer_seconds += time.perf_counter() - start
+
+    def _poll(self, *, block: bool) -> None:
+        """Collect the decode side's finished outputs (waiting for one when `block`)."""
+        while True:
+            work, words = self._pending
+            if not work.is_completed():
+                if not block:
+                    return
+                work.wait()
+            kind, request_id, n, reason = words[:4].tolist()
+            if kind != OUTPUT:
+                raise RuntimeError(f"the decode side sent a malformed message {words.tolist()}")
+            tokens = self.control.recv(torch.empty(n, dtype=torch.int64)).tolist()
+            times = self.control.recv(torch.empty(n, dtype=torch.float64)).tolist()
+            self._pending = self.control.post_words()
+            route = self._routes[request_id]
+            route.times.extend(times)
+            self._finish(request_id, REASONS[reason], (route.first, *tokens))
+            block = False
+
+    def _finish(self, request_id: int, reason: str, tokens: Sequence[int]) -> None:
+        route = self._routes.pop(request_id)
+        self._outputs[request_id] = DisaggregatedOutput(request_id, route.prompt, tuple(tokens), reason, route.arrival,
+                                                        tuple(route.times), route.moved)
+
+
+class DecodeWorker:
+    """The decode side (on the decode rank): takes requests and their cache states from the `PrefillRouter`, decodes
+    them with `engine` (the decode engine), sends back each finished output; `run()` until the router closes.
+
+    timeout: bound on each wait of a state transfer (default: the process group's timeout).
+    """
+
+    def __init__(self, engine: Engine, groups: PairGroups, *, timeout: timedelta | None = None):
+        if not isinstance(engine, Engine):
+            raise TypeError(f"engine: expected an Engine, got {type(engine).__name__}")
+        if dist.get_rank() != groups.decode_rank:
+            raise ValueError(f"DecodeWorker: runs on the decode rank {groups.decode_rank}, this is {dist.get_rank()}")
+        self.engine = engine
+        self.control = _Control(groups.prefill_rank, groups.control, timeout)
+        self.receiver = RequestReceiver(engine.cache, peer=groups.prefill_rank, group=groups.transfer,
+                                        timeout=timeout)
+        self.received = 0  # requests taken
+        self.failed = 0  # transfers that failed (the router keeps those requests)
+        self._keys: dict[int, int] = {}  # decode engine id -> router id
+        self._times: dict[int, list[float]] = {}
+
+    def run(self) -> None:
+        """Serve until the router closes: between engine steps, take each request the router sent."""
+        work, words = self.control.post_words()
+        while True:
+            if work.is_completed() or not self.engine.has_unfinished:
+                work.wait()
+                kind = int(words[0])
+                if kind == STOP:
+                    self.control.flush()
+                    return
+                if kind != NEW:
+                    raise RuntimeError(f"the router sent a malformed message {words.tolist()}")
+                self._take(*words[1:5].tolist())
+                work, words = self.control.post_words()
+                continue
+            outputs = self.engine.step()
+            now = time.perf_counter()
+            for out in outputs:
+                self._times[out.request_id].append(now)
+                if out.finished:
+                    self._send_output(out.request_id)
+
+    def _take(self, key: int, prompt_len: int, params_len: int, first: int) -> None:
+        params = SamplingParams(**{**self.control.recv_json(params_len)})
+        prompt = tuple(self.control.recv(torch.empty(prompt_len, dtype=torch.int64)).tolist())
+        try:
+            state = self.receiver.recv_state()
+        except (TransferError, ValueError):
+            self.failed += 1  # the router keeps the request
+            return
+        tokens = prompt + (first,)
+        state = checked_for_prompt(self.engine.cache, state, tokens, f"request {key}")
+        request_id = self.engine.add_request(tokens, params)
+        request = next(r for r in self.engine.scheduler.waiting if r.id == request_id)
+        request.cache_state = state  # imported at admission, as a cache file's state
+        self._keys[request_id] = key
+        self._times[request_id] = []
+        self.received += 1
+
+    def _send_output(self, request_id: int) -> None:
+        out = self.engine.output(request_id)
+        times = self._times.pop(request_id)
+        self.control.send_words(OUTPUT, self._keys.pop(request_id), len(out.token_ids),
+                                REASONS.index(out.finish_reason))
+        self.control.send(torch.tensor(out.token_ids, dtype=torch.int64))
+        self.control.send(torch.tensor(times, dtype=torch.float64))
