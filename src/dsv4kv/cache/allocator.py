@@ -5,12 +5,14 @@ the back by default, so a just-freed block is the last to be reused: with prefix
 cached blocks wait in the queue in least-recently-used order and the front one is evicted first. Blocks
 whose contents are worth nothing go to the front (`free(..., front=True)`, `to_front`). `take` pulls
 specific free blocks out of the queue (a prefix hit on cached blocks nobody references). Every operation
-is O(1) per block. Running out is an expected outcome (`allocate` returns None and changes nothing);
+is O(1) per block. `peek` names the blocks the next `allocate` would hand out without taking them (a
+tentative step writes into them and takes them only for its accepted tokens). Running out is an expected outcome (`allocate` returns None and changes nothing);
 misuse (double free, unknown id, taking a used block) raises.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from typing import Iterable
 
@@ -55,6 +57,14 @@ class BlockAllocator:
         for block in blocks:
             self._refs[block] = 1
         return blocks
+
+    def peek(self, n: int) -> list[int] | None:
+        """The n blocks `allocate(n)` would hand out now, in order, without taking them; None if fewer are free."""
+        if n < 0:
+            raise ValueError(f"peek: n must be >= 0, got {n}")
+        if n > len(self._free):
+            return None
+        return list(itertools.islice(self._free, n))
 
     def take(self, blocks: Iterable[int]) -> None:
         """Take these free blocks out of the queue with refcount 1 (a hit on cached blocks nobody references).

@@ -11,10 +11,13 @@ longest cached prefix at a block boundary and the caller feeds only the rest; a 
 published once every layer has run over its plan (`PrefixPublisher`, cache/publish.py). `swap_out` / `swap_in`
 preempt a request to host memory and bring it back bit for bit, with or without prefix caching;
 `export_request` / `import_request` move one into another cache of the same spec (cache/transfer.py).
+Speculative decoding: `plan_step(batch, tentative=True)` plans a verify step and `accept(rid, n)` keeps the first n
+tokens of each of its requests, the cache then bit-identical to one fed only those (cache/rollback.py).
 """
 
 from __future__ import annotations
 
+import numbers
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
@@ -33,12 +36,13 @@ from .swap import NoRoom, Swapped
 from .transfer import RequestState, cached_prefix, check_state, first_block, spec_fields, tensor_names
 from .plan import EntryWrites, OutOfBlocks, SnapshotWrites, StepBuffers, StepPlan, StepStatus, host_fields, new_cache_id
 from .publish import PrefixPublisher, Publication, TokenIds, token_ids
+from .rollback import TentativeRequest, TentativeStep, max_tentative_tokens
 
 __all__ = ["CacheManager", "RequestError"]
 
 
 class RequestError(ValueError):
-    """A request id that is unknown, already released, or used twice in one step."""
+    """A request id that is unknown, already released, used twice in one step, or awaiting `accept`."""
 
 
 @dataclass
@@ -127,6 +131,8 @@ class CacheManager:
         self._swap_used = 0
         self.cache_id = new_cache_id()
         self._publisher = PrefixPublisher(self.prefix, self.pools, self.allocator, geometry) if prefix_caching else None
+        self._tentative: TentativeStep | None = None  # the tentative step awaiting accept, if any
+        self.max_tentative_tokens = max_tentative_tokens(self.spec)
 
     # --- lifecycle ------------------------------------------------------------------------------
     def admit(self, tokens=None) -> int | None:
@@ -141,6 +147,7 @@ class CacheManager:
         ids = token_ids("tokens", tokens) if tokens is not None else None
         if ids is not None and len(ids) > self.max_seq_len:
             raise ValueError(f"tokens: {len(ids)} ids, max_seq_len is {self.max_seq_len}")
+        self._refuse_while_tentative("admit")
         self._settle(final=False)
         if not self._free_slots:
             return None
@@ -179,6 +186,7 @@ class CacheManager:
         ids = token_ids("tokens", tokens)
         record = self._swapped.get(rid)
         request = record.request if record is not None else self._request(rid)
+        self._refuse_while_tentative("append_tokens", rid)
         if self.prefix is None:
             return
         if request.tokens is None:
@@ -191,25 +199,30 @@ class CacheManager:
 
     def release(self, rid: int) -> None:
         """Return a request's blocks and slot (or its host copy, if swapped out). Releasing an unknown or
-        released id raises RequestError."""
+        released id raises RequestError. While a tentative step awaits accept, a request of it that is released
+        keeps none of its tokens not yet accepted (an abort mid-verify), and every release takes effect when the
+        step settles: a cache fed only the kept tokens planned their step before the release."""
         record = self._swapped.pop(rid, None) if self._is_id(rid) else None
         if record is not None:
             self._swap_used -= record.nbytes
             return
         request = self._request(rid)
-        self._settle(final=False, leaving=rid)
         self._status.left.add(rid)
-        self._free_blocks(self._host_table[request.slot, :request.num_blocks].tolist())
-        self._host_table[request.slot] = -1
-        self.block_table[request.slot].fill_(-1)
-        self._free_slots.append(request.slot)
-        del self._requests[rid]
+        if self._tentative is not None:
+            del self._requests[rid]
+            self._tentative.leave(request)
+            if self._tentative.settled:
+                self._settle_tentative()
+            return
+        self._settle(final=False, leaving=rid)
+        self._drop(request)
 
     def swap_out(self, rid: int) -> int | NoRoom:
         """Preempt a live request: copy its blocks, window ring and compressor state to host memory (pinned on
         CUDA), then free its blocks and slot. Returns the bytes copied, or `NoRoom` (nothing changed) when the
         host budget `swap_bytes` is short. Its id stays valid for `swap_in`, `release` and `append_tokens`."""
         request = self._request(rid)
+        self._refuse_while_tentative("swap_out")
         nbytes = request.num_blocks * self.spec.block_bytes + self.spec.request_fixed_bytes
         if self.swap_bytes is not None and self._swap_used + nbytes > self.swap_bytes:
             return NoRoom("host swap bytes", nbytes, self.swap_bytes - self._swap_used)
@@ -247,6 +260,7 @@ class CacheManager:
             if self._is_id(rid) and rid in self._requests:
                 raise RequestError(f"swap_in: request {rid} is not swapped out")
             self._request(rid)  # raises the unknown / released error
+        self._refuse_while_tentative("swap_in")
         self._settle(final=False)
         if not self._free_slots:
             return NoRoom("request slots", 1, 0)
@@ -279,6 +293,7 @@ class CacheManager:
         leaves out the pages of those first blocks. An unknown, released or swapped-out id raises RequestError, a bad
         skip_tokens ValueError; nothing changes."""
         request = self._request(rid)
+        self._refuse_while_tentative("export_request", rid)
         k = first_block(skip_tokens, request.length, self.spec.page_tokens)
         saved = self.pools.save(request.slot, self._host_table[request.slot, k:request.num_blocks].tolist())
         if self.device.type == "cuda":
@@ -293,6 +308,7 @@ class CacheManager:
         cache's cached blocks of its token ids for them (shared, as a prefix hit's), or `NoRoom("cached prefix
         blocks", ...)` when some are no longer cached. Another spec, or a malformed or too long state, raises."""
         saved, ids = check_state(state, self.pools, max_seq_len=self.max_seq_len)
+        self._refuse_while_tentative("import_request")
         n, k = self.spec.blocks_for(state.length), state.first_block
         self._settle(final=False)
         chain = cached_prefix(self.prefix, state, ids)
@@ -318,8 +334,8 @@ class CacheManager:
         self.pools.load(saved, slot, blocks[k:], range(n - k))
         return rid
 
-    def plan_step(self, batch: Sequence[tuple[int, int]], *, buffers: StepBuffers | None = None
-                  ) -> StepPlan | OutOfBlocks:
+    def plan_step(self, batch: Sequence[tuple[int, int]], *, buffers: StepBuffers | None = None,
+                  tentative: bool = False) -> StepPlan | OutOfBlocks:
         """Plan one step: `batch` lists (request id, new tokens) pairs, prefill chunks and decode tokens alike.
 
         Allocates the blocks the step fills and advances each request's length (the caller then runs
@@ -329,7 +345,14 @@ class CacheManager:
         are not known) raises before anything changes. With prefix caching, unreferenced cached blocks are
         evicted (least recently used first) when no other block is free, and the blocks this step fills are
         published once every layer has run over it.
+
+        tentative=True: a verify step (speculative decoding). Every token of it is tentative until `accept(rid, n)`
+        has said, for each of its requests, how many stay; the layers run over it as over any plan. Until then no
+        other step is planned (RequestError). A request that brings more than `max_tentative_tokens` keeps all or none.
         """
+        if not isinstance(tentative, bool):
+            raise ValueError(f"tentative: expected a bool, got {tentative!r}")
+        self._refuse_while_tentative("plan_step")
         requests, counts = self._validate_batch(batch)
         starts = np.array([r.length for r in requests], dtype=np.int64)
         counts_np = np.array(counts, dtype=np.int64)
@@ -340,20 +363,34 @@ class CacheManager:
         if buffers is not None:
             self._check_buffers(buffers, num_tokens, num_requests, entry_counts, int((starts + counts_np).max()))
         self._settle(final=True)  # the previous plan is over: publish what it filled, if every layer ran
+        held = [r.num_blocks for r in requests]
         need = [self.spec.blocks_for(r.length + n) - r.num_blocks for r, n in zip(requests, counts)]
         if sum(need) > self.allocator.num_free:
             return OutOfBlocks(needed=sum(need), free=self.allocator.num_free)
-        fresh = self._allocate(sum(need))
-        self._map_blocks(requests, need, fresh)
+        # a tentative step maps blocks without taking them: they are taken for its kept tokens when it settles
+        fresh = self.allocator.peek(sum(need)) if tentative else self._allocate(sum(need))
+        self._map_blocks(requests, need, fresh, poison=not tentative)
 
         for request, n in zip(requests, counts):
             request.length += n
         host = host_fields(np.array([r.slot for r in requests], dtype=np.int64), starts, counts_np, new_entries,
                            window=self.geometry.window, page_tokens=self.spec.page_tokens,
                            block_table=self._host_table)
+        step = None
+        if tentative:  # the undo log: copies of what the step will overwrite, issued before its layers run
+            step = TentativeStep(self._step + 1, [TentativeRequest(r, b, int(starts[b]), n, h) for b, (r, n, h)
+                                                  in enumerate(zip(requests, counts, held))],
+                                 self.pools, host, fresh, poison=self.poison)
         capture_rows = 0
         if self._publisher is not None:
-            capture_rows = self._publisher.plan_captures(requests, starts, counts_np, host, self._host_table)
+            if step is not None:
+                step.before_queue(self.prefix)
+            capture_rows = self._publisher.plan_captures(
+                requests, starts, counts_np, host, self._host_table, taken=step.snapshot_takes if step else None,
+                before_copies=step.log_snapshots if step else None)
+            if step is not None:
+                step.publications = list(self._publisher.pending)
+        self._tentative = step
         if buffers is None:
             buffers = StepBuffers(self.cache_id, self.geometry.ratios, max_tokens=num_tokens,
                                   max_requests=num_requests, device=self.device, entries=entry_counts,
@@ -377,8 +414,34 @@ class CacheManager:
                                     index=views[f"index{m}"], count=entry_counts[m])
                      for m in self.geometry.ratios},
             max_seq_len=buffers.max_seq_len if buffers.max_seq_len is not None else longest,
-            snapshots=snapshots, status=self._status,
+            snapshots=snapshots, status=self._status, tentative=tentative,
         )
+
+    def accept(self, rid: int, n: int) -> None:
+        """Keep the first n tokens request `rid` brought to the tentative step awaiting accept (0 <= n <= its count;
+        a request that brought more than `max_tentative_tokens` keeps 0 or all) and roll back the rest: its length
+        and token ids at once, its bytes when the step settles, once every request of the step is accepted or
+        released. Then the cache is bit-identical to one that planned only the kept tokens (a plain step of them, or
+        none): every pool, state and snapshot byte, block table, reference count, free queue, prefix-cache entry and
+        counter (but `steps_planned`). Call it after the layers ran over the plan, before anything else touches
+        the request. An unknown id, or one without a tentative step awaiting accept, raises RequestError and a bad
+        n ValueError; nothing changes. Cost: cache/rollback.py."""
+        step = self._tentative
+        entry = step.requests.get(rid) if step is not None and self._is_id(rid) else None
+        if entry is None or entry.kept is not None:
+            self._request(rid)  # the unknown / released / swapped-out error
+            raise RequestError(f"accept: request {rid} has no tentative step awaiting accept")
+        if isinstance(n, bool) or not isinstance(n, numbers.Integral):
+            raise ValueError(f"accept: n must be an int, got {n!r}")
+        step.check_kept(entry, int(n), self.max_tentative_tokens)
+        step.keep(entry, int(n))
+        self._status.current = False  # no layer may run over the step any more
+        if step.settled:
+            self._settle_tentative()
+
+    def awaiting_accept(self) -> list[int]:
+        """Requests of the tentative step whose kept count is not known yet (empty when none awaits)."""
+        return self._tentative.pending() if self._tentative is not None else []
 
     def step_buffers(self, *, max_tokens: int, max_requests: int, max_seq_len: int | None = None) -> StepBuffers:
         """Preallocated plan storage (fixed addresses) for CUDA-graph capture and replay. Plans built into them
@@ -517,6 +580,52 @@ class CacheManager:
             raise RequestError(f"request {rid} was already released")
         raise RequestError(f"unknown request id {rid!r}")
 
+    def _refuse_while_tentative(self, what: str, rid: int | None = None) -> None:
+        """RequestError (nothing changed) while a tentative step awaits accept: for any request (rid None), or for `rid`
+        if it is one of the step's."""
+        pending = self.awaiting_accept()
+        if pending and (rid is None or rid in pending):
+            raise RequestError(f"{what}: tentative step {self._tentative.step} awaits accept() of requests {pending}; "
+                               f"accept (or release) them first")
+
+    def _settle_tentative(self) -> None:
+        """Every request of the tentative step is accepted or released: put back what the rejected tokens wrote and
+        take the blocks and snapshots a plain step of the kept tokens would (cache/rollback.py)."""
+        step, self._tentative = self._tentative, None
+        entries, snapshots = step.set_aside()
+        step.restore()
+        if self._publisher is not None:
+            step.undo_queue(self.prefix, self._publisher)
+        for entry in step.requests.values():  # unmap what the step mapped without taking
+            request = entry.request
+            if request.num_blocks > entry.held:
+                self._host_table[request.slot, entry.held:request.num_blocks] = -1
+                self.block_table[request.slot, entry.held:request.num_blocks] = -1
+                request.num_blocks = entry.held
+        kept = [entry for entry in step.requests.values() if entry.kept]
+        requests = [entry.request for entry in kept]
+        need = [self.spec.blocks_for(entry.end) - entry.held for entry in kept]
+        self._map_blocks(requests, need, self._allocate(sum(need)))
+        published = []
+        if self._publisher is not None:
+            published = self._publisher.queue_kept(requests, np.array([e.start for e in kept], dtype=np.int64),
+                                                   np.array([e.kept for e in kept], dtype=np.int64), self._host_table)
+        for publish in step.place(entries, snapshots, self._host_table, published):
+            self.prefix.return_snapshot(publish.snapshot)  # not captured: snapshots ran short in the step
+            publish.snapshot = None
+        for request in step.leaving:  # released meanwhile: they leave now, as after a plain step of the kept tokens
+            self._requests[request.rid] = request
+            self._settle(final=False, leaving=request.rid)
+            self._drop(request)
+
+    def _drop(self, request: _Request) -> None:
+        """Free a live request's blocks and slot."""
+        self._free_blocks(self._host_table[request.slot, :request.num_blocks].tolist())
+        self._host_table[request.slot] = -1
+        self.block_table[request.slot].fill_(-1)
+        self._free_slots.append(request.slot)
+        del self._requests[request.rid]
+
     def _settle(self, *, final: bool, leaving: int | None = None) -> None:
         """Publish the latest plan's filled blocks if every layer ran over it, else keep or drop them
         (`PrefixPublisher.settle`)."""
@@ -599,7 +708,7 @@ class CacheManager:
         self.allocator.free([b for b in blocks if self.prefix.cached(b) is None], front=True)
         self.allocator.free(cached[::-1])
 
-    def _map_blocks(self, requests: list[_Request], need: list[int], fresh: list[int]) -> None:
+    def _map_blocks(self, requests: list[_Request], need: list[int], fresh: list[int], *, poison: bool = True) -> None:
         if not fresh:
             return
         rows = np.repeat([r.slot for r in requests], need)
@@ -609,7 +718,7 @@ class CacheManager:
             request.num_blocks += n
         update = torch.from_numpy(np.stack((rows, cols, np.asarray(fresh)))).to(self.device)  # one copy
         self.block_table[update[0], update[1]] = update[2].to(torch.int32)
-        if self.poison:  # reused blocks hold their previous owner's bytes: make them NaN again
+        if self.poison and poison:  # reused blocks hold their previous owner's bytes: make them NaN again
             for layer in self.pools.layers:
                 for pool in (layer.entries, layer.index_keys):
                     if pool is not None:

@@ -99,6 +99,7 @@ class StepPlan:
     # (so a captured graph's shapes hold for every later plan)
     max_seq_len: int = 0
     snapshots: SnapshotWrites | None = None  # prefix caching only
+    tentative: bool = False  # host: a verify step, settled by `CacheManager.accept` (cache/rollback.py)
     status: StepStatus = field(default_factory=StepStatus, compare=False, repr=False)
     # per layer kind, the attention plan (`model.attention_plan.AttentionPlan`: RoPE tables, visible counts, path
     # choices, workspaces) that the first layer of the kind builds and the others read, and the tensors kinds share

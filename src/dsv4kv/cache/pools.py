@@ -161,6 +161,12 @@ class CachePools:
                 scratch=snapshots,
             ))
 
+    def stacks(self, name: str) -> list[tuple[tuple[int, ...], torch.Tensor]]:
+        """`LayerCache.<name>` of every layer that has one, as (layer indices, tensor [layers, *shape]) per group of
+        layers stored together: one indexing op on a group's tensor reaches the rows of all its layers."""
+        return [((i,), t.unsqueeze(0)) for i, layer in enumerate(self.layers)
+                if (t := getattr(layer, name)) is not None]
+
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for layer in self.layers for t in layer.tensors())

@@ -178,17 +178,35 @@ class PrefixCache:
         self.stats.evicted_blocks += len(dropped)
         return dropped
 
-    def take_snapshot(self) -> int | None:
+    def take_snapshot(self, taken: list | None = None) -> int | None:
         """A snapshot id for a boundary about to be captured: a free one, else the least recently used one
-        (detached from its node); None when there are none (num_snapshots = 0)."""
+        (detached from its node); None when there are none (num_snapshots = 0). `taken`, if given, gets
+        (id, the node it was detached from or None) for `untake_snapshot`."""
         if self._free_snapshots:
-            return self._free_snapshots.popleft()
-        if not self._snapshot_lru:
+            snapshot, node = self._free_snapshots.popleft(), None
+        elif self._snapshot_lru:
+            snapshot, node = self._snapshot_lru.popitem(last=False)
+            node.snapshot = None
+            self.stats.snapshots_evicted += 1
+        else:
             return None
-        snapshot, node = self._snapshot_lru.popitem(last=False)
-        node.snapshot = None
-        self.stats.snapshots_evicted += 1
+        if taken is not None:
+            taken.append((snapshot, node))
         return snapshot
+
+    def untake_snapshot(self, snapshot: int, node: CachedBlock | None) -> None:
+        """Undo the latest `take_snapshot` not yet undone ((id, node) as it recorded them; undo several in reverse
+        order): a free id goes back to the front of the free ids, a detached one back on its (live) node as the least
+        recently used."""
+        if node is None:
+            self._free_snapshots.appendleft(snapshot)
+            return
+        if not node.alive or node.snapshot is not None:
+            raise ValueError(f"untake_snapshot: {node} cannot take snapshot {snapshot} back")
+        node.snapshot = snapshot
+        self._snapshot_lru[snapshot] = node
+        self._snapshot_lru.move_to_end(snapshot, last=False)
+        self.stats.snapshots_evicted -= 1
 
     def return_snapshot(self, snapshot: int) -> None:
         """Give back an id from `take_snapshot` that was not attached (its capture was dropped)."""

@@ -11,7 +11,7 @@ in as arguments.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import numpy as np
 import torch
@@ -48,7 +48,7 @@ def token_ids(name: str, tokens) -> np.ndarray:
 
 
 class TokenIds:
-    """A request's known token ids (int64), growing by appends."""
+    """A request's known token ids (int64), growing by appends (and cut back by a rejection)."""
 
     def __init__(self, ids: np.ndarray):
         self._buf = ids.copy()
@@ -62,6 +62,10 @@ class TokenIds:
 
     def __getitem__(self, index: slice) -> np.ndarray:
         return self._buf[:self.n][index]
+
+    def truncate(self, n: int) -> None:
+        """Forget the ids from position n on (a tentative step's rejected tokens)."""
+        self.n = min(self.n, n)
 
 
 @dataclass
@@ -127,21 +131,24 @@ class PrefixPublisher:
 
     # --- a plan's publications -------------------------------------------------------------------
     def plan_captures(self, requests: list[_Request], starts: np.ndarray, counts: np.ndarray,
-                      host: dict[str, np.ndarray], host_table: np.ndarray) -> int:
+                      host: dict[str, np.ndarray], host_table: np.ndarray, *, taken: list | None = None,
+                      before_copies: Callable[[list[int]], None] | None = None) -> int:
         """Queue the publication of every block the step fills, take a snapshot id for each boundary and say
         where its state comes from: rows before the step are copied from the rings now (the step's appends
         would overwrite them), rows in the step get snapshot slots in the plan for the layers to capture.
-        `host` gets the plan's `snapshot_window` / `snapshot_state` fields. Returns the number of rows with a slot."""
+        `host` gets the plan's `snapshot_window` / `snapshot_state` fields. Returns the number of rows with a slot.
+        taken: gets the snapshot takes (`PrefixCache.take_snapshot`); before_copies(ids): called with the snapshot
+        ids taken before anything is written into them (a tentative step logs their bytes)."""
         page, window, m = self.page_tokens, self.window, self.csa_ratio
         num_tokens = int(counts.sum())
         host["snapshot_window"] = np.full(num_tokens, -1, dtype=np.int64)
         host["snapshot_state"] = np.full(num_tokens, -1, dtype=np.int64)
-        queued = self._queue(requests, starts, counts, host_table)
-        # the deepest boundaries first: when snapshots run short, a longer hit is worth more
-        for b, publish in reversed(queued):
-            publish.snapshot = self.prefix.take_snapshot()
+        queued = self._take_snapshots(self._queue(requests, starts, counts, host_table), taken)
+        if before_copies is not None:
+            before_copies([publish.snapshot for _, publish in queued if publish.snapshot is not None])
+        for b, publish in queued:
             if publish.snapshot is None:
-                break
+                continue
             request, start = requests[b], int(starts[b])
             boundary = (publish.depth + 1) * page
             for name, size in (("snapshot_window", window), ("snapshot_state", m)):
@@ -153,6 +160,23 @@ class PrefixPublisher:
                                             range(boundary - m, max(start, boundary - m)) if m else ())
         self.pending.extend(publish for _, publish in queued)
         return int(((host["snapshot_window"] >= 0) | (host["snapshot_state"] >= 0)).sum())
+
+    def queue_kept(self, requests: list[_Request], starts: np.ndarray, counts: np.ndarray,
+                   host_table: np.ndarray) -> list[Publication]:
+        """A settled tentative step's publications: those a plain step of its kept tokens (`counts`) would queue,
+        with the snapshot ids it would take, queued for publication. Their bytes are the caller's to write."""
+        queued = self._take_snapshots(self._queue(requests, starts, counts, host_table), None)
+        self.pending.extend(publish for _, publish in queued)
+        return [publish for _, publish in queued]
+
+    def _take_snapshots(self, queued: list[tuple[int, Publication]], taken: list | None
+                        ) -> list[tuple[int, Publication]]:
+        # the deepest boundaries first: when snapshots run short, a longer hit is worth more
+        for _, publish in reversed(queued):
+            publish.snapshot = self.prefix.take_snapshot(taken)
+            if publish.snapshot is None:
+                break
+        return queued
 
     def _queue(self, requests: list[_Request], starts: np.ndarray, counts: np.ndarray,
                host_table: np.ndarray) -> list[tuple[int, Publication]]:

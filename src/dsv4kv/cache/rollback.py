@@ -1,0 +1,315 @@
+"""Tentative steps (speculative decoding): what `CacheManager.plan_step(batch, tentative=True)` records before the
+layers run, and how the step settles once `CacheManager.accept` has said how many tokens of each request stay
+(docs/prefix-caching.md, "Speculative decoding").
+
+A tentative step is planned as a plain step of all its tokens, with three differences:
+- the blocks it fills are mapped but not taken: the allocator still counts them free, first in its queue
+  (`BlockAllocator.peek`), and cached ones stay cached;
+- before the layers run, the *undo log* copies, by device gathers issued on the current stream, every byte the
+  step's tokens will overwrite: per layer, each token's window-ring row and compressor (and indexer compressor) rows,
+  and the entry and indexer-key slots of the entries the step completes; with prefix caching the boundary snapshots
+  the step takes (whole); with poison=True the whole blocks it maps, which are then poisoned as taken blocks are;
+- what it would publish (prefix caching) waits until it settles.
+The layers run over the plan as over any plan, eager or replayed from a CUDA graph: nothing here runs inside them.
+
+The step settles once each of its requests has been accepted (or released). The kept tokens' entries written into
+mapped blocks and the kept boundaries' snapshots are set aside; every logged byte of a rejected token, of a mapped
+block and of a taken snapshot is put back, and the snapshot takes are undone in reverse order; the manager then takes
+the blocks and snapshots that a plain step of the kept tokens would take (the same ids, evictions, poisoning and
+publications), and the bytes set aside land there. The cache is then bit-identical to one fed only the kept tokens.
+
+Which counts can be kept: a ring keeps only a step's last R rows (the window; R = 2m in CSA and m in HCA layers), so a
+request that brings at most `max_tentative_tokens` tokens (the smallest ring: 8 on V4) may keep any number of them;
+one that brings more (a prefill chunk in a verify step) keeps all or none.
+
+Cost: the log copies each tentative token's rows (V4-Flash, FP8 entries, MXFP4 keys: 584 B per window layer, 4,680 B
+per HCA layer, 10,987 B per CSA layer, 0.32 MB per token over the 43 layers); settling puts back the rows of the
+rejected tokens only. Blocks and snapshots cost a copy only when a step crosses a page boundary (snapshots) or with
+poison=True (blocks).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from .pools import POISON_BYTE, CachePools
+from .publish import Publication
+from .spec import CacheSpec
+
+if TYPE_CHECKING:
+    from .manager import _Request
+
+__all__ = ["TentativeRequest", "TentativeStep", "max_tentative_tokens"]
+
+_STATE_FIELDS = ("state_kv", "state_score", "index_state_kv", "index_state_score")
+_PAGED_FIELDS = ("entries", "index_keys")
+_SNAPSHOT_FIELDS = ("boundary_window", "boundary_kv", "boundary_score", "boundary_index_kv", "boundary_index_score")
+
+
+def max_tentative_tokens(spec: CacheSpec) -> int:
+    """The most tokens a request may bring to a tentative step and keep any number of: the smallest ring (the window,
+    a compressor's state rows)."""
+    return min([spec.geometry.window] + [layer.state_rows for layer in spec.layers if layer.state_rows])
+
+
+@dataclass
+class TentativeRequest:
+    """One request of a tentative step."""
+
+    request: _Request
+    row: int  # its batch row
+    start: int  # its length before the step
+    count: int  # tokens it brought
+    held: int  # blocks it held before the step
+    kept: int | None = None  # tokens accepted (None: not yet)
+
+    @property
+    def end(self) -> int:
+        """Its length once settled."""
+        return self.start + (self.kept or 0)
+
+
+def _row_views(tensor: torch.Tensor, layout, entries: int) -> list[torch.Tensor]:
+    """A group's paged tensor [layers, pages, page_bytes] as its data and scale rows [layers, pages, entries, bytes]
+    (views; the scale rows only where the format has them)."""
+    split = entries * layout.data_bytes
+    views = [tensor[..., :split].unflatten(-1, (entries, layout.data_bytes))]
+    if layout.scale_bytes:
+        views.append(tensor[..., split:split + entries * layout.scale_bytes].unflatten(-1, (entries, layout.scale_bytes)))
+    return views
+
+
+@dataclass
+class _Rows:
+    """The rows of one addressing that a step writes: the window ring (slot, pos % window), a compressor ring of R rows
+    (slot, pos % R) or the entry slots of ratio m (block, offset), in every layer that has them. views: [layers, A, B, k]
+    over the pools; a, b: the rows' indices; position: the token whose write each row is (for an entry, the token that
+    completes it); row: its request's batch row; block: its block (entries) or -1; saved: the log's copies [layers, K, k]
+    of each view, taken before the layers ran."""
+
+    views: list[torch.Tensor]
+    a: np.ndarray
+    b: np.ndarray
+    position: np.ndarray
+    row: np.ndarray
+    block: np.ndarray
+    saved: list[torch.Tensor] | None = None
+
+
+class TentativeStep:
+    """A tentative step's requests and undo log, from its plan to its settling.
+
+    Args:
+        step: the plan's step number.
+        requests: the step's requests, in batch order.
+        pools: the cache's tensors.
+        host: the plan's host index fields (`plan.host_fields`), the step's blocks mapped.
+        mapped: the blocks the step maps and has not taken (in mapping order).
+        poison: the cache poisons the blocks it takes: log the mapped blocks whole, then poison them.
+    """
+
+    def __init__(self, step: int, requests: list[TentativeRequest], pools: CachePools, host: dict[str, np.ndarray],
+                 mapped: list[int], *, poison: bool):
+        self.step = step
+        self.requests = {entry.request.rid: entry for entry in requests}
+        self.pools = pools
+        self.mapped = list(mapped)
+        self.poison = poison
+        self.device = pools.layers[0].window.device
+        self.snapshot_takes: list[tuple[int, object]] = []  # (id, node detached or None), in take order
+        self.publications: list[Publication] = []  # what the plan queued, as if every token were kept
+        self.publishing: list[tuple[_Request, bool]] = []  # each request's publishing flag before the plan queued
+        self.duplicate_blocks = 0  # the prefix counter before the plan queued
+        self.leaving: list[_Request] = []  # released while the step awaited accept, in order
+        self._snapshots: list[int] = []  # ids logged whole
+        self._snapshot_log: list[torch.Tensor] = []
+        self._block_log: list[torch.Tensor] = []
+        self._sites = self._record(host, requests)
+        if poison and self.mapped:
+            blocks = self._upload(np.asarray(self.mapped))[0]
+            for tensor in self._whole(_PAGED_FIELDS):
+                self._block_log.append(tensor[:, blocks])
+                tensor[:, blocks] = POISON_BYTE
+
+    # --- the log ---------------------------------------------------------------------------------------
+    def _record(self, host: dict[str, np.ndarray], requests: list[TentativeRequest]) -> list[_Rows]:
+        pools = self.pools
+        spec0 = pools.layers[0].spec
+        window, page = spec0.window, spec0.page_tokens
+        slots = host["request_slots"]
+        ends = host["seq_lens"]
+        positions, token_row = host["positions"], host["token_request"]
+        none = np.full(len(positions), -1, dtype=np.int64)
+        sites = []
+        # the window ring: the tokens with a ring slot (each request's last `window` tokens of the step)
+        keep = host["window_slots"] >= 0
+        ring = host["window_slots"][keep]
+        views = [v for _, t in pools.stacks("window") for v in _row_views(t, spec0.main, window)]
+        sites.append(_Rows(views, ring // window, ring % window, positions[keep], token_row[keep], none[keep]))
+        # compressor rings: each request's last R tokens of the step, at pos % R
+        for rows in sorted({layer.spec.state_rows for layer in pools.layers if layer.spec.state_rows}):
+            keep = positions >= ends[token_row] - rows
+            views = [t for name in _STATE_FIELDS for _, t in pools.stacks(name) if t.shape[2] == rows]
+            sites.append(_Rows(views, slots[token_row[keep]], positions[keep] % rows, positions[keep], token_row[keep],
+                               none[keep]))
+        # the entry (and indexer key) slots of the entries the step completes
+        for ratio in sorted({layer.spec.layer.ratio for layer in pools.layers if layer.spec.entries_per_page}):
+            per_page = page // ratio
+            entry_slots = host[f"slots{ratio}"]
+            views = []
+            for name in _PAGED_FIELDS:
+                for layers, t in pools.stacks(name):
+                    spec = pools.layers[layers[0]].spec
+                    if spec.layer.ratio == ratio:
+                        views += _row_views(t, spec.main if name == "entries" else spec.index, per_page)
+            sites.append(_Rows(views, entry_slots // per_page, entry_slots % per_page,
+                               (host[f"index{ratio}"] + 1) * ratio - 1, host[f"request{ratio}"], entry_slots // per_page))
+        sites = [site for site in sites if len(site.a) and site.views]
+        index = self._upload(*[x for site in sites for x in (site.a, site.b)])
+        for site, a, b in zip(sites, index[0::2], index[1::2]):
+            site.saved = [view[:, a, b] for view in site.views]
+        return sites
+
+    def log_snapshots(self, ids: list[int]) -> None:
+        """Copy the snapshots the step takes, whole, before anything is written into them (prefix caching)."""
+        if not ids:
+            return
+        self._snapshots = list(ids)
+        index = self._upload(np.asarray(ids))[0]
+        self._snapshot_log = [tensor[:, index] for tensor in self._whole(_SNAPSHOT_FIELDS)]
+
+    def _whole(self, names) -> list[torch.Tensor]:
+        return [tensor for name in names for _, tensor in self.pools.stacks(name)]
+
+    def _upload(self, *arrays: np.ndarray) -> list[torch.Tensor]:
+        """int64 host arrays -> device tensors, in one copy."""
+        sizes = [len(a) for a in arrays]
+        flat = torch.from_numpy(np.concatenate([np.asarray(a, dtype=np.int64) for a in arrays]) if arrays
+                                else np.zeros(0, dtype=np.int64))
+        return list(flat.to(self.device).split(sizes)) if arrays else []
+
+    # --- accepting ---------------------------------------------------------------------------------------
+    def pending(self) -> list[int]:
+        """Request ids still to be accepted or released."""
+        return [rid for rid, entry in self.requests.items() if entry.kept is None]
+
+    @property
+    def settled(self) -> bool:
+        return all(entry.kept is not None for entry in self.requests.values())
+
+    def check_kept(self, entry: TentativeRequest, n: int, limit: int) -> None:
+        """ValueError unless `n` of the request's tokens can be kept (see the module docstring)."""
+        if not 0 <= n <= entry.count:
+            raise ValueError(f"accept: request {entry.request.rid} brought {entry.count} tokens to tentative step "
+                             f"{self.step}, cannot keep {n}")
+        if entry.count > limit and n not in (0, entry.count):
+            raise ValueError(f"accept: request {entry.request.rid} brought {entry.count} tokens to tentative step "
+                             f"{self.step}, more than max_tentative_tokens ({limit}): it keeps all or none, not {n}")
+
+    def keep(self, entry: TentativeRequest, n: int) -> None:
+        """Record that the request keeps n tokens (checked): its length and token ids now, its bytes at settling."""
+        entry.kept = n
+        request = entry.request
+        request.length = entry.start + n
+        if n < entry.count and request.tokens is not None:
+            request.tokens.truncate(request.length)  # the rejected drafts' ids
+
+    def leave(self, request: _Request) -> None:
+        """A request released before the step settled (it leaves when the step settles, in release order): one of the
+        step's keeps what it accepted, none if it had not (an abort mid-verify)."""
+        entry = self.requests.get(request.rid)
+        if entry is not None and entry.kept is None:
+            self.keep(entry, 0)
+        self.leaving.append(request)
+
+    # --- prefix caching ----------------------------------------------------------------------------------
+    def before_queue(self, prefix) -> None:
+        """Note what queueing the plan's publications may change (each request's publishing flag, the duplicate-block
+        counter), so that settling can queue as a plain step of the kept tokens would."""
+        self.publishing = [(entry.request, entry.request.publishing) for entry in self.requests.values()]
+        self.duplicate_blocks = prefix.stats.duplicate_blocks
+
+    def undo_queue(self, prefix, publisher) -> None:
+        """Undo the plan's queueing: its snapshot takes in reverse order, the flags and counter, its publications."""
+        for snapshot, node in reversed(self.snapshot_takes):
+            prefix.untake_snapshot(snapshot, node)
+        for request, publishing in self.publishing:
+            request.publishing = publishing
+        prefix.stats.duplicate_blocks = self.duplicate_blocks
+        publisher.pending = [p for p in publisher.pending if not any(p is q for q in self.publications)]
+
+    # --- settling ----------------------------------------------------------------------------------------
+    def set_aside(self) -> tuple[list, list]:
+        """The kept bytes that must move: the entries kept tokens wrote into mapped blocks (with their batch rows and
+        positions) and the snapshots of kept boundaries (with their publications). Gathered before `restore`."""
+        ends = self._ends()
+        mapped = np.asarray(self.mapped, dtype=np.int64)
+        entries = []
+        for site in self._sites:
+            keep = (site.position < ends[site.row]) & np.isin(site.block, mapped)
+            if keep.any():
+                a, b = self._upload(site.a[keep], site.b[keep])
+                entries.append((site, site.row[keep], site.position[keep], [view[:, a, b] for view in site.views]))
+        page = self.pools.layers[0].spec.page_tokens
+        kept = [p for p in self.publications
+                if p.snapshot is not None and (p.depth + 1) * page <= ends[self.requests[p.rid].row]]
+        snapshots = {}
+        if kept:
+            index = self._upload(np.asarray([p.snapshot for p in kept]))[0]
+            values = [t[:, index] for t in self._whole(_SNAPSHOT_FIELDS)]
+            snapshots = {(p.rid, p.depth): (i, values) for i, p in enumerate(kept)}
+        return entries, snapshots
+
+    def restore(self) -> None:
+        """Put back every logged byte of a rejected token, of a mapped block and of a taken snapshot."""
+        ends = self._ends()
+        mapped = np.asarray(self.mapped, dtype=np.int64)
+        masks = [(site.position >= ends[site.row]) | np.isin(site.block, mapped) for site in self._sites]
+        index = self._upload(*[x for site, m in zip(self._sites, masks) for x in (site.a[m], site.b[m], np.flatnonzero(m))])
+        for site, (a, b, i) in zip(self._sites, zip(index[0::3], index[1::3], index[2::3])):
+            if len(a):
+                for view, saved in zip(site.views, site.saved):
+                    view[:, a, b] = saved[:, i]
+        if self._block_log:
+            blocks = self._upload(np.asarray(self.mapped))[0]
+            for tensor, saved in zip(self._whole(_PAGED_FIELDS), self._block_log):
+                tensor[:, blocks] = saved
+        if self._snapshot_log:
+            ids = self._upload(np.asarray(self._snapshots))[0]
+            for tensor, saved in zip(self._whole(_SNAPSHOT_FIELDS), self._snapshot_log):
+                tensor[:, ids] = saved
+
+    def place(self, entries: list, snapshots: dict, host_table: np.ndarray, kept: list[Publication]
+              ) -> list[Publication]:
+        """Write the bytes `set_aside` gathered where a plain step of the kept tokens puts them: entries at the slots
+        of the blocks now mapped (host_table), snapshots at the ids of the publications `kept` queued. Returns the
+        publications with a snapshot id but no bytes (a boundary the plan could not capture for want of snapshots:
+        the caller gives their ids back)."""
+        page = self.pools.layers[0].spec.page_tokens
+        slot = {entry.row: entry.request.slot for entry in self.requests.values()}
+        for site, row, position, values in entries:
+            ratio = page // site.views[0].shape[2]
+            first = position + 1 - ratio  # the entry's first token
+            block = host_table[np.array([slot[r] for r in row], dtype=np.int64), first // page]
+            a, b = self._upload(block, (first % page) // ratio)
+            for view, value in zip(site.views, values):
+                view[:, a, b] = value
+        found = [(p, snapshots.get((p.rid, p.depth))) for p in kept if p.snapshot is not None]
+        if any(f is not None for _, f in found):
+            pairs = [(p.snapshot, f[0]) for p, f in found if f is not None]
+            values = next(f[1] for _, f in found if f is not None)
+            dst, src = self._upload(np.asarray([d for d, _ in pairs]), np.asarray([s for _, s in pairs]))
+            for tensor, value in zip(self._whole(_SNAPSHOT_FIELDS), values):
+                tensor[:, dst] = value[:, src]
+        return [p for p, f in found if f is None]
+
+    def _ends(self) -> np.ndarray:
+        """Each batch row's length once settled (start + kept)."""
+        ends = np.zeros(len(self.requests), dtype=np.int64)
+        for entry in self.requests.values():
+            ends[entry.row] = entry.end
+        return ends
