@@ -615,3 +615,33 @@ def test_chat_workload_passes_a_one_step_excursion(monkeypatch):
     assert "before it the runs apart at 0 of 1 tokens)" in on.check
     assert on.check.endswith("worst before-fork difference 0.000 (tolerance 0.25 at three quarters of the tokens "
                              "before a fork)")
+
+
+def test_spec_workload_runs_on_the_cpu():
+    """`bench spec` at its CPU sizes (the tiny geometry's CSA layer by the reference, the tiny model): a verify and a
+    decode result per batch, the MTP drafter reported as not measured, and the engine runs (plain, n-gram, replay)
+    with the replay drafter's acceptance length above 1 and every run's greedy tokens equal to plain decoding's."""
+    from dsv4kv.tools.bench import spec as workloads
+    from dsv4kv.tools.bench.common import Context
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the tiny model gains nothing from threads on a shared host
+    try:
+        report = Report(meta=dict(META))
+        workloads.spec(Context(device=torch.device("cpu"), report=report, quick=True, log=lambda _: None))
+    finally:
+        torch.set_num_threads(threads)
+    cores = [r for r in report.results if "core" in r.name]
+    assert [r.params["rows"] for r in cores] == [4, 1, 4, 1] and all(r.time_us > 0 for r in cores)
+    assert cores[0].extra["verify_over_decode"] == pytest.approx(cores[0].time_us / cores[1].time_us)
+    mtp = next(r for r in report.results if r.params.get("drafter") == "mtp")
+    assert mtp.time_us is None and "no MTP layer" in mtp.check
+    runs = {r.params["label"]: r for r in report.results if "label" in r.params}
+    assert set(runs) == {"plain", "ngram", "replay 1/2 correct"} and all(r.passed for r in runs.values())
+    assert all(r.check.startswith("greedy tokens equal plain decoding's in 2 of 2") for label, r in runs.items()
+               if label != "plain")
+    replay = runs["replay 1/2 correct"].extra
+    assert replay["acceptance_length"] > 1.5 and replay["accepted_tokens"] > 0
+    assert replay["acceptance_length"] == pytest.approx(1 + replay["accepted_tokens"] / replay["verifies"])
+    assert runs["plain"].extra["speedup"] == 1.0 and runs["plain"].extra["verifies"] == 0
+    assert "spec" in report.table()

@@ -289,6 +289,7 @@ class Scripted(Drafter):
     (dict(speculative="ngram", draft_tokens=-1), ValueError, "draft_tokens: expected an int >= 0"),
     (dict(speculative="ngram", draft_tokens=2.0), ValueError, "draft_tokens: expected an int >= 0"),
     (dict(speculative="ngram", draft_tokens=96), ValueError, "beyond the step budget"),
+    (dict(speculative="ngram", draft_tokens=8), ValueError, "the cache rolls back at most 8"),
     (dict(speculative="medusa"), ValueError, "speculative: expected None, one of 'ngram', 'mtp'"),
     (dict(speculative=3), TypeError, "speculative: expected None"),
     (dict(draft_tokens=2), ValueError, "without speculative"),
@@ -318,3 +319,215 @@ def test_a_drafters_bad_ids_are_refused_before_anything_changes():
         e.step()
     assert e.output(rid).token_ids == plain[0].token_ids
     assert e.stats.draft_tokens == 0 and e.stats.verifies == 0
+
+
+def replay(want: dict, pattern=(0, 1, 2, 3)) -> Drafter:
+    """The bench's replay drafter over plain decoding's greedy tokens `want` (by prompt): pattern[i] of the i-th
+    verify's drafts correct, the rest wrong."""
+    from dsv4kv.tools.bench.spec import ReplayDrafter
+
+    return ReplayDrafter({tuple(p): list(t) for p, t in want.items()}, pattern, 512)
+
+
+def random_drafts(seed: int = 0) -> Drafter:
+    """0 .. k random ids per request and step: any proposal at all."""
+    g = torch.Generator().manual_seed(seed)
+    return Scripted(lambda rid, tokens, k: torch.randint(0, 512, (int(torch.randint(0, k + 1, (), generator=g)),),
+                                                          generator=g).tolist())
+
+
+def serve(engine: Engine, token_lists, params, arrivals=None) -> list:
+    """Serve the prompts online, prompt i added before step arrivals[i] (default: all at once); outputs in order."""
+    arrivals = arrivals or [0] * len(token_lists)
+    params = params if isinstance(params, list) else [params] * len(token_lists)
+    ids, step = {}, 0
+    while len(ids) < len(token_lists) or engine.has_unfinished:
+        for i, at in enumerate(arrivals):
+            if at == step and i not in ids:
+                ids[i] = engine.add_request(token_lists[i], params[i])
+        engine.step()
+        step += 1
+    return [engine.output(ids[i]) for i in range(len(token_lists))]
+
+
+PROMPTS = (131, 47, 9, 150)
+ARRIVALS = [0, 0, 0, 3]  # the last one's prefill chunks ride along verify steps
+
+
+@functools.lru_cache(maxsize=None)
+def plain_greedy(new_tokens: int = 12) -> tuple:
+    outputs = serve(Engine.from_transformers(tiny_model(), **CACHE), prompts(PROMPTS),
+                    SamplingParams(max_new_tokens=new_tokens), ARRIVALS)
+    return tuple(o.token_ids for o in outputs)
+
+
+def drafter_for(name: str):
+    want = dict(zip(map(tuple, prompts(PROMPTS)), plain_greedy()))
+    return {"ngram": lambda: "ngram", "replay": lambda: replay(want), "random": lambda: random_drafts(),
+            "mtp": lambda: MTPDrafter(mtp_layer())}[name]()
+
+
+@pytest.mark.parametrize("graphs", [(), (2, 4)], ids=["eager", "padded-graphs"])
+@pytest.mark.parametrize("name", ["ngram", "replay", "random", "mtp"])
+def test_speculative_greedy_equals_plain_greedy(name, graphs):
+    """Four requests (one arriving later, its prefill chunks beside verify steps; a 131-token prompt over two chunks
+    of the 96-token budget), each drafter proposing 0 .. 3 drafts per request and step (replay: 0, 1, 2, 3 of them
+    correct in turn; random: any ids): the tokens of plain greedy decoding, token for token. With decode graph sizes
+    on a CPU the decode and verify steps run through padded graphs (eagerly). The stats count what was verified."""
+    speculative = drafter_for(name)
+    model = mtp_target() if name == "mtp" else None
+    options = dict(CACHE, decode_graph_sizes=graphs, speculative=speculative, draft_tokens=3)
+    e = Engine(model, **options) if model is not None else Engine.from_transformers(tiny_model(), **options)
+    outputs = serve(e, prompts(PROMPTS), SamplingParams(max_new_tokens=12), ARRIVALS)
+    assert tuple(o.token_ids for o in outputs) == plain_greedy()
+    s = e.stats
+    assert s.verifies > 0 and s.verify_steps > 0 and s.draft_tokens >= s.verifies
+    assert s.acceptance_length == pytest.approx(1 + s.accepted_tokens / s.verifies)
+    assert s.decode_tokens + s.prefill_tokens == sum(PROMPTS) + 4 * 11  # every token fed once and kept
+    if name == "replay":
+        assert s.accepted_tokens > 0 and s.steps < 2 + 12
+    if graphs:
+        assert s.graph_steps > 0
+    assert e.cache.num_live_requests == 0 and e.cache.num_used_blocks == 0
+
+
+def test_seeded_speculative_sampling_gives_plain_samplings_tokens():
+    """Sampled requests (temperature, top-k, top-p, their own seeds) with the replay drafter: each verify row draws
+    with the request's next uniform, so the tokens are plain sampling's and the logprobs its own up to fp32
+    rounding (the verify step's rows are computed beside each other)."""
+    params = [SamplingParams(max_new_tokens=10, temperature=0.9, top_k=50, seed=1, logprobs=3),
+              SamplingParams(max_new_tokens=10, temperature=1.3, seed=2, logprobs=3),
+              SamplingParams(max_new_tokens=10, temperature=0.7, top_p=0.9, seed=3), SamplingParams(max_new_tokens=10)]
+    token_lists = prompts(PROMPTS)
+    plain = serve(Engine.from_transformers(tiny_model(), **CACHE), token_lists, params, ARRIVALS)
+    e = Engine.from_transformers(tiny_model(), speculative=replay(
+        {tuple(p): o.token_ids for p, o in zip(token_lists, plain)}, (3, 1, 2)), draft_tokens=3, **CACHE)
+    outputs = serve(e, token_lists, params, ARRIVALS)
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in plain]
+    assert e.stats.accepted_tokens > 0
+    for a, b in zip(outputs, plain):
+        if a.token_logprobs is not None:
+            torch.testing.assert_close(torch.tensor(a.token_logprobs), torch.tensor(b.token_logprobs), atol=1e-4,
+                                       rtol=0)
+
+
+def test_stop_tokens_and_lengths_inside_an_accepted_run():
+    """Drafts that would all be accepted run past a stop token, max_new_tokens and max_seq_len: the request stops
+    where plain decoding stops (the stop token kept), and no draft is asked beyond what it may still generate."""
+    want = plain_greedy()
+    asked = []
+    inner = replay(dict(zip(map(tuple, prompts(PROMPTS)), want)), (3,))
+    spy = Scripted(lambda rid, tokens, k: asked.append((len(tokens), k)) or inner.propose(
+        [DraftRequest(rid, tokens, k)])[0])
+    e = Engine.from_transformers(tiny_model(), speculative=spy, draft_tokens=3, **{**CACHE, "max_seq_len": 131 + 6})
+    stop = want[1][5]
+    params = [SamplingParams(max_new_tokens=12), SamplingParams(max_new_tokens=12, stop_token_ids=[stop]),
+              SamplingParams(max_new_tokens=5), SamplingParams(max_new_tokens=12)]
+    outputs = serve(e, prompts(PROMPTS)[:3] + [prompts((120,), seed=4)[0]], params)
+    assert outputs[0].token_ids == want[0][:7] and outputs[0].finish_reason == "length"  # 131 + 6 fed: max_seq_len
+    assert outputs[1].token_ids == want[1][:want[1].index(stop) + 1] and outputs[1].finish_reason == "stop"
+    assert outputs[2].token_ids == want[2][:5] and outputs[2].finish_reason == "length"
+    assert all(k <= 3 for _, k in asked) and e.stats.accepted_tokens > 0
+    assert (131 + 5, 1) in asked or all(n != 131 + 5 for n, _ in asked)  # one draft left at max_seq_len - 1
+
+
+@pytest.mark.parametrize("preemption", ["recompute", "swap"])
+def test_speculation_through_preemption(preemption):
+    """Three requests of 118 .. 125 prompt tokens and three blocks of 128 tokens: each crosses into a second block
+    while the others verify drafts, so requests are preempted (recompute or swap) and come back (the MTP drafter's
+    state is dropped and rebuilt from where each comes back); the tokens are plain decoding's."""
+    token_lists = prompts((118, 122, 125), seed=6)
+    params = SamplingParams(max_new_tokens=12)
+    plain = Engine.from_transformers(tiny_model(), **CACHE).generate(token_lists, params)
+    e = Engine(mtp_target(), speculative=MTPDrafter(mtp_layer()), draft_tokens=3, preemption=preemption,
+               **{**CACHE, "max_tokens": 128, "max_requests": 3, "max_seq_len": 384})
+    outputs = e.generate(token_lists, params)
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in plain]
+    assert e.stats.preemptions > 0 and e.stats.verifies > 0
+    assert e.cache.num_used_blocks == 0 and e._speculator.drafter.cache.num_live_requests == 0
+
+
+def test_abort_after_a_rejected_verify_releases_everything():
+    """A request aborted right after a verify step that rejected some of its drafts: its blocks and its MTP state go,
+    the others continue with plain decoding's tokens."""
+    want = plain_greedy()
+    drafter = MTPDrafter(mtp_layer())
+    e = Engine(mtp_target(), speculative=drafter, draft_tokens=3, **CACHE)
+    ids = [e.add_request(p, SamplingParams(max_new_tokens=12)) for p in prompts(PROMPTS[:3])]
+    while e.stats.verifies == 0 or e.stats.draft_tokens == e.stats.accepted_tokens:
+        e.step()
+    live = e.cache.num_live_requests
+    e.abort(ids[1])
+    assert e.cache.num_live_requests == live - 1 and drafter.cache.num_live_requests == live - 1
+    assert e.output(ids[1]).finish_reason == "abort"
+    while e.has_unfinished:
+        e.step()
+    assert [e.output(i).token_ids for i in (ids[0], ids[2])] == [want[0], want[2]]
+    assert e.cache.num_used_blocks == 0 and drafter.cache.num_live_requests == 0
+
+
+def test_ngram_drafts_are_accepted_on_a_repetitive_prompt():
+    """Prompts that repeat an 8-token segment six times: the model's greedy continuation repeats some of its own
+    n-grams, the n-gram drafter proposes them and some are accepted; the tokens are plain decoding's."""
+    g = torch.Generator().manual_seed(5)
+    token_lists = [torch.randint(0, 512, (8,), generator=g).tolist() * 6 for _ in range(3)]
+    options = dict(CACHE, step_tokens=256)
+    params = SamplingParams(max_new_tokens=40)
+    plain = Engine.from_transformers(tiny_model(), **options).generate(token_lists, params)
+    e = Engine.from_transformers(tiny_model(), speculative="ngram", draft_tokens=3, **options)
+    outputs = e.generate(token_lists, params)
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in plain]
+    assert e.stats.accepted_tokens >= 3 and e.stats.acceptance_length > 1
+
+
+def test_prefix_hits_with_speculation():
+    """Prefix caching on: prompts sharing 256 tokens (two blocks) with tails of 37, 128 (a hit that ends at a page
+    boundary) and 1 token, and one sharing a single block, served after the first published its blocks; with the
+    replay drafter the tokens are plain decoding's (caching off), every later request hits, and blocks publish only
+    accepted tokens (a second round hits the first round's generated blocks as well)."""
+    g = torch.Generator().manual_seed(12)
+    shared = torch.randint(0, 512, (256,), generator=g).tolist()
+    tails = [torch.randint(0, 512, (n,), generator=g).tolist() for n in (37, 128, 1)]
+    token_lists = [shared + t for t in tails] + [shared[:128] + tails[0][:10]]
+    params = SamplingParams(max_new_tokens=12)
+    plain = Engine.from_transformers(tiny_model(), **CACHE).generate(token_lists, params)
+    want = {tuple(p): o.token_ids for p, o in zip(token_lists, plain)}
+    e = Engine.from_transformers(tiny_model(), prefix_caching=True, speculative=replay(want, (2, 3, 0, 1)),
+                                 draft_tokens=3, **CACHE)
+    first = e.generate(token_lists[:1], params)
+    rest = e.generate(token_lists[1:], params)
+    assert [o.token_ids for o in first + rest] == [o.token_ids for o in plain]
+    assert [o.cached_tokens for o in rest] == [256, 256, 128]
+    assert e.stats.accepted_tokens > 0
+    # the first prompt again with its generated tokens: its blocks hold only accepted tokens, so it hits them all
+    again = e.generate([token_lists[0] + list(first[0].token_ids)], SamplingParams(max_new_tokens=4))[0]
+    assert again.cached_tokens == 256 and again.token_ids == Engine.from_transformers(tiny_model(), **CACHE).generate(
+        [token_lists[0] + list(first[0].token_ids)], SamplingParams(max_new_tokens=4))[0].token_ids
+
+
+def test_speculation_on_the_kernels():
+    """bf16 weights with the attention on the Triton kernels (on a CPU under Triton's interpreter, on CUDA compiled,
+    decode and verify steps captured as CUDA graphs): speculative greedy tokens are plain greedy's on the same path."""
+    from dsv4kv.backend import kernels_can_run
+    from dsv4kv.engine.reference import with_dtype
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if not kernels_can_run(device):
+        pytest.skip("Triton is not installed, or TRITON_INTERPRET is off on a CPU")
+    model = with_dtype(random_model(tiny_config(), seed=0, device=device), torch.bfloat16)
+    token_lists = prompts((33, 9), seed=5)
+    options = dict(max_requests=2, max_tokens=256, page_tokens=128, step_tokens=64, max_seq_len=128,
+                   decode_graph_sizes=(2,), **EXACT)
+
+    def run(**kwargs):
+        e = Engine.from_transformers(model, **options, **kwargs)
+        for layer in e.model.attention_layers:
+            layer.backend = "triton"
+        return e, [o.token_ids for o in e.generate(token_lists, SamplingParams(max_new_tokens=5))]
+
+    _, plain = run()
+    e, got = run(speculative=replay(dict(zip(map(tuple, token_lists), plain)), (1, 3)), draft_tokens=3)
+    assert got == plain
+    assert e.stats.verify_steps > 0 and e.stats.accepted_tokens > 0
+    if device.type == "cuda":
+        assert e.stats.graph_steps > 0

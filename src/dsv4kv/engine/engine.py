@@ -120,7 +120,8 @@ class Engine:
             a request then feeds its newest token and up to `draft_tokens` drafts, and keeps the drafts the model
             itself would have generated: greedy tokens are those of plain decoding, sampled ones follow the same
             distribution (with a seed, the same tokens). `stats` counts drafts proposed and accepted.
-        draft_tokens: the most drafts a request feeds per step, k >= 0 (default 3; 1 + k within step_tokens).
+        draft_tokens: the most drafts a request feeds per step, k >= 0 (default 3; 1 + k within step_tokens and
+            within what the cache can roll back, `CacheManager.max_tentative_tokens`: 8 for V4's CSA layers).
     """
 
     def __init__(self, model: DSV4Model, *, max_requests: int, max_tokens: int,
@@ -159,6 +160,10 @@ class Engine:
         sizes = [positive_int("decode_graph_sizes", b) for b in decode_graph_sizes]
         if any(b > self.cache.max_requests for b in sizes):
             raise ValueError(f"decode_graph_sizes: {sizes} exceed max_requests {self.cache.max_requests}")
+        if 1 + draft_tokens > self.cache.max_tentative_tokens and drafter is not None:
+            raise ValueError(f"draft_tokens: a verify step feeds 1 + {draft_tokens} tokens per request; the cache rolls "
+                             f"back at most {self.cache.max_tentative_tokens} (its smallest ring: "
+                             f"CacheManager.max_tentative_tokens)")
         if drafter is not None:
             drafter.bind(model, self.cache)
         self._speculator = Speculator(drafter, draft_tokens, model.vocab_size) if drafter is not None else None

@@ -106,8 +106,8 @@ def _verify_core(ctx: Context, sizes: SpecSizes) -> None:
         passed = all(p for _, p in checks.values())
         params = {"kind": "csa", "context": context, "batch": batch, "verify_rows": VERIFY_ROWS}
         timer = "CUDA graph" if cuda else "host clock, the reference layer (no kernels on a CPU)"
-        for rows, what in ((VERIFY_ROWS, f"verify step ({VERIFY_ROWS} tokens/request)"), (1, "decode step")):
-            ctx.report.add(Result("spec", f"CSA core {what}, ctx {context}, batch {batch}", {**params, "rows": rows},
+        for rows, what in ((VERIFY_ROWS, f"verify ({VERIFY_ROWS} tokens/request)"), (1, "decode")):
+            ctx.report.add(Result("spec", f"CSA core {what}, {context} b{batch}", {**params, "rows": rows},
                                   times[rows], check=checks[rows][0], passed=passed,
                                   extra={"verify_over_decode": ratio, "timer": timer}))
         ctx.log(f"  verify {times[VERIFY_ROWS]:.1f} us, decode {times[1]:.1f} us: {ratio:.2f}x ({timer}); "
