@@ -252,24 +252,31 @@ def test_mtp_layer_loads_from_official_names(tmp_path):
 
 
 def test_mtp_drafts_are_deterministic():
-    """Two MTP drafters fed the same target rows (a 40-token prompt's streams) propose the same first draft, an id
-    in the vocabulary, computed from the layer's own window over those rows: other streams give other drafts."""
+    """Two MTP drafters fed the same target rows (a 40-token prompt's streams) propose the same three drafts, ids in the
+    vocabulary: the first from the layer over those rows, the next two chained through its own output streams in
+    tentative steps of its cache, which leave it as they found it (proposing again gives the same drafts); other
+    streams give other drafts."""
     from dsv4kv import CacheManager
 
     model = mtp_target()
     streams = torch.randn(40, model.hc_mult, model.config.hidden_size, generator=torch.Generator().manual_seed(4))
     tokens = prompts((41,), seed=8)[0]
 
-    def first_draft(streams):
+    def drafts(streams, twice=False):
         cache = CacheManager(model.geometry, max_requests=2, max_tokens=512, page_tokens=128, **EXACT)
         drafter = MTPDrafter(mtp_layer())
         drafter.bind(model, cache)
         drafter.observe([ObservedRows(7, 0, tokens[1:], streams, True)])
-        return drafter.propose([DraftRequest(7, tokens, 1)])[0]
+        first = drafter.propose([DraftRequest(7, tokens, 3)])[0]
+        assert drafter.cache.num_live_requests == 1 and drafter.cache.awaiting_accept() == []
+        assert drafter.cache.tokens_held == 40
+        if twice:
+            assert drafter.propose([DraftRequest(7, tokens, 3)])[0] == first
+        return first
 
-    a, b = first_draft(streams), first_draft(streams.clone())
-    assert a == b and len(a) == 1 and 0 <= a[0] < 512
-    assert first_draft(streams * -1) != a
+    a, b = drafts(streams, twice=True), drafts(streams.clone())
+    assert a == b and len(a) == 3 and all(0 <= t < 512 for t in a)
+    assert drafts(streams * -1) != a
 
 
 # --- the engine -------------------------------------------------------------------------------------------------
@@ -413,22 +420,26 @@ def test_seeded_speculative_sampling_gives_plain_samplings_tokens():
 
 def test_stop_tokens_and_lengths_inside_an_accepted_run():
     """Drafts that would all be accepted run past a stop token, max_new_tokens and max_seq_len: the request stops
-    where plain decoding stops (the stop token kept), and no draft is asked beyond what it may still generate."""
+    where plain decoding stops (the stop token kept), and no request is asked for more drafts than it may still
+    generate (max_new_tokens - generated - 1) or than the cache holds (max_seq_len - tokens)."""
     want = plain_greedy()
-    asked = []
+    asked = []  # (request id, tokens, drafts asked)
     inner = replay(dict(zip(map(tuple, prompts(PROMPTS)), want)), (3,))
-    spy = Scripted(lambda rid, tokens, k: asked.append((len(tokens), k)) or inner.propose(
+    spy = Scripted(lambda rid, tokens, k: asked.append((rid, len(tokens), k)) or inner.propose(
         [DraftRequest(rid, tokens, k)])[0])
     e = Engine.from_transformers(tiny_model(), speculative=spy, draft_tokens=3, **{**CACHE, "max_seq_len": 131 + 6})
     stop = want[1][5]
     params = [SamplingParams(max_new_tokens=12), SamplingParams(max_new_tokens=12, stop_token_ids=[stop]),
-              SamplingParams(max_new_tokens=5), SamplingParams(max_new_tokens=12)]
-    outputs = serve(e, prompts(PROMPTS)[:3] + [prompts((120,), seed=4)[0]], params)
+              SamplingParams(max_new_tokens=4)]
+    outputs = serve(e, prompts(PROMPTS)[:3], params)
     assert outputs[0].token_ids == want[0][:7] and outputs[0].finish_reason == "length"  # 131 + 6 fed: max_seq_len
     assert outputs[1].token_ids == want[1][:want[1].index(stop) + 1] and outputs[1].finish_reason == "stop"
-    assert outputs[2].token_ids == want[2][:5] and outputs[2].finish_reason == "length"
-    assert all(k <= 3 for _, k in asked) and e.stats.accepted_tokens > 0
-    assert (131 + 5, 1) in asked or all(n != 131 + 5 for n, _ in asked)  # one draft left at max_seq_len - 1
+    assert outputs[2].token_ids == want[2][:4] and outputs[2].finish_reason == "length"
+    assert e.stats.accepted_tokens > 0
+    for rid, n, k in asked:
+        prompt = PROMPTS[rid]
+        assert 1 <= k <= min(3, params[rid].max_new_tokens - (n - prompt) - 1, 131 + 6 - n), (rid, n, k)
+    assert any(k < 3 for rid, _, k in asked if rid == 0) and any(k < 3 for rid, _, k in asked if rid == 2)
 
 
 @pytest.mark.parametrize("preemption", ["recompute", "swap"])
