@@ -93,6 +93,29 @@ class EngineStats:
         return self.prefix_hit_tokens / self.prefix_query_tokens if self.prefix_query_tokens else 0.0
 
 
+@dataclass(eq=False)
+class _Work:
+    """One request's part of a step."""
+
+    request: Request
+    n: int  # tokens it feeds
+    tokens: list[int]  # those tokens: its pending ones, then (a verify) its drafts
+    drafts: list[int]  # the drafts among them (empty: not a verify)
+    rows: int  # logits rows asked for: a verify's every row, else its last
+    ready: bool  # it gets tokens in this step
+    kept: int  # tokens its cache keeps (a verify: set once its drafts are checked)
+    row: int = 0  # its first row in the step's sampler batch
+    emit: int = 0  # tokens it emits
+
+    @classmethod
+    def of(cls, request: Request, n: int, drafts: Sequence[int]) -> "_Work":
+        c = request.num_computed
+        if request.pending == 1 and n > 1:
+            drafts = list(drafts)[:n - 1]
+            return cls(request, n, request.tokens[c:] + drafts, drafts, n, True, n)
+        return cls(request, n, request.tokens[c:c + n], [], 1, request.pending == n, n)
+
+
 class Engine:
     """Serves a `DSV4Model` over a `CacheManager` made for it.
 
@@ -161,8 +184,8 @@ class Engine:
         if any(b > self.cache.max_requests for b in sizes):
             raise ValueError(f"decode_graph_sizes: {sizes} exceed max_requests {self.cache.max_requests}")
         if 1 + draft_tokens > self.cache.max_tentative_tokens and drafter is not None:
-            raise ValueError(f"draft_tokens: a verify step feeds 1 + {draft_tokens} tokens per request; the cache rolls "
-                             f"back at most {self.cache.max_tentative_tokens} (its smallest ring: "
+            raise ValueError(f"draft_tokens: a verify step feeds 1 + {draft_tokens} tokens per request; the cache "
+                             f"rolls back at most {self.cache.max_tentative_tokens} (its smallest ring: "
                              f"CacheManager.max_tentative_tokens)")
         if drafter is not None:
             drafter.bind(model, self.cache)
@@ -255,85 +278,77 @@ class Engine:
                 self._speculator.drafter.release(request.id)
         if not scheduled.batch:
             return []
-        fed = [self._fed(request, n, drafts) for request, n in scheduled.batch]
-        verifying = [request.pending == 1 and n > 1 for request, n in scheduled.batch]
-        tentative = any(verifying)
+        work = [_Work.of(request, n, drafts.get(request, ())) for request, n in scheduled.batch]
+        tentative = any(w.drafts for w in work)
         if tentative and self.prefix_caching:  # the cache needs the id of every token it is fed
-            for (request, _), tokens, verify in zip(scheduled.batch, fed, verifying):
-                if verify:
-                    self.cache.append_tokens(request.cache_id, tokens[1:])
-        rows = [n if verify else 1 for (_, n), verify in zip(scheduled.batch, verifying)]
-        result = self.runner.run([(r.cache_id, tokens) for (r, _), tokens in zip(scheduled.batch, fed)],
-                                 decode=scheduled.is_decode or scheduled.is_verify, rows=rows, tentative=tentative)
-        logits = result.logits  # [sum(rows), vocab]
-        # the rows that give tokens: each verify's rows, each request's last row once its last pending token is in
-        first = np.concatenate(([0], np.cumsum(rows)))
-        picked, ready = [], []  # logits rows to sample; (request, rows, drafts)
-        for b, ((request, n), verify) in enumerate(zip(scheduled.batch, verifying)):
-            if request.pending - n <= 0 or verify:
-                picked.extend(range(first[b], first[b + 1]))
-                ready.append((request, rows[b], fed[b][1:] if verify else []))
-                if request.keep_logits:  # a copy: the row is a view of the step's (or a decode graph's) logits
-                    request.logits = logits[first[b + 1] - 1].clone()
-        sampled = None
-        if picked:  # read now: the logits may be a decode graph's buffer, which the next step overwrites
-            params, generators, uniforms = [], [], []
-            for request, count, _ in ready:
-                params += [request.params] * count
-                generators += [request.generator] * count
-                # a sampled request's rows take its next draws; it spends only those of the tokens it emits
-                uniforms += peek_uniforms(request.generator, count) if request.generator is not None else [None] * count
-            sampled = sample_with_logprobs(logits[picked], params, generators, uniforms)
-        # what each request keeps: a verify its newest token and the accepted drafts, any other all it fed
-        emitted, kept, row = {}, [], 0
-        targets = sampled.tokens if sampled is not None else []
-        ready_at = {id(r): (count, d) for r, count, d in ready}
-        for (request, n), verify in zip(scheduled.batch, verifying):
-            if id(request) in ready_at:
-                count, request_drafts = ready_at[id(request)]
-                accepted = accepted_prefix(targets[row:row + count], request_drafts) if verify else 0
-                emitted[id(request)] = (row, accepted + 1)
-                row += count
-                kept.append(1 + accepted if verify else n)
+            for w in work:
+                if w.drafts:
+                    self.cache.append_tokens(w.request.cache_id, w.drafts)
+        result = self.runner.run([(w.request.cache_id, w.tokens) for w in work],
+                                 decode=scheduled.is_decode or scheduled.is_verify, rows=[w.rows for w in work],
+                                 tentative=tentative)
+        sampled = self._sample(work, result.logits)
+        if tentative:  # each verify keeps its newest token and its accepted drafts, any other request all it fed
+            for w in work:
+                self.cache.accept(w.request.cache_id, w.kept)
+        for w in work:
+            if w.request.pending == 1:
+                s.decode_tokens += w.kept
             else:
-                kept.append(n)
-        if tentative:
-            for (request, _), k in zip(scheduled.batch, kept):
-                self.cache.accept(request.cache_id, k)
-        for (request, n), verify, k in zip(scheduled.batch, verifying, kept):
-            if request.pending == 1:
-                s.decode_tokens += k
-            else:
-                s.prefill_tokens += n
-            if verify:
+                s.prefill_tokens += w.n
+            if w.drafts:
                 s.verifies += 1
-                s.draft_tokens += n - 1
-                s.accepted_tokens += k - 1
-            request.num_computed += k
+                s.draft_tokens += len(w.drafts)
+                s.accepted_tokens += w.kept - 1
+            w.request.num_computed += w.kept
         now = time.perf_counter()
         outputs, observed = [], []
-        for b, ((request, n), k) in enumerate(zip(scheduled.batch, kept)):
-            start_position = request.num_computed - k
-            if id(request) in emitted:
-                row, count = emitted[id(request)]
-                outputs.append(self._emit(request, sampled, row, count, now))
-            if self._speculator and not request.finished and self._speculator.drafter.needs_streams:
-                offset = sum(n_ for _, n_ in scheduled.batch[:b])
-                observed.append(ObservedRows(request.id, start_position,
-                                             request.tokens[start_position + 1:start_position + k + 1],
-                                             result.streams[offset:offset + k], request.pending == 1))
+        streams = self._speculator is not None and self._speculator.drafter.needs_streams
+        offset = 0  # the request's first row in the step's streams
+        for w in work:
+            request = w.request
+            if w.emit:
+                outputs.append(self._emit(request, sampled, w.row, w.emit, now))
+            if streams and not request.finished:
+                begin = request.num_computed - w.kept  # the step's first position
+                observed.append(ObservedRows(request.id, begin, request.tokens[begin + 1:begin + w.kept + 1],
+                                             result.streams[offset:offset + w.kept], request.pending == 1))
+            offset += w.n
         if observed:
             self._speculator.drafter.observe(observed)
         s.verify_steps += tentative
         self._count_step(scheduled, now - start)
         return outputs
 
-    def _fed(self, request: Request, n: int, drafts: dict) -> list[int]:
-        """The tokens `request` feeds in a step of n tokens: its pending ones, then (a verify) its drafts."""
-        c = request.num_computed
-        if request.pending == 1:
-            return request.tokens[c:] + drafts.get(request, [])[:n - 1]
-        return request.tokens[c:c + n]
+    def _sample(self, work: list[_Work], logits: torch.Tensor):
+        """The tokens of every request that gets any (a verify's every row; another request's last row once its last
+        pending token is in), in one sampler batch; sets each one's `row` and `emit`, and a verify's `kept`.
+        logits: fp32 [sum(w.rows), vocab]. Returns the sampler's `Sampled` (None when no request gets a token)."""
+        picked, params, generators, uniforms = [], [], [], []
+        first = 0
+        for w in work:
+            if w.ready:
+                w.row = len(picked)
+                picked.extend(range(first, first + w.rows))
+                params += [w.request.params] * w.rows
+                generators += [w.request.generator] * w.rows
+                # a sampled request's rows take its next draws; it spends only those of the tokens it emits
+                uniforms += (peek_uniforms(w.request.generator, w.rows) if w.request.generator is not None
+                             else [None] * w.rows)
+                if w.request.keep_logits:  # a copy: the row is a view of the step's (or a decode graph's) logits
+                    w.request.logits = logits[first + w.rows - 1].clone()
+            first += w.rows
+        if not picked:
+            return None
+        # read now: the logits may be a decode graph's buffer, which the next step overwrites
+        sampled = sample_with_logprobs(logits[picked], params, generators, uniforms)
+        for w in work:
+            if w.ready:
+                accepted = accepted_prefix(sampled.tokens[w.row:w.row + w.rows], w.drafts) if w.drafts else 0
+                w.emit = accepted + 1
+                if w.drafts:
+                    w.kept = 1 + accepted
+        return sampled
 
     def _emit(self, request: Request, sampled, row: int, count: int, now: float) -> StepOutput:
         """Append a request's new tokens (sampled rows row .. row + count - 1) one by one, as plain decoding would
