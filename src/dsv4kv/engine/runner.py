@@ -93,8 +93,9 @@ class DecodeStepGraph:
     also returns every row's last hidden streams.
 
     capture=True (CUDA, every attention layer on the Triton kernels): the first step runs eagerly
-    (compiling the kernels), the second is captured, later steps replay. capture=False: every step runs
-    the same padded computation eagerly."""
+    (compiling the kernels), the second is captured, later steps replay (a verify graph counts only full steps, each
+    request feeding `width` tokens, until it is captured). capture=False: every step runs the same padded computation
+    eagerly."""
 
     def __init__(self, model: DSV4Model, cache: CacheManager, batch: int, *, max_seq_len: int, capture: bool,
                  width: int = 1, streams: bool = False):
@@ -137,8 +138,14 @@ class DecodeStepGraph:
         if self._copied is not None:
             self._copied.record()
         with _experts_implementation(self._expert_configs, "batched_mm"):
-            logits, streams = self.captured.run(lambda: self._forward(plan), plan,
-                                                [layer.layer_index for layer in self.model.attention_layers])
+            if self.capture and self.captured.graph is None and any(n != self.width for n in counts):
+                # the kernels take their paths from the plan's shape when captured (the indexer stacks the rows of a
+                # request that brings several): a verify graph is warmed up and captured on full steps only, every
+                # request feeding `width` tokens, and serves every verify step after
+                logits, streams = self._forward(plan)
+            else:
+                logits, streams = self.captured.run(lambda: self._forward(plan), plan,
+                                                    [layer.layer_index for layer in self.model.attention_layers])
         return logits[:total], (streams[:total] if streams is not None else None)
 
     def _forward(self, plan) -> tuple[torch.Tensor, torch.Tensor | None]:
