@@ -26,7 +26,8 @@ __all__ = ["DraftRequest", "ObservedRows", "Drafter", "NgramDrafter"]
 
 class DraftRequest(NamedTuple):
     """One request asking for drafts: `tokens` are its prompt and generated tokens (the last one is the token the
-    next step feeds first, not yet in the cache); propose at most `max_drafts` ids to follow it."""
+    next step feeds first, not yet in the cache; the request's own list: read it, never change it); propose at most
+    `max_drafts` ids to follow it."""
 
     request_id: int  # the engine's id: stable across preemption
     tokens: Sequence[int]

@@ -16,8 +16,9 @@ with the target's embedding and LM head, its own norms and hyper-head. `MTPLayer
 `MTPDrafter` drives it: after each target step it feeds the pairs (h_i, t_{i+1}) the step kept (`observe`), and the
 last one's logits give the first draft; each further draft feeds the layer's own output streams back as h with the
 previous draft (tentative steps of the MTP cache, each rolled back). A request's MTP window starts where the drafter
-first sees it (after a prefix hit, a preemption or a swap: the positions the target computed since), so its first
-drafts there look back over fewer tokens; drafts are only guesses, the engine verifies every one.
+first sees it (after a prefix hit, a preemption or a swap: the positions the target computed since), its positions
+counted from there (window attention with RoPE depends on relative positions only), so its first drafts there look
+back over fewer tokens; drafts are only guesses, the engine verifies every one.
 """
 
 from __future__ import annotations
@@ -36,10 +37,7 @@ from ..model.layer import DSV4Attention
 from .drafters import DraftRequest, Drafter, ObservedRows
 from .model import DecoderBlock, DSV4Model
 
-__all__ = ["MTPLayer", "MTPDrafter", "mtp_geometry", "mtp_config", "MTP_PARTS"]
-
-# the MTP layer's own modules besides its decoder block (transformers-style names; official names in checkpoint.py)
-MTP_PARTS = ("e_proj", "h_proj", "enorm", "hnorm", "norm", "hc_head")
+__all__ = ["MTPLayer", "MTPDrafter", "mtp_geometry", "mtp_config"]
 
 
 def mtp_config(config):
@@ -198,6 +196,7 @@ class MTPDrafter(Drafter):
             raise ValueError("MTPDrafter: its layer was made for another model than the engine's")
         if self.cache is not None:
             raise ValueError("MTPDrafter: already bound to an engine (make one drafter per engine)")
+        self.layer.to(cache.device)  # where the engine moved its model
         spec = cache.spec
         # a window-only layer's blocks hold no bytes: the MTP cache is one window ring per request slot
         self.cache = CacheManager(self.layer.geometry, max_requests=cache.max_requests,
