@@ -534,12 +534,14 @@ def test_speculation_on_the_kernels():
         e = Engine.from_transformers(model, **options, **kwargs)
         for layer in e.model.attention_layers:
             layer.backend = "triton"
-        return e, [o.token_ids for o in e.generate(token_lists, SamplingParams(max_new_tokens=10))]
+        # CUDA: three full verify steps (3 drafts each) before the drafts run out: warm-up, capture, replay;
+        # the interpreter (slow): two verify steps
+        new_tokens = 10 if device.type == "cuda" else 5
+        return e, [o.token_ids for o in e.generate(token_lists, SamplingParams(max_new_tokens=new_tokens))]
 
     _, plain = run()
-    # three full verify steps (3 drafts each) before the drafts run out: warm-up, capture, replay
     e, got = run(speculative=replay(dict(zip(map(tuple, token_lists), plain)), (1, 1, 3)), draft_tokens=3)
     assert got == plain
-    assert e.stats.verify_steps >= 3 and e.stats.accepted_tokens > 0
+    assert e.stats.verify_steps >= (3 if device.type == "cuda" else 2) and e.stats.accepted_tokens > 0
     if device.type == "cuda":
         assert e.runner.verify_graphs[2].captured.graph is not None and e.stats.graph_steps == e.stats.decode_steps
