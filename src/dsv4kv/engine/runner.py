@@ -64,8 +64,8 @@ def _experts_implementation(configs: dict, name: str):
 
 
 class StepLogits(NamedTuple):
-    """What a step gives back: the logits of the rows asked for, and with keep_streams every row's last hidden
-    streams. Both may be views of a graph's buffers: read them before the next step."""
+    """What a step gives back: the logits of the rows asked for, and (a runner made with streams=True) every row's
+    last hidden streams. Both may be views of a graph's buffers: read them before the next step."""
 
     logits: torch.Tensor  # fp32 [sum(rows), vocab]: each request's last rows[b] rows, in batch order
     streams: torch.Tensor | None  # [N, hc_mult, hidden]: every token row, before the final hyper-head
@@ -180,7 +180,7 @@ class ModelRunner:
         self.graphs = {b: DecodeStepGraph(model, cache, b, max_seq_len=max_seq_len, capture=capture, streams=streams)
                        for b in sizes}
         self.verify_graphs = {b: DecodeStepGraph(model, cache, b, max_seq_len=max_seq_len, capture=capture,
-                                           width=verify_width, streams=streams)
+                                                 width=verify_width, streams=streams)
                               for b in (sizes if verify_width > 1 else ())}
 
     def graph_for(self, num_requests: int, width: int = 1) -> DecodeStepGraph | None:
@@ -204,8 +204,7 @@ class ModelRunner:
             if width == 1:
                 return StepLogits(logits, streams)
             return StepLogits(logits[self._last_rows(counts, rows, logits.device)], streams)
-        plan = self.cache.plan_step([(rid, n) for (rid, _), n in zip(batch, counts)], tentative=True) if tentative \
-            else self.cache.plan_step([(rid, n) for (rid, _), n in zip(batch, counts)])
+        plan = self.cache.plan_step([(rid, n) for (rid, _), n in zip(batch, counts)], tentative=tentative)
         if isinstance(plan, OutOfBlocks):
             raise RuntimeError(f"step: {plan} (the scheduler counted them free)")
         flat = [token for _, tokens in batch for token in tokens]
