@@ -276,3 +276,20 @@ def test_a_receiver_that_leaves_midway_leaves_the_senders_request_servable(tmp_p
     sent = torch.load(tmp_path / "sender.pt")
     for a, b in zip(sent["moved"], reference("cpu")["moved"]):
         assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+def test_the_transfer_bench_runs_on_two_cpu_processes():
+    """`python -m dsv4kv.tools.bench.transfer --cpu`: every part at tiny sizes over gloo, every check passed."""
+    from dsv4kv.tools.bench.transfer import CPU, run_transfer_bench
+
+    results, meta = run_transfer_bench(backend="gloo", sizes=CPU, log=lambda _: None)
+    assert meta["gpus"] == ["cpu", "cpu"] and meta["backend"] == "gloo"
+    assert [r.name for r in results] == ["gloo send/recv, one buffer, 1K", "layer by layer (recv_state), 1K",
+                                         "move incl. import (recv), 1K", "mixed: one GPU serving both",
+                                         "mixed: disaggregated (two GPUs)"]
+    assert all(r.passed and r.time_us > 0 for r in results), [r.check for r in results]
+    assert "sha256 equals" in results[2].check and "for 4 of 4 requests" in results[4].check
+    assert results[1].bytes == results[0].bytes > 0
+    mixed = results[4].extra
+    assert mixed["router_moved"] == 4 and mixed["gaps"] == 2 * (CPU.decode_new - 1) + 2 * (CPU.long_new - 1)
+    assert 0 < mixed["itl_p50_ms"] <= mixed["itl_p99_ms"]

@@ -160,7 +160,8 @@ class RequestSender:
 
     tokens: the request's token ids (at least `cache.length(rid)` of them; the receiver's prefix cache finds the
         pages it holds by them and the imported request carries them), or None (every page is sent).
-    timeout: bound on each wait (default: the process group's timeout).
+    timeout: bound on each wait (default: the process group's timeout). On NCCL a wait with a timeout polls on the
+        host until the operation is done; leave it None where the transfer's speed matters.
     """
 
     def __init__(self, cache: CacheManager, rid: int, *, peer: int, group=None, tokens=None,
@@ -295,8 +296,8 @@ class RequestSender:
 class RequestReceiver:
     """Receives requests' cache states from rank `peer` into `cache`, one `recv()` per request.
 
-    timeout: bound on each wait (default: the process group's timeout). A receive that failed keeps its posted
-    buffers here (the backend may still write them) until the receiver is dropped.
+    timeout: bound on each wait (default: the process group's timeout; see `RequestSender`). A receive that failed
+        keeps its posted buffers here (the backend may still write them) until the receiver is dropped.
     """
 
     def __init__(self, cache: CacheManager, *, peer: int, group=None, timeout: timedelta | None = None):

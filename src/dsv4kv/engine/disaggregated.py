@@ -30,6 +30,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import queue
+import threading
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -103,23 +105,15 @@ class _Route:
 
 
 class _Control:
-    """Host messages over the gloo group: int64 words, JSON, int64 / float64 arrays. Sends are posted, never waited
-    on at once: both sides send to each other while each may be blocked receiving something else (a gloo send
-    completes only once its receive is posted)."""
+    """Host messages over the gloo group: int64 words, JSON, int64 / float64 arrays. Each side reads the other's
+    messages on a thread of its own (`_Inbox`), so a send never waits on a peer busy with something else, and the
+    main loop polls a queue (gloo's receives cannot be polled)."""
 
-    def __init__(self, peer: int, group, timeout: timedelta | None):
-        self.peer, self.group, self.timeout = peer, group, timeout
-        self._sending: list = []  # (work, tensor) posted and maybe not received yet
+    def __init__(self, peer: int, group):
+        self.peer, self.group = peer, group
 
     def send(self, tensor: torch.Tensor) -> None:
-        self._sending = [(w, t) for w, t in self._sending if not w.is_completed()]
-        self._sending.append((dist.isend(tensor, self.peer, group=self.group), tensor))
-
-    def flush(self) -> None:
-        """Wait until every posted send was received."""
-        for work, _ in self._sending:
-            work.wait()
-        self._sending.clear()
+        dist.send(tensor, self.peer, group=self.group)
 
     def recv(self, tensor: torch.Tensor) -> torch.Tensor:
         dist.recv(tensor, self.peer, group=self.group)
@@ -128,12 +122,49 @@ class _Control:
     def send_words(self, *words: int) -> None:
         self.send(torch.tensor(list(words) + [0] * (8 - len(words)), dtype=torch.int64))
 
-    def post_words(self) -> tuple:
-        buffer = torch.zeros(8, dtype=torch.int64)
-        return dist.irecv(buffer, self.peer, group=self.group), buffer
+    def recv_words(self) -> list[int]:
+        return self.recv(torch.zeros(8, dtype=torch.int64)).tolist()
 
-    def recv_json(self, n: int):
-        return json.loads(self.recv(torch.empty(n, dtype=torch.uint8)).numpy().tobytes())
+    def send_bytes(self, data: bytes) -> None:
+        self.send(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+
+    def recv_bytes(self, n: int) -> bytes:
+        return self.recv(torch.empty(n, dtype=torch.uint8)).numpy().tobytes()
+
+
+class _Inbox:
+    """A daemon thread reading whole messages with `read()` into a queue until one of kind STOP (or an error, which
+    `get` raises in the caller's thread)."""
+
+    def __init__(self, read):
+        self._queue: queue.Queue = queue.Queue()
+        self._read = read
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            try:
+                message = self._read()
+            except Exception as e:  # the peer died or sent garbage: the main loop raises it
+                self._queue.put(e)
+                return
+            self._queue.put(message)
+            if message[0] == STOP:
+                return
+
+    def get(self, *, block: bool):
+        """The next message, or None when `block` is False and none is there."""
+        try:
+            message = self._queue.get(block=block)
+        except queue.Empty:
+            return None
+        if isinstance(message, Exception):
+            raise RuntimeError(f"the control channel failed: {message}") from message
+        return message
+
+    def join(self) -> None:
+        self._thread.join()
 
 
 def _params_json(params: SamplingParams) -> dict:
@@ -154,11 +185,11 @@ class PrefillRouter:
             raise ValueError(f"PrefillRouter: runs on the prefill rank {groups.prefill_rank}, this is "
                              f"{dist.get_rank()}")
         self.engine, self.groups, self.timeout = engine, groups, timeout
-        self.control = _Control(groups.decode_rank, groups.control, timeout)
+        self.control = _Control(groups.decode_rank, groups.control)
         self.stats = RouterStats()
         self._routes: dict[int, _Route] = {}  # by the prefill engine's request id: the router's request id
         self._outputs: dict[int, DisaggregatedOutput] = {}
-        self._pending = self.control.post_words()  # the decode side's next output
+        self._inbox = _Inbox(self._read)  # the decode side's outputs
         self._closed = False
 
     def add_request(self, prompt: Sequence[int], params: SamplingParams | None = None) -> int:
@@ -174,9 +205,10 @@ class PrefillRouter:
     def has_unfinished(self) -> bool:
         return bool(self._routes)
 
-    def step(self) -> list[DisaggregatedOutput]:
+    def step(self, *, wait: bool = False) -> list[DisaggregatedOutput]:
         """One prefill step (if the prefill engine has work), the hand-off of every request that got its first
-        token, and the outputs the decode side finished meanwhile."""
+        token, and the outputs the decode side finished meanwhile. `wait`: when the prefill engine has nothing to do
+        but requests are out on the decode side, block until one of them finishes."""
         if self.engine.has_unfinished:
             for out in self.engine.step():
                 now = time.perf_counter()
@@ -188,7 +220,7 @@ class PrefillRouter:
                 elif not route.moved and route.first is None:
                     route.first = out.new_token_ids[0]
                     self._hand_off(out.request_id, route)
-        self._poll(block=not self.engine.has_unfinished and bool(self._routes))
+        self._poll(block=wait and not self.engine.has_unfinished and bool(self._routes))
         done, self._outputs = list(self._outputs.values()), {}
         return done
 
@@ -200,7 +232,7 @@ class PrefillRouter:
         ids = [self.add_request(p, q) for p, q in zip(prompts, params, strict=True)]
         done: dict[int, DisaggregatedOutput] = {}
         while not all(i in done for i in ids):
-            done.update((o.request_id, o) for o in self.step())
+            done.update((o.request_id, o) for o in self.step(wait=True))
         return [done[i] for i in ids]
 
     def close(self) -> None:
@@ -209,7 +241,9 @@ class PrefillRouter:
             raise RuntimeError(f"close: {len(self._routes)} requests are unfinished")
         if not self._closed:
             self.control.send_words(STOP)
-            self.control.flush()
+            while self._inbox.get(block=True)[0] != STOP:  # the decode side's goodbye ends the reading thread
+                pass
+            self._inbox.join()
             self._closed = True
 
     # --- internals --------------------------------------------------------------------------------
@@ -220,7 +254,7 @@ class PrefillRouter:
         params = _params_json(dataclasses.replace(route.params, max_new_tokens=route.params.max_new_tokens - 1))
         data = json.dumps(params).encode()
         ch.send_words(NEW, request_id, len(route.prompt), len(data), route.first)
-        ch.send(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+        ch.send_bytes(data)
         ch.send(torch.tensor(route.prompt, dtype=torch.int64))
         sender = RequestSender(self.engine.cache, cache_id, peer=self.groups.decode_rank, group=self.groups.transfer,
                                tokens=route.prompt, timeout=self.timeout)
@@ -238,20 +272,21 @@ class PrefillRouter:
         self.stats.bytes_sent += sender.bytes_sent
         self.stats.transfer_seconds += time.perf_counter() - start
 
+    def _read(self) -> tuple:
+        """One message of the decode side (on the inbox's thread): (OUTPUT, id, reason, tokens, times) or (STOP,)."""
+        kind, request_id, n, reason = self.control.recv_words()[:4]
+        if kind == STOP:
+            return (STOP,)
+        if kind != OUTPUT:
+            raise RuntimeError(f"the decode side sent a malformed message (kind {kind})")
+        tokens = self.control.recv(torch.empty(n, dtype=torch.int64)).tolist()
+        times = self.control.recv(torch.empty(n, dtype=torch.float64)).tolist()
+        return OUTPUT, request_id, reason, tokens, times
+
     def _poll(self, *, block: bool) -> None:
         """Collect the decode side's finished outputs (waiting for one when `block`)."""
-        while True:
-            work, words = self._pending
-            if not work.is_completed():
-                if not block:
-                    return
-                work.wait()
-            kind, request_id, n, reason = words[:4].tolist()
-            if kind != OUTPUT:
-                raise RuntimeError(f"the decode side sent a malformed message {words.tolist()}")
-            tokens = self.control.recv(torch.empty(n, dtype=torch.int64)).tolist()
-            times = self.control.recv(torch.empty(n, dtype=torch.float64)).tolist()
-            self._pending = self.control.post_words()
+        while (message := self._inbox.get(block=block)) is not None:
+            _, request_id, reason, tokens, times = message
             route = self._routes[request_id]
             route.times.extend(times)
             self._finish(request_id, REASONS[reason], (route.first, *tokens))
@@ -276,7 +311,7 @@ class DecodeWorker:
         if dist.get_rank() != groups.decode_rank:
             raise ValueError(f"DecodeWorker: runs on the decode rank {groups.decode_rank}, this is {dist.get_rank()}")
         self.engine = engine
-        self.control = _Control(groups.prefill_rank, groups.control, timeout)
+        self.control = _Control(groups.prefill_rank, groups.control)
         self.receiver = RequestReceiver(engine.cache, peer=groups.prefill_rank, group=groups.transfer,
                                         timeout=timeout)
         self.received = 0  # requests taken
@@ -286,18 +321,15 @@ class DecodeWorker:
 
     def run(self) -> None:
         """Serve until the router closes: between engine steps, take each request the router sent."""
-        work, words = self.control.post_words()
+        inbox = _Inbox(self._read)
         while True:
-            if work.is_completed() or not self.engine.has_unfinished:
-                work.wait()
-                kind = int(words[0])
-                if kind == STOP:
-                    self.control.flush()
+            message = inbox.get(block=not self.engine.has_unfinished)
+            if message is not None:
+                if message[0] == STOP:
+                    self.control.send_words(STOP)  # goodbye: ends the router's reading thread
+                    inbox.join()
                     return
-                if kind != NEW:
-                    raise RuntimeError(f"the router sent a malformed message {words.tolist()}")
-                self._take(*words[1:5].tolist())
-                work, words = self.control.post_words()
+                self._take(*message[1:])
                 continue
             outputs = self.engine.step()
             now = time.perf_counter()
@@ -306,9 +338,18 @@ class DecodeWorker:
                 if out.finished:
                     self._send_output(out.request_id)
 
-    def _take(self, key: int, prompt_len: int, params_len: int, first: int) -> None:
-        params = SamplingParams(**{**self.control.recv_json(params_len)})
+    def _read(self) -> tuple:
+        """One message of the router (on the inbox's thread): (NEW, id, prompt, first token, params) or (STOP,)."""
+        kind, key, prompt_len, params_len, first = self.control.recv_words()[:5]
+        if kind == STOP:
+            return (STOP,)
+        if kind != NEW:
+            raise RuntimeError(f"the router sent a malformed message (kind {kind})")
+        params = SamplingParams(**json.loads(self.control.recv_bytes(params_len)))
         prompt = tuple(self.control.recv(torch.empty(prompt_len, dtype=torch.int64)).tolist())
+        return NEW, key, prompt, first, params
+
+    def _take(self, key: int, prompt: tuple[int, ...], first: int, params: SamplingParams) -> None:
         try:
             state = self.receiver.recv_state()
         except (TransferError, ValueError):

@@ -36,11 +36,13 @@ from .flashmla import flashmla
 from .layer import layer_vs_transformers, prefill
 from .serving import ChatSizes, chat, scale
 from .spec import spec
+from .transfer import transfer
 
 __all__ = ["Context", "WORKLOADS", "QUICK", "check_layer", "core_bytes", "ChatSizes"]
 
 WORKLOADS: dict[str, Callable[[Context], None]] = {
     "machine": machine, "topk": topk, "insert": insert, "decode": decode, "layer": layer_vs_transformers,
     "prefill": prefill, "scale": scale, "flashmla": flashmla, "chat": chat, "spec": spec,
+    "transfer": transfer,
 }
 QUICK = ("machine", "topk", "insert", "decode", "layer")
