@@ -82,7 +82,21 @@ def test_targets_met_and_missed():
                       extra={"ratio": 74.0 / 54.0, "flashmla_us": 54.0}))
     report.add(Result("layer", "transformers csa", {"kind": "csa", "context": 16384, "batch": 1}, 2000.0))
     report.add(Result("layer", "dsv4kv csa", {"kind": "csa", "context": 16384, "batch": 1, "mode": "official"}, 80.0))
+    verify = {"kind": "csa", "context": 131072, "verify_rows": 4}
+    for batch, ratio in ((4, 1.3), (16, 1.6), (64, 1.0)):  # no target past batch 16
+        report.add(Result("spec", "v", {**verify, "batch": batch, "rows": 4}, 100.0 * ratio,
+                          extra={"verify_over_decode": ratio}))
+        report.add(Result("spec", "d", {**verify, "batch": batch, "rows": 1}, 100.0, extra={"verify_over_decode": ratio}))
+    report.add(Result("spec", "replay 3/3, batch 1", {"drafter": "replay"}, 900.0,
+                      extra={"acceptance_length": 4.0, "speedup": 2.6}))
+    report.add(Result("spec", "ngram, batch 1", {"drafter": "ngram"}, 900.0, extra={"acceptance_length": 1.2,
+                                                                                    "speedup": 0.9}))
     targets = {t["target"]: t for t in evaluate_targets(report)}
+    assert targets["CSA core verify (4 tokens a request) / decode, batch 4, 128K <= 1.4"]["met"]
+    assert not targets["CSA core verify (4 tokens a request) / decode, batch 16, 128K <= 1.4"]["met"]
+    assert not any("batch 64, 128K <= 1.4" in t for t in targets)
+    assert targets["replay 3/3, batch 1: decode tokens/s >= 2x plain at acceptance length 4.00"]["met"]
+    assert not any(t.startswith("ngram") for t in targets)  # accepted at 1.2 tokens a step: no target
     assert not targets["top-512 of 262,144 candidates x 1 row <= 12 us"]["met"]
     assert targets["top-512 of 1,048,576 candidates x 1 row <= 20 us"]["met"]
     assert targets["top-512 of 32,768 candidates x 64 rows <= 20 us"]["met"]

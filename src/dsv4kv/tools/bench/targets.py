@@ -14,7 +14,8 @@ from .common import MODEL_NAMES, layer_index, model_geometry
 from .decode import core_bytes
 from .report import Report, Result, indexer_keys
 
-__all__ = ["evaluate_targets", "core_target_us", "CORE_TARGETS_US", "TOPK_TARGETS_US", "FLASHMLA_RATIO"]
+__all__ = ["evaluate_targets", "core_target_us", "CORE_TARGETS_US", "TOPK_TARGETS_US", "FLASHMLA_RATIO",
+           "VERIFY_OVER_DECODE", "SPEC_SPEEDUP", "SPEC_ACCEPTANCE"]
 
 # V4-Flash decode core, MXFP4 indexer keys: (kind, context, batch) -> microseconds
 CORE_TARGETS_US = {("csa", 1 << 20, 1): 35.0, ("csa", 131072, 64): 130.0, ("hca", 131072, 64): 60.0}
@@ -23,6 +24,9 @@ TOPK_TARGETS_US = {(1, 262144): 12.0, (1, 1 << 20): 20.0, (64, 32768): 20.0}
 FLASHMLA_RATIO = 1.0  # our sparse attention / FlashMLA's on the same pages, every row
 # the indexer scores' share of copy bandwidth: batch >= 8 at context >= 64K, and batch 1 at 1M
 INDEXER_PCT_BATCHED, INDEXER_PCT_LONG = 60, 50
+# speculative decoding: a CSA core verify step (4 tokens a request) over a 1-token decode step, batch 1..16 at 128K;
+# decode tokens/s over plain decoding's where drafts are accepted at >= 2.5 tokens a step
+VERIFY_OVER_DECODE, SPEC_SPEEDUP, SPEC_ACCEPTANCE = 1.4, 2.0, 2.5
 
 
 @functools.lru_cache(maxsize=None)
@@ -88,6 +92,17 @@ def evaluate_targets(report: Report) -> list[dict]:
                 f"dsv4kv / FlashMLA <= {FLASHMLA_RATIO:g}",
                 f"{r.extra['ratio']:.2f} ({r.time_us:.1f} vs {r.extra['flashmla_us']:.1f} us)",
                 r.extra["ratio"] <= FLASHMLA_RATIO)
+    for r in report.results:
+        if (r.workload == "spec" and r.time_us and "verify_over_decode" in r.extra and r.params.get("rows", 1) > 1
+                and r.params.get("batch", 0) <= 16 and r.params.get("context", 0) >= 131072):
+            p = r.params
+            add(f"CSA core verify ({p['rows']} tokens a request) / decode, batch {p['batch']}, "
+                f"{p['context'] // 1024}K <= {VERIFY_OVER_DECODE:g}", f"{r.extra['verify_over_decode']:.2f}",
+                r.extra["verify_over_decode"] <= VERIFY_OVER_DECODE)
+        if (r.workload == "spec" and r.time_us and r.extra.get("acceptance_length", 0) >= SPEC_ACCEPTANCE
+                and "speedup" in r.extra):
+            add(f"{r.name}: decode tokens/s >= {SPEC_SPEEDUP:g}x plain at acceptance length "
+                f"{r.extra['acceptance_length']:.2f}", f"{r.extra['speedup']:.2f}x", r.extra["speedup"] >= SPEC_SPEEDUP)
     for r in report.results:
         if r.workload == "insert" and r.time_us and bw and r.params.get("rows", 0) >= 8192:
             pct = 100 * r.bytes / (r.time_us * 1e-6) / bw
