@@ -108,10 +108,12 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--no-compare", action="store_true", help="skip the comparison with transformers")
     demo.set_defaults(run=_demo)
 
-    bench = sub.add_parser("bench", help="time the kernels, a decode step, prefill and scale on a GPU; write JSON "
-                                         "and plots")
-    bench.add_argument("workloads", nargs="*", help="machine, topk, insert, decode, layer, prefill, scale, flashmla, "
-                                                    "chat (default: all; --quick: a short subset)")
+    from .bench.workloads import WORKLOADS  # names only: importing it imports no kernel
+
+    bench = sub.add_parser("bench", help="time the kernels, a decode step, prefill, scale, speculation and transfers "
+                                         "on a GPU; write JSON and plots")
+    bench.add_argument("workloads", nargs="*", help=f"{', '.join(WORKLOADS)} (default: all; --quick: a short "
+                                                    f"subset)")
     bench.add_argument("--quick", action="store_true", help="fewer sizes (a few minutes)")
     bench.add_argument("--out", default="docs/bench", help="folder for the JSON and PNG files (default docs/bench)")
     bench.add_argument("--name", default=None, help="JSON file name without .json (default bench-<date>-<gpu>)")
