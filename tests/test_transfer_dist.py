@@ -111,17 +111,17 @@ def _sender(device: str, out: str, dead_peer: bool) -> None:
         RequestSender(cache, rid, peer=1, timeout=TIMEOUT).start()
     answer = send_request(cache, rid, peer=1, timeout=TIMEOUT)
     assert isinstance(answer, NoRoom) and answer.resource == "request slots"
-    # an explicit abort after two of four layers; then a malformed layer 1
-    sender = RequestSender(cache, rid, peer=1, timeout=TIMEOUT)
+    # an explicit abort after two of four layers (one message each); then a malformed message 1
+    sender = RequestSender(cache, rid, peer=1, message_bytes=0, timeout=TIMEOUT)
     assert sender.start() == 0
     sender.send_layer(0)
     sender.send_layer(1)
     sender.abort()
-    sender = RequestSender(cache, rid, peer=1, timeout=TIMEOUT)
+    sender = RequestSender(cache, rid, peer=1, message_bytes=0, timeout=TIMEOUT)
     sender.start()
-    sender._trailers[1, 2] = 7  # layer 1's trailer names layer 7
+    sender._trailers[1, 2] = 7  # message 1's trailer says message 7
     sender.send_all()
-    with pytest.raises(TransferError, match="failed the transfer: layer 1: a malformed message"):
+    with pytest.raises(TransferError, match=r"failed the transfer: message 1 \(layers 1..1\): a malformed message"):
         sender.finish()
     assert_unchanged(cache, before)  # a sender only reads its cache
     # the pair is still in step: the whole request moves; both continue
@@ -134,7 +134,7 @@ def _sender(device: str, out: str, dead_peer: bool) -> None:
     senders = []
 
     def last_chunk(rid: int):
-        sender = RequestSender(cached, rid, peer=1, tokens=TOKENS, timeout=TIMEOUT)
+        sender = RequestSender(cached, rid, peer=1, tokens=TOKENS, message_bytes=0, timeout=TIMEOUT)
         assert sender.start() == 256  # the header carries the length after this chunk
         senders.append(sender)
         return sender.send_layer
@@ -150,7 +150,7 @@ def _sender(device: str, out: str, dead_peer: bool) -> None:
     if not dead_peer:
         return
     # the sender leaves after the header and one layer
-    sender = RequestSender(cache, 0, peer=1, timeout=TIMEOUT)
+    sender = RequestSender(cache, 0, peer=1, message_bytes=0, timeout=TIMEOUT)
     sender.start()
     sender.send_layer(0)
     sender._works[0][0].wait()  # layer 0 arrived whole
@@ -178,7 +178,7 @@ def _receiver(device: str, out: str, dead_peer: bool) -> None:
     with pytest.raises(TransferError, match="the sender aborted the transfer after 2 of 4 layers"):
         receiver.recv()
     assert_unchanged(cache, before)
-    with pytest.raises(TransferError, match=r"layer 1: a malformed message \(trailer"):
+    with pytest.raises(TransferError, match=r"message 1 \(layers 1..1\): a malformed message \(trailer"):
         receiver.recv()
     assert_unchanged(cache, before)
     got = receiver.recv()
@@ -198,7 +198,7 @@ def _receiver(device: str, out: str, dead_peer: bool) -> None:
         return
     cache.release(1)
     before = snapshot(cache)
-    with pytest.raises(TransferError, match="layer 1"):
+    with pytest.raises(TransferError, match="message 1"):
         receiver.recv()
     assert_unchanged(cache, before)
     os._exit(0)  # its failed receive may still hold the dead pair's buffers

@@ -10,18 +10,21 @@ GPUs, gloo between CPU processes; point-to-point sends and receives only, no soc
 The messages, in order, between one sender and one receiver (a pair's point-to-point messages arrive in order):
 
 1. header (sender -> receiver): a control word block (int64 [8]: magic, HEADER, JSON bytes, token count, transfer
-   id), the JSON (format, the spec fields of `transfer.spec_fields`, length, tensor names, bytes per layer) and
-   the token ids (int64, when given). The receiver checks the spec, names, sizes and room *before* it allocates
+   id), the JSON (format, the spec fields of `transfer.spec_fields`, length, tensor names, bytes per layer, layers
+   per message) and the token ids (int64, when given). The receiver checks the spec, names, sizes and room *before* it allocates
    anything, and looks its token ids up in its prefix cache.
 2. reply (receiver -> sender): ACCEPT with `skip_tokens` (the whole blocks its prefix cache holds: their pages are
    not sent, as in `export_request(rid, skip_tokens=...)`), or REFUSED / NO_ROOM with the reason. Nothing else
    follows a refusal.
-3. one message per layer, in layer order: the layer's request tensors (`LayerCache.request_tensors` order, pages
-   from block skip_tokens / page_tokens on), packed into one uint8 buffer, each part at a 16-byte offset, and a
-   64-byte trailer (magic, LAYER or ABORT, layer index, payload bytes, transfer id). The receiver posts every
-   layer's receive at once into staging buffers (on the cache's device for NCCL), so the link never waits on the
-   host; the sender gathers and sends each layer when it is ready (`send_layer(i)`, any time after layer i ran over
-   the request's last plan: a prefill can send layer i while layers > i compute).
+3. the layers, in order, in messages of consecutive layers (`message_bytes`: 32 MiB by default, or one layer per
+   message): each layer's request tensors (`LayerCache.request_tensors` order, pages from block
+   skip_tokens / page_tokens on) packed into the message's uint8 buffer, each part at a 16-byte offset, then a
+   64-byte trailer (magic, LAYER or ABORT, message index, payload bytes, transfer id, first and end layer). The
+   receiver posts every message's receive at once into staging buffers (on the cache's device for NCCL), so the
+   link never waits on the host. The sender gathers each layer when it is ready (`send_layer(i)`, any time after
+   layer i ran over the request's last plan: a prefill can send layer i while layers > i compute) and posts a
+   message's send once its last layer is in; a layer's gather is a few launches (one `index_select` per paged
+   pool, one multi-tensor copy of the slot's rows), so the host keeps ahead of the link.
 4. final reply (receiver -> sender): DONE with the receiver's request id, NO_ROOM (its prefix blocks were evicted
    or its room taken meanwhile), or FAILED (an ABORT trailer, a malformed message).
 
@@ -34,6 +37,7 @@ after a dead peer or a timeout, messages may be left in flight: make a new proce
 
 from __future__ import annotations
 
+import functools
 import json
 import secrets
 from dataclasses import dataclass
@@ -44,6 +48,8 @@ import torch
 import torch.distributed as dist
 
 from .manager import CacheManager
+from .pools import CachePools
+from .spec import CacheSpec
 from .swap import NoRoom
 from .transfer import RequestState, check_spec, first_block, spec_fields, tensor_names
 
@@ -55,6 +61,7 @@ HEADER, REPLY, LAYER, ABORT, FINAL = 1, 2, 3, 4, 5
 ACCEPT, REFUSED, NO_ROOM, DONE, FAILED = 0, 1, 2, 3, 4
 TRAILER = 64  # bytes: int64 [8]
 ALIGN = 16
+MESSAGE_BYTES = 32 << 20  # a sender's default message size: few sends, each long enough for the link's full rate
 
 
 class TransferError(RuntimeError):
@@ -74,27 +81,75 @@ class _Part:
         return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
 
 
-def _layout(cache: CacheManager, blocks: int) -> list[list[_Part]]:
+@functools.lru_cache(maxsize=16)
+def _template(spec: CacheSpec) -> tuple[tuple[tuple[str, torch.dtype, tuple[int, ...], bool], ...], ...]:
+    """Per layer, its request tensors' (name, dtype, row shape, paged): a function of the spec, read once from pools
+    on the meta device (no memory), so a transfer pays no per-layer Python walk over a cache's tensors."""
+    pools = CachePools(spec, num_blocks=1, max_requests=1, device=torch.device("meta"))
+    names = iter(tensor_names(pools))
+    return tuple(tuple((next(names), t.dtype, tuple(t.shape[1:]), paged) for t, paged in layer.request_tensors())
+                 for layer in pools.layers)
+
+
+@functools.lru_cache(maxsize=64)
+def _layout(spec: CacheSpec, blocks: int) -> tuple[tuple[_Part, ...], ...]:
     """Per layer, where each of its request tensors sits in the layer's buffer for a state of `blocks` pages."""
-    names = iter(tensor_names(cache.pools))
     layers = []
-    for i in range(cache.geometry.num_layers):
+    for rows in _template(spec):
         parts, offset = [], 0
-        for tensor, paged in cache.pages(i).request_tensors():
-            shape = (blocks, tensor.shape[1]) if paged else tuple(tensor.shape[1:])
-            part = _Part(next(names), offset, tensor.dtype, shape)
+        for name, dtype, row, paged in rows:
+            part = _Part(name, offset, dtype, (blocks, *row) if paged else row)
             parts.append(part)
             offset += -(-part.nbytes // ALIGN) * ALIGN
-        layers.append(parts)
-    return layers
+        layers.append(tuple(parts))
+    return tuple(layers)
 
 
-def _payload_bytes(parts: list[_Part]) -> int:
+def _names(spec: CacheSpec) -> list[str]:
+    return [name for rows in _template(spec) for name, *_ in rows]
+
+
+@dataclass(frozen=True)
+class _Message:
+    """Layers first..end-1 of a state in one buffer: each layer's parts at `offsets[i - first]`, then the trailer."""
+
+    index: int
+    first: int
+    end: int
+    offsets: tuple[int, ...]
+    payload: int  # bytes before the trailer (a multiple of ALIGN)
+
+    @property
+    def nbytes(self) -> int:
+        return self.payload + TRAILER
+
+
+def _group(layer_bytes: list[int], message_bytes: int) -> list[int]:
+    """Layers per message: consecutive layers until a message holds at least `message_bytes` (0: one layer each)."""
+    counts, size = [], 0
+    for nbytes in layer_bytes:
+        if not counts or size >= message_bytes:
+            counts.append(0)
+            size = 0
+        counts[-1] += 1
+        size += nbytes
+    return counts
+
+
+def _messages(layers: tuple[tuple[_Part, ...], ...], counts: list[int]) -> list[_Message]:
+    messages, first = [], 0
+    for m, count in enumerate(counts):
+        offsets, offset = [], 0
+        for parts in layers[first:first + count]:
+            offsets.append(offset)
+            offset += -(-_payload_bytes(parts) // ALIGN) * ALIGN
+        messages.append(_Message(m, first, first + count, tuple(offsets), offset))
+        first += count
+    return messages
+
+
+def _payload_bytes(parts: tuple[_Part, ...]) -> int:
     return parts[-1].offset + parts[-1].nbytes if parts else 0
-
-
-def _buffer_bytes(parts: list[_Part]) -> int:
-    return -(-_payload_bytes(parts) // ALIGN) * ALIGN + TRAILER
 
 
 def _comm_device(cache: CacheManager, group) -> torch.device:
@@ -114,10 +169,16 @@ class _Channel:
         self.timeout = timeout if timeout is not None else timedelta(0)  # 0: the group's own timeout
 
     def post_send(self, tensor: torch.Tensor):
-        return dist.isend(tensor, self.peer, group=self.group)
+        try:
+            return dist.isend(tensor, self.peer, group=self.group)
+        except Exception as e:  # a pair already closed fails at once
+            raise TransferError(f"send to rank {self.peer}: {type(e).__name__}: {e}") from e
 
     def post_recv(self, tensor: torch.Tensor):
-        return dist.irecv(tensor, self.peer, group=self.group)
+        try:
+            return dist.irecv(tensor, self.peer, group=self.group)
+        except Exception as e:
+            raise TransferError(f"receive from rank {self.peer}: {type(e).__name__}: {e}") from e
 
     def wait(self, work, what: str) -> None:
         try:
@@ -160,12 +221,15 @@ class RequestSender:
 
     tokens: the request's token ids (at least `cache.length(rid)` of them; the receiver's prefix cache finds the
         pages it holds by them and the imported request carries them), or None (every page is sent).
+    message_bytes: consecutive layers share a message until it holds this many bytes (default 32 MiB: few sends,
+        each large enough for the link's full rate); 0 sends each layer as soon as it is gathered (overlapping a
+        prefill layer by layer).
     timeout: bound on each wait (default: the process group's timeout). On NCCL a wait with a timeout polls on the
         host until the operation is done; leave it None where the transfer's speed matters.
     """
 
     def __init__(self, cache: CacheManager, rid: int, *, peer: int, group=None, tokens=None,
-                 timeout: timedelta | None = None):
+                 message_bytes: int = MESSAGE_BYTES, timeout: timedelta | None = None):
         if not isinstance(cache, CacheManager):
             raise TypeError(f"cache: expected a CacheManager, got {type(cache).__name__}")
         self.cache, self.rid = cache, rid
@@ -178,13 +242,18 @@ class RequestSender:
             if self.tokens.dim() != 1 or self.tokens.numel() < self.length:
                 raise ValueError(f"tokens: expected at least the request's {self.length} token ids, got "
                                  f"{list(self.tokens.shape)}")
+        if isinstance(message_bytes, bool) or not isinstance(message_bytes, int) or message_bytes < 0:
+            raise ValueError(f"message_bytes: expected an int >= 0, got {message_bytes!r}")
+        self.message_bytes = message_bytes
         self.channel = _Channel(peer, group, _comm_device(cache, group), timeout)
         self.transfer_id = secrets.randbits(62)
         self.skip_tokens: int | None = None  # from the receiver's reply
         self.bytes_sent = 0
         self._next_layer = 0
-        self._works: list = []  # (work, buffer) of layers in flight
-        self._layers: list[list[_Part]] = []
+        self._works: list = []  # (work, buffer) of messages in flight
+        self._layers: tuple[tuple[_Part, ...], ...] = ()
+        self._messages: list[_Message] = []
+        self._buffer: torch.Tensor | None = None  # the message being gathered
 
     def start(self) -> int | NoRoom:
         """Send the header and wait for the receiver's reply: the tokens whose pages it already holds (they are not
@@ -192,11 +261,12 @@ class RequestSender:
         reason; TransferError on a fault."""
         if self.skip_tokens is not None:
             raise RuntimeError("start: already started")
-        pools, num_layers = self.cache.pools, self.cache.geometry.num_layers
-        blocks = self.cache.spec.blocks_for(self.length)
-        full = _layout(self.cache, blocks)
-        header = json.dumps({"format": FORMAT, "spec": spec_fields(self.cache.spec), "length": self.length,
-                             "names": tensor_names(pools), "layer_bytes": [_payload_bytes(p) for p in full]})
+        spec = self.cache.spec
+        blocks = spec.blocks_for(self.length)
+        layer_bytes = [_payload_bytes(p) for p in _layout(spec, blocks)]
+        counts = _group(layer_bytes, self.message_bytes)
+        header = json.dumps({"format": FORMAT, "spec": spec_fields(spec), "length": self.length,
+                             "names": _names(spec), "layer_bytes": layer_bytes, "messages": counts})
         data = header.encode()
         n = self.tokens.numel() if self.tokens is not None else 0
         ch = self.channel
@@ -215,52 +285,64 @@ class RequestSender:
         if status != ACCEPT or words[5] != self.transfer_id:
             raise TransferError(f"reply: a malformed message (control words {words[:6]})")
         try:
-            k = first_block(skip, self.length, self.cache.spec.page_tokens)
+            k = first_block(skip, self.length, spec.page_tokens)
         except ValueError as e:
             raise TransferError(f"reply: the receiver asked to skip {skip} tokens: {e}") from e
         self.skip_tokens = skip
-        self._layers = _layout(self.cache, blocks - k)
+        self._layers = _layout(spec, blocks - k)
+        self._messages = _messages(self._layers, counts)
         self._index = torch.tensor(self.cache.blocks(self.rid)[k:], dtype=torch.long, device=self.cache.device)
-        self._trailers = torch.tensor([[MAGIC, LAYER, i, _payload_bytes(self._layers[i]), self.transfer_id, 0, 0, 0]
-                                       for i in range(num_layers)], dtype=torch.int64).to(ch.device)
+        self._slot = self.cache.slot(self.rid)
+        self._trailers = torch.tensor([_trailer(LAYER, m, self.transfer_id) for m in self._messages],
+                                      dtype=torch.int64).to(ch.device)
+        self._message_of = [m for m in self._messages for _ in range(m.first, m.end)]
         return skip
 
     def send_layer(self, i: int) -> None:
-        """Gather layer i's part of the request's state and post its send (layers in order, each once). Call it any
-        time after layer i ran over the request's last plan; the send overlaps what the caller runs next."""
+        """Gather layer i's part of the request's state into its message, and post the message's send once its last
+        layer is in (layers in order, each once). Call it any time after layer i ran over the request's last plan;
+        the send overlaps what the caller runs next."""
         if self.skip_tokens is None:
             raise RuntimeError("send_layer: start() first (and it must have accepted)")
         if i != self._next_layer:
             raise ValueError(f"send_layer: layer {self._next_layer} is next, got {i}")
-        parts, layer = self._layers[i], self.cache.pages(i)
-        slot = self.cache.slot(self.rid)
-        buffer = torch.empty(_buffer_bytes(parts), dtype=torch.uint8, device=self.channel.device)
-        for part, (tensor, paged) in zip(parts, layer.request_tensors()):
-            dst = buffer[part.offset:part.offset + part.nbytes].view(part.dtype).view(part.shape)
-            if paged and dst.device == tensor.device:
-                torch.index_select(tensor, 0, self._index, out=dst)
-            else:
-                dst.copy_(tensor[self._index] if paged else tensor[slot])
-        buffer[-TRAILER:].view(torch.int64).copy_(self._trailers[i])
-        self._works.append((self.channel.post_send(buffer), buffer))
-        self.bytes_sent += buffer.numel()
+        message = self._message_of[i]
+        if self._buffer is None:
+            self._buffer = torch.empty(message.nbytes, dtype=torch.uint8, device=self.channel.device)
+        base = message.offsets[i - message.first]
+        dsts, srcs = [], []
+        for part, (tensor, paged) in zip(self._layers[i], self.cache.pages(i).request_tensors()):
+            dst = self._buffer[base + part.offset:base + part.offset + part.nbytes]
+            if paged:  # uint8 pages: gather the request's blocks
+                if dst.device == tensor.device:
+                    torch.index_select(tensor, 0, self._index, out=dst.view(part.shape))
+                else:
+                    dst.view(part.shape).copy_(tensor[self._index])
+            else:  # the slot's rows, as bytes: one multi-tensor copy for the layer
+                dsts.append(dst)
+                srcs.append(tensor[self._slot].view(-1).view(torch.uint8))
+        if dsts and all(d.device == t.device for d, t in zip(dsts, srcs)):
+            torch._foreach_copy_(dsts, srcs)
+        else:
+            for d, t in zip(dsts, srcs):
+                d.copy_(t)
         self._next_layer += 1
+        if i == message.end - 1:
+            self._post(message, LAYER)
 
     def send_all(self) -> None:
         for i in range(self._next_layer, len(self._layers)):
             self.send_layer(i)
 
     def abort(self) -> None:
-        """Stop after the layers sent so far: the rest go as ABORT messages (their sizes, not their bytes), the
-        receiver drops everything and answers FAILED; the pair stays in step. Raises TransferError only on a
-        fault."""
+        """Stop after the layers sent so far: the message being gathered and the rest go as ABORT messages (their
+        sizes, not their bytes), the receiver drops everything and answers FAILED; the pair stays in step. Raises
+        TransferError only on a fault."""
         if self.skip_tokens is None:
             raise RuntimeError("abort: nothing to abort before start() accepted")
-        for i in range(self._next_layer, len(self._layers)):
-            buffer = torch.empty(_buffer_bytes(self._layers[i]), dtype=torch.uint8, device=self.channel.device)
-            buffer[-TRAILER:].view(torch.int64).copy_(self._trailers[i])
-            buffer[-TRAILER:].view(torch.int64)[1] = ABORT
-            self._works.append((self.channel.post_send(buffer), buffer))
+        if self._next_layer < len(self._layers):
+            for message in self._messages[self._message_of[self._next_layer].index:]:
+                self._post(message, ABORT)
         self._next_layer = len(self._layers)
         status, _, reason = self._final()
         if status != FAILED:
@@ -280,17 +362,33 @@ class RequestSender:
             return NoRoom(what, needed, free)
         raise TransferError(f"the receiver (rank {self.channel.peer}) failed the transfer: {reason}")
 
+    def _post(self, message: _Message, kind: int) -> None:
+        buffer = self._buffer
+        if buffer is None:  # an aborted message never gathered
+            buffer = torch.empty(message.nbytes, dtype=torch.uint8, device=self.channel.device)
+        trailer = buffer[-TRAILER:].view(torch.int64)
+        trailer.copy_(self._trailers[message.index])
+        if kind != LAYER:
+            trailer[1] = kind
+        self._works.append((self.channel.post_send(buffer), buffer))
+        self.bytes_sent += buffer.numel()
+        self._buffer = None
+
     def _final(self) -> tuple[int, int, str]:
-        """Wait for the layers in flight and the receiver's final reply: (status, value, reason)."""
+        """Wait for the messages in flight and the receiver's final reply: (status, value, reason)."""
         ch = self.channel
         for i, (work, _) in enumerate(self._works):
-            ch.wait(work, f"layer {i}")
+            ch.wait(work, f"message {i}")
         self._works.clear()
         words = ch.recv_control(FINAL, "final reply")
         reason = ch.recv_bytes(words[4], "final reply").decode(errors="replace")
         if words[5] != self.transfer_id or words[2] not in (DONE, NO_ROOM, FAILED):
             raise TransferError(f"final reply: a malformed message (control words {words[:6]})")
         return words[2], words[3], reason
+
+
+def _trailer(kind: int, message: _Message, transfer_id: int) -> list[int]:
+    return [MAGIC, kind, message.index, message.payload, transfer_id, message.first, message.end, 0]
 
 
 class RequestReceiver:
@@ -333,7 +431,7 @@ class RequestReceiver:
             self._reply(REPLY, REFUSED, 0, transfer_id, f"a malformed header: {e}")
             raise TransferError(f"header: a malformed message: {e}") from e
         try:
-            length, skip = self._check(header, tokens, skip_cached=import_now)
+            length, skip, counts = self._check(header, tokens, skip_cached=import_now)
         except ValueError as e:
             self._reply(REPLY, REFUSED, 0, transfer_id, str(e))
             raise
@@ -344,23 +442,34 @@ class RequestReceiver:
         self._reply(REPLY, ACCEPT, skip, transfer_id)
 
         k = skip // cache.spec.page_tokens
-        layers = _layout(cache, cache.spec.blocks_for(length) - k)
-        buffers = [torch.empty(_buffer_bytes(parts), dtype=torch.uint8, device=ch.device) for parts in layers]
-        works = [ch.post_recv(buffer) for buffer in buffers]  # all posted: the link never waits on the host
+        layers = _layout(cache.spec, cache.spec.blocks_for(length) - k)
+        messages = _messages(layers, counts)
+        buffers = [torch.empty(m.nbytes, dtype=torch.uint8, device=ch.device) for m in messages]
+        works = []  # all posted at once: the link never waits on the host
+        try:
+            for buffer in buffers:
+                works.append(ch.post_recv(buffer))
+        except TransferError:
+            self._stale.append((works, buffers))
+            raise
+        tensors = {}  # the state's tensors, views of the buffers, made while the bytes are on their way
+        for message, buffer in zip(messages, buffers):
+            for parts, base in zip(layers[message.first:message.end], message.offsets):
+                for part in parts:
+                    start = base + part.offset
+                    tensors[part.name] = buffer[start:start + part.nbytes].view(part.dtype).view(part.shape)
         for i, work in enumerate(works):
             try:
-                ch.wait(work, f"layer {i}")
+                ch.wait(work, f"message {i}")
             except TransferError:
                 self._stale.append((works[i:], buffers))
                 raise
         self.bytes_received += sum(b.numel() for b in buffers)
         trailers = torch.stack([b[-TRAILER:].view(torch.int64) for b in buffers]).cpu().tolist()  # one sync
-        problem = self._problem(trailers, layers, transfer_id)
+        problem = self._problem(trailers, messages, len(layers), transfer_id)
         if problem is not None:
             self._reply(FINAL, FAILED, 0, transfer_id, problem)
             raise TransferError(problem)
-        tensors = {part.name: buffer[part.offset:part.offset + part.nbytes].view(part.dtype).view(part.shape)
-                   for parts, buffer in zip(layers, buffers) for part in parts}
         state = RequestState(header["spec"], length, tokens, tensors, first_block=k)
         if not import_now:
             self._reply(FINAL, DONE, -1, transfer_id)
@@ -376,8 +485,9 @@ class RequestReceiver:
             self._reply(FINAL, DONE, answer, transfer_id)
         return answer
 
-    def _check(self, header: dict, tokens: torch.Tensor | None, *, skip_cached: bool) -> tuple[int, int]:
-        """(length, skip_tokens) of a header this cache can take; ValueError naming what differs."""
+    def _check(self, header: dict, tokens: torch.Tensor | None, *, skip_cached: bool) -> tuple[int, int, list[int]]:
+        """(length, skip_tokens, layers per message) of a header this cache can take; ValueError naming what
+        differs."""
         cache = self.cache
         if not isinstance(header, dict) or header.get("format") != FORMAT:
             raise ValueError(f"expected a {FORMAT} header, got format {header.get('format')!r}"
@@ -390,18 +500,22 @@ class RequestReceiver:
         if cache.spec.blocks_for(length) > cache.num_blocks:
             raise ValueError(f"{length} tokens need {cache.spec.blocks_for(length)} blocks, the cache has "
                              f"{cache.num_blocks}")
-        if header.get("names") != tensor_names(cache.pools):
+        if header.get("names") != _names(cache.spec):
             raise ValueError("the state's tensor names differ from this cache's")
-        want = [_payload_bytes(p) for p in _layout(cache, cache.spec.blocks_for(length))]
+        want = [_payload_bytes(p) for p in _layout(cache.spec, cache.spec.blocks_for(length))]
         if header.get("layer_bytes") != want:
             raise ValueError(f"bytes per layer: {header.get('layer_bytes')} in the state, {want} here")
         if tokens is not None and tokens.numel() < length:
             raise ValueError(f"{tokens.numel()} token ids for {length} tokens")
+        counts = header.get("messages")
+        if (not isinstance(counts, list) or not all(isinstance(c, int) and not isinstance(c, bool) and c > 0
+                                                    for c in counts) or sum(counts) != len(want)):
+            raise ValueError(f"messages: expected positive layer counts summing to {len(want)}, got {counts!r}")
         skip = 0
         if skip_cached and tokens is not None and cache.prefix is not None:
             page = cache.spec.page_tokens
             skip = min(cache.lookup(tokens), length // page * page)
-        return length, skip
+        return length, skip, counts
 
     def _room(self, length: int, tokens: torch.Tensor | None, skip: int) -> NoRoom | None:
         """What `import_request` would say now if short of a slot or blocks (its cached prefix counted as a hit)."""
@@ -416,12 +530,13 @@ class RequestReceiver:
         return None
 
     @staticmethod
-    def _problem(trailers: list[list[int]], layers: list[list[_Part]], transfer_id: int) -> str | None:
-        for i, (words, parts) in enumerate(zip(trailers, layers)):
-            if words[0] == MAGIC and words[1] == ABORT and words[4] == transfer_id:
-                return f"the sender aborted the transfer after {i} of {len(layers)} layers"
-            if words[:5] != [MAGIC, LAYER, i, _payload_bytes(parts), transfer_id]:
-                return f"layer {i}: a malformed message (trailer {words[:5]})"
+    def _problem(trailers: list[list[int]], messages: list[_Message], num_layers: int, transfer_id: int) -> str | None:
+        for words, message in zip(trailers, messages):
+            if words == _trailer(ABORT, message, transfer_id):
+                return f"the sender aborted the transfer after {message.first} of {num_layers} layers"
+            if words != _trailer(LAYER, message, transfer_id):
+                return (f"message {message.index} (layers {message.first}..{message.end - 1}): a malformed message "
+                        f"(trailer {words[:7]})")
         return None
 
     def _reply(self, kind: int, status: int, value: int, transfer_id: int, reason: str = "") -> None:
@@ -431,10 +546,11 @@ class RequestReceiver:
 
 
 def send_request(cache: CacheManager, rid: int, *, peer: int, group=None, tokens=None,
-                 timeout: timedelta | None = None) -> int | NoRoom:
+                 message_bytes: int = MESSAGE_BYTES, timeout: timedelta | None = None) -> int | NoRoom:
     """Send live request `rid` whole (`RequestSender`: start, every layer, finish): the receiver's request id, or
     NoRoom. The request stays live here."""
-    sender = RequestSender(cache, rid, peer=peer, group=group, tokens=tokens, timeout=timeout)
+    sender = RequestSender(cache, rid, peer=peer, group=group, tokens=tokens, message_bytes=message_bytes,
+                           timeout=timeout)
     answer = sender.start()
     if isinstance(answer, NoRoom):
         return answer

@@ -14,6 +14,7 @@ maps its own cached blocks for them (`cached_prefix`) and writes the rest.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from dataclasses import dataclass
 from typing import Mapping
@@ -66,13 +67,19 @@ class RequestState:
 def spec_fields(spec: CacheSpec) -> dict[str, str]:
     """What a receiver must share with the sender, as text: every geometry field but the name (a renamed preset
     holds the same bytes), the layer schedule and RoPE, the two formats and page_tokens."""
+    return dict(_spec_fields(spec))
+
+
+@functools.lru_cache(maxsize=16)
+def _spec_fields(spec: CacheSpec) -> tuple[tuple[str, str], ...]:
+    """`spec_fields` once per spec (a transfer's header and check read it; JSON of every layer's RoPE is slow)."""
     g = spec.geometry
     fields = {f.name: str(getattr(g, f.name)) for f in dataclasses.fields(g) if f.name not in ("name", "layers")}
     fields["layers"] = ",".join(f"{layer.kind.short}/{layer.ratio}" for layer in g.layers)
     fields["rope"] = json.dumps([dataclasses.asdict(layer.rope) for layer in g.layers], sort_keys=True)
     fields.update(kv_format=spec.kv_format.value, indexer_format=spec.indexer_format.value,
                   page_tokens=str(spec.page_tokens))
-    return fields
+    return tuple(fields.items())
 
 
 def check_spec(state_spec: Mapping[str, str], spec: CacheSpec) -> None:
