@@ -194,11 +194,12 @@ def _mixed(rank: int, device: torch.device, sizes: TransferSizes, barrier) -> di
         del oracle
     schedule = _schedule(sizes, model.config.vocab_size)
     # the warm-up compiles every kernel and captures every decode graph size before anything is timed: as many short
-    # requests as the engines hold, ending one by one (every batch size), and one long prompt (its chunks' shapes)
+    # requests as the engines hold, ending one every two steps (every batch size twice: a graph is captured at its
+    # second step), and one long prompt (its chunks' shapes)
     options = _engine_options(sizes, device)
     requests = options["max_requests"]
     warm = [p[:sizes.page_tokens + 7] for _, p, _ in schedule[:1]] * (requests - 1) + [schedule[-1][1]]
-    warm_params = [SamplingParams(max_new_tokens=2 + i) for i in range(requests - 1)]
+    warm_params = [SamplingParams(max_new_tokens=2 + 2 * i) for i in range(requests - 1)]
     warm_params.append(SamplingParams(max_new_tokens=2))
     out: dict = {}
     if rank == 0:
@@ -212,6 +213,8 @@ def _mixed(rank: int, device: torch.device, sizes: TransferSizes, barrier) -> di
     groups = PairGroups.make(prefill_rank=0, decode_rank=1)
     engine = Engine.from_transformers(model, **options)
     if rank == 1:
+        # captured here, before any transfer: NCCL's watchdog may query events while a graph is captured
+        engine.generate(warm, warm_params)
         worker = DecodeWorker(engine, groups)
         worker.run()  # the warm-up and the timed run, until the router closes
         out["received"] = worker.received
