@@ -333,8 +333,13 @@ def run_transfer_bench(*, backend: str = "nccl", sizes: TransferSizes = FULL,
         mp.spawn(_worker, args=(backend, sizes, os.path.join(tmp, "init"), tmp), nprocs=2, join=True)
         ranks = [json.load(open(os.path.join(tmp, f"rank{r}.json"))) for r in (0, 1)]
     meta = {"gpus": [r["device"] for r in ranks], "backend": backend, "sizes": dataclasses.asdict(sizes),
-            "torch": torch.__version__,
-            "nccl": ".".join(map(str, torch.cuda.nccl.version())) if backend == "nccl" else None}
+            "torch": torch.__version__}
+    if backend == "nccl":
+        from .timing import machine_info
+
+        version = torch.cuda.nccl.version()
+        meta.update(machine_info(torch.device("cuda", 0)),
+                    nccl=".".join(map(str, version)) if isinstance(version, tuple) else str(version))
     return _results(sizes, ranks, backend), meta
 
 
@@ -363,8 +368,8 @@ def main(argv=None) -> int:
     sizes = CPU if args.cpu else QUICK if args.quick else FULL
     results, meta = run_transfer_bench(backend=backend, sizes=sizes)
     gpu = meta["gpus"][0]
-    report = Report(meta={"gpu": gpu, **meta, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
-        timespec="seconds")}, results=results)
+    report = Report(meta={"gpu": gpu, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
+        timespec="seconds"), **meta}, results=results)
     print(report.table())
     for r in results:
         if r.extra:
