@@ -8,8 +8,8 @@
 # Wheels in .whl/ (transformers, sgl-flash-mla for `bench flashmla`) are installed with --no-deps into /tmp/site.
 # tests: TESTS (default tests/) over TESTS_WORKERS pytest-xdist workers (default 8) sharing the GPU,
 # one line per test (a stage cut short still names what failed), each test at most TEST_TIMEOUT s.
-# bench: `dsv4kv bench flashmla topk decode --runs 30`; with BASELINE=<a checkout's src folder> the same benches of
-# that tree run too, each workload old then new in turn, so the two are measured in one session of the machine.
+# bench: `dsv4kv bench <w> --runs 30` for each workload w of BENCH (default: flashmla topk decode), each at most
+# BENCH_TIMEOUT s (default 300); with BASELINE=<a checkout's src folder> the same benches of that tree run too, each workload old then new in turn, so the two are measured in one session of the machine.
 set -u
 OUT=${OUT:-/tmp/gpu_check}
 mkdir -p "$OUT"
@@ -42,12 +42,12 @@ for s in ${*:-tests memcheck}; do
         python3 scripts/memcheck_kernels.py ;;
     demo) stage demo 300 python3 -m dsv4kv demo --no-progress ;;
     bench)
-        for w in flashmla topk decode; do
+        for w in ${BENCH:-flashmla topk decode}; do
             if [ -n "${BASELINE:-}" ]; then
                 PYTHONPATH=${SITE}$BASELINE stage "bench-$w-baseline" 300 \
                     python3 -m dsv4kv.cli bench "$w" --runs 30 --out "$OUT/baseline" --name "$w"
             fi
-            stage "bench-$w" 300 python3 -m dsv4kv bench "$w" --runs 30 --out "$OUT/bench" --name "$w"
+            stage "bench-$w" "${BENCH_TIMEOUT:-300}" python3 -m dsv4kv bench "$w" --runs 30 --out "$OUT/bench" --name "$w"
         done ;;
     *) echo "unknown stage $s" >&2; exit 2 ;;
     esac
