@@ -9,7 +9,8 @@
 # tests: TESTS (default tests/) over TESTS_WORKERS pytest-xdist workers (default 8) sharing the GPU,
 # one line per test (a stage cut short still names what failed), each test at most TEST_TIMEOUT s.
 # bench: `dsv4kv bench <w> --runs 30` for each workload w of BENCH (default: flashmla topk decode), each at most
-# BENCH_TIMEOUT s (default 300); with BASELINE=<a checkout's src folder> the same benches of that tree run too, each workload old then new in turn, so the two are measured in one session of the machine.
+# BENCH_TIMEOUT s (default 300); with BASELINE=<a checkout's src folder> the same benches of that tree run
+# too, each workload old then new in turn, so the two are measured in one session of the machine.
 set -u
 OUT=${OUT:-/tmp/gpu_check}
 mkdir -p "$OUT"
