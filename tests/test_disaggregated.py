@@ -28,21 +28,23 @@ def workload() -> tuple[list[list[int]], list[SamplingParams]]:
     return prompts(LENGTHS, seed=81), params
 
 
-def _run(rank: int, init_file: str, out: str, decode_caching: bool, stop: int) -> None:
+def _run(rank: int, init_file: str, out: str, stop: int) -> None:
     from test_engine import engine
     from dsv4kv.engine.disaggregated import DecodeWorker, PairGroups, PrefillRouter
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2,
                             timeout=datetime.timedelta(seconds=60))
-    groups = PairGroups.make(prefill_rank=0, decode_rank=1)
-    if rank == 1:
-        worker = DecodeWorker(engine(max_requests=2, prefix_caching=decode_caching), groups)
-        worker.run()
-        assert worker.received == 4 and worker.failed == 0
-        c = worker.engine.cache
-        assert (c.num_live_requests, c.num_used_blocks) == (0, 0) and not worker.engine.has_unfinished
-    else:
+    results = {}
+    for decode_caching in (False, True):  # the same two processes serve twice: new engines, new groups
+        groups = PairGroups.make(prefill_rank=0, decode_rank=1)
+        if rank == 1:
+            worker = DecodeWorker(engine(max_requests=2, prefix_caching=decode_caching), groups)
+            worker.run()
+            assert worker.received == 4 and worker.failed == 0
+            c = worker.engine.cache
+            assert (c.num_live_requests, c.num_used_blocks) == (0, 0) and not worker.engine.has_unfinished
+            continue
         prompts, params = workload()
         params = list(params)
         params[4] = SamplingParams(max_new_tokens=6, stop_token_ids=(stop,))
@@ -54,23 +56,25 @@ def _run(rank: int, init_file: str, out: str, decode_caching: bool, stop: int) -
         assert router.stats.moved == 4 and router.stats.failed_moves == 0 and router.stats.bytes_sent > 0
         c = router.engine.cache
         assert (c.num_live_requests, c.num_used_blocks) == (0, 0) and not router.engine.has_unfinished
-        torch.save([(o.token_ids, o.finish_reason, o.moved, len(o.token_times)) for o in outputs],
-                   os.path.join(out, "outputs.pt"))
+        results[decode_caching] = [(o.token_ids, o.finish_reason, o.moved, len(o.token_times)) for o in outputs]
+    if rank == 0:
+        torch.save(results, os.path.join(out, "outputs.pt"))
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("decode_caching", [False, True], ids=["decode-caching-off", "decode-caching-on"])
-def test_disaggregated_greedy_tokens_equal_one_engine(tmp_path, decode_caching):
+def test_disaggregated_greedy_tokens_equal_one_engine(tmp_path):
     from test_engine import engine
 
     prompts, params = workload()
     alone = engine().generate(prompts, params)
     stop = alone[4].token_ids[3]  # the 5th request stops at its 4th token, on the decode side
     want = engine().generate(prompts, params[:4] + [SamplingParams(max_new_tokens=6, stop_token_ids=(stop,))])
-    mp.spawn(_run, args=(str(tmp_path / "init"), str(tmp_path), decode_caching, stop), nprocs=2, join=True)
-    got = torch.load(tmp_path / "outputs.pt")
-    assert [g[0] for g in got] == [o.token_ids for o in want]
-    assert [g[1] for g in got] == [o.finish_reason for o in want]
     assert want[4].finish_reason == "stop" and len(want[4].token_ids) == want[4].token_ids.index(stop) + 1
-    assert [g[2] for g in got] == [True, True, True, False, True]  # the 1-token request never moved
-    assert [g[3] for g in got] == [len(o.token_ids) for o in want]  # a time per token
+    mp.spawn(_run, args=(str(tmp_path / "init"), str(tmp_path), stop), nprocs=2, join=True)
+    results = torch.load(tmp_path / "outputs.pt")
+    for decode_caching, got in results.items():
+        assert [g[0] for g in got] == [o.token_ids for o in want], f"decode caching {decode_caching}"
+        assert [g[1] for g in got] == [o.finish_reason for o in want]
+        assert [g[2] for g in got] == [True, True, True, False, True]  # the 1-token request never moved
+        assert [g[3] for g in got] == [len(o.token_ids) for o in want]  # a time per token
+    assert sorted(results) == [False, True]
