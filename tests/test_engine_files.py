@@ -209,3 +209,35 @@ def test_a_file_from_the_cache_manager_with_token_ids_loads(tmp_path, saved):
         e.step()
     out = e.output(rid)
     assert out.cached_tokens == 204 and out.token_ids == whole(tuple(held + [9, 10]), 3)
+
+
+def test_a_state_in_memory_starts_a_request_as_its_file_would(tmp_path):
+    """add_request(cache_state=) takes what export gives (or cache.distributed receives), checked as a file's state;
+    cache_request_id names the running request's pages in the cache."""
+    document, question = prompts((200, 21), seed=57)
+    sender = engine()
+    rid = sender.add_request(document, SamplingParams(max_new_tokens=3))
+    run_until(sender, rid, 1)  # the document prefilled, its first token drawn
+    with pytest.raises(RequestError, match="unknown request id 7"):
+        sender.cache_request_id(7)
+    state = sender.export(rid)
+    assert state.length == 200 and state.tokens.tolist() == document
+    assert sender.cache.export_request(sender.cache_request_id(rid)).length == 200
+
+    prompt = document + question
+    receiver = engine()
+    before = state_of(receiver)
+    with pytest.raises(ValueError, match="cache_file and cache_state: give one of them"):
+        receiver.add_request(prompt, cache_file=tmp_path / "x", cache_state=state)
+    with pytest.raises(TypeError, match="cache_state: expected a RequestState, got dict"):
+        receiver.add_request(prompt, cache_state={})
+    with pytest.raises(ValueError, match="cache_state: its token ids are not a prefix of the prompt"):
+        receiver.add_request(question + document, cache_state=state)
+    assert state_of(receiver) == before
+    got = receiver.add_request(prompt, SamplingParams(max_new_tokens=5), cache_state=state)
+    with pytest.raises(RequestError, match=f"request {got} holds no cache now \\(waiting\\)"):
+        receiver.cache_request_id(got)
+    while receiver.has_unfinished:
+        receiver.step()
+    out = receiver.output(got)
+    assert out.cached_tokens == 200 and out.token_ids == whole(tuple(prompt), 5)

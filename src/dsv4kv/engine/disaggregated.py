@@ -20,10 +20,6 @@ first token never moves; one whose transfer fails keeps decoding on the prefill 
 one engine serving alone (tests/test_disaggregated.py). Sampled requests draw their first token on the prefill side
 and the rest from a generator seeded alike on the decode side, so their tokens differ from one engine's; logprobs
 are not carried across the move (refused).
-
-Where the Engine's public API stops: the router finds a running request's cache id in `engine.scheduler.running`,
-and the decode side hands a received state to the engine by setting the queued request's `cache_state` (what
-`add_request(..., cache_file=)` sets from a file) before the engine admits it.
 """
 
 from __future__ import annotations
@@ -41,7 +37,6 @@ import torch
 import torch.distributed as dist
 
 from ..cache.distributed import RequestReceiver, RequestSender, TransferError
-from .cache_files import checked_for_prompt
 from .engine import Engine
 from .params import SamplingParams
 
@@ -249,7 +244,7 @@ class PrefillRouter:
     # --- internals --------------------------------------------------------------------------------
     def _hand_off(self, request_id: int, route: _Route) -> None:
         start = time.perf_counter()
-        cache_id = next(r.cache_id for r in self.engine.scheduler.running if r.id == request_id)
+        cache_id = self.engine.cache_request_id(request_id)
         ch = self.control
         params = _params_json(dataclasses.replace(route.params, max_new_tokens=route.params.max_new_tokens - 1))
         data = json.dumps(params).encode()
@@ -355,11 +350,7 @@ class DecodeWorker:
         except (TransferError, ValueError):
             self.failed += 1  # the router keeps the request
             return
-        tokens = prompt + (first,)
-        state = checked_for_prompt(self.engine.cache, state, tokens, f"request {key}")
-        request_id = self.engine.add_request(tokens, params)
-        request = next(r for r in self.engine.scheduler.waiting if r.id == request_id)
-        request.cache_state = state  # imported at admission, as a cache file's state
+        request_id = self.engine.add_request(prompt + (first,), params, cache_state=state)  # imported at admission
         self._keys[request_id] = key
         self._times[request_id] = []
         self.received += 1

@@ -31,8 +31,9 @@ from ..checks import positive_int
 from ..cache.layout import IndexerFormat, KVFormat
 from ..cache.manager import CacheManager, RequestError
 from ..cache.files import save_request
+from ..cache.transfer import RequestState
 from ..cache.spec import DEFAULT_PAGE_TOKENS
-from .cache_files import request_state, state_for_prompt, state_to_save
+from .cache_files import checked_for_prompt, request_state, state_for_prompt, state_to_save
 from .model import DSV4Model
 from .params import SamplingParams
 from .request import Request, RequestOutput, Status, StepOutput
@@ -233,20 +234,28 @@ class Engine:
 
     # --- online API ---------------------------------------------------------------------------------
     def add_request(self, prompt: Sequence[int], params: SamplingParams | None = None, *,
-                    cache_file: str | os.PathLike | None = None, keep_cache: bool = False) -> int:
+                    cache_file: str | os.PathLike | None = None, cache_state: RequestState | None = None,
+                    keep_cache: bool = False) -> int:
         """Queue a request; returns its id. A bad prompt or params raise ValueError / TypeError and change nothing.
 
         cache_file: a file `save` wrote (this engine's cache geometry and formats) whose token ids are a prefix of
             `prompt`, shorter than it: the request starts from the file's cache and only the rest of the prompt is
             prefilled (`RequestOutput.cached_tokens` counts the file's tokens). Read and checked in full here; an
             unreadable, corrupted, mismatched or non-prefix file raises ValueError and changes nothing.
+        cache_state: the same from a `RequestState` in memory (`export`, or received from another process:
+            `cache.distributed`), checked the same way; not with cache_file.
         keep_cache: when the request finishes, keep a host copy of its cache so that `save` works until its
             output is read (a finished request's blocks are released at once otherwise).
         """
         prompt, params = self._check_prompt(prompt), self._check_params(params)
         if not isinstance(keep_cache, bool):
             raise TypeError(f"keep_cache: expected a bool, got {type(keep_cache).__name__}")
-        state = state_for_prompt(self.cache, cache_file, prompt) if cache_file is not None else None
+        if cache_file is not None and cache_state is not None:
+            raise ValueError("cache_file and cache_state: give one of them")
+        if cache_state is not None and not isinstance(cache_state, RequestState):
+            raise TypeError(f"cache_state: expected a RequestState, got {type(cache_state).__name__}")
+        state = state_for_prompt(self.cache, cache_file, prompt) if cache_file is not None else \
+            checked_for_prompt(self.cache, cache_state, prompt, "cache_state") if cache_state is not None else None
         request_id = self._add(prompt, params)
         self._requests[request_id].cache_state, self._requests[request_id].keep_cache = state, keep_cache
         return request_id
@@ -257,7 +266,21 @@ class Engine:
         cache geometry and formats. A running request is saved as it is between steps; a finished one only if it was
         added with keep_cache=True and its output not read yet. RequestError for an unknown id or a request
         holding nothing to save (waiting, swapped out, finished without keep_cache)."""
-        save_request(state_to_save(self.cache, self._request(request_id)), path)
+        save_request(self.export(request_id), path)
+
+    def export(self, request_id: int) -> RequestState:
+        """What `save` writes, in memory: a host copy of the request's cache state with the ids of the tokens it holds,
+        for `add_request(..., cache_state=)` here or in another engine of the same cache geometry and formats. The
+        same requests as `save`, the same errors."""
+        return state_to_save(self.cache, self._request(request_id))
+
+    def cache_request_id(self, request_id: int) -> int:
+        """The `CacheManager` id of a running request (its pages: `export_request`, `cache.distributed`'s sender).
+        RequestError for an unknown id or a request holding no cache now (waiting, swapped out or finished)."""
+        request = self._request(request_id)
+        if request.status is not Status.RUNNING or request.cache_id is None:
+            raise RequestError(f"request {request_id} holds no cache now ({request.status.name.lower()})")
+        return request.cache_id
 
     def step(self) -> list[StepOutput]:
         """Run one step; returns the requests that got tokens in it (several for a speculative step's accepted
