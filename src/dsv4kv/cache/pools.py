@@ -1,9 +1,14 @@
 """The cache's tensors: per-layer paged pools (indexed by block id), per-request state (indexed by request
 slot) and, with prefix caching, boundary snapshots (indexed by snapshot id). Shapes and bytes come from
-`CacheSpec`; nothing here decides a size, and nothing here decides *which* bytes move: the manager does."""
+`CacheSpec`; nothing here decides a size, and nothing here decides *which* bytes move: the manager does.
+
+Each kind of tensor (the window rings, a ratio's entry pools, ...) of the layers that share its shape lives in one
+allocation, a layer's tensor a contiguous view of it (`CachePools.stacks`): one indexing op then moves a row of every
+layer at once (a tentative step's undo log, cache/rollback.py)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -13,6 +18,10 @@ from .plan import SnapshotWrites
 from .spec import CacheSpec, LayerCacheSpec
 
 __all__ = ["LayerCache", "CachePools", "POISON_BYTE"]
+
+_FIELDS = ("window", "entries", "index_keys", "state_kv", "state_score", "index_state_kv", "index_state_score",
+           "boundary_window", "boundary_kv", "boundary_score", "boundary_index_kv", "boundary_index_score")
+_ALIGN = 256  # bytes: where each layer's tensor starts in its group's allocation (kernels specialize on alignment)
 
 # 0xFF is NaN in e4m3, bf16, ue8m0 and fp32; an MXFP4 key's data byte 0xFF is a valid e2m1 pair, but its
 # 0xFF scale makes the key NaN. A read of a never-written entry in a poisoned cache cannot pass for data.
@@ -130,15 +139,12 @@ class CachePools:
         self.fill_byte = fill_byte
         self.snapshots = snapshots  # the scratch snapshot is id `snapshots`
 
-        def pool(rows: int, row_bytes: int) -> torch.Tensor | None:
-            if row_bytes == 0 or rows == 0:
-                return None
-            return torch.full((rows, row_bytes), fill_byte, dtype=torch.uint8, device=device)
+        # (shape, dtype, fill) of each layer's tensors first; allocated below, one group of equal ones at a time
+        def pool(rows: int, row_bytes: int) -> tuple | None:
+            return ((rows, row_bytes), torch.uint8, fill_byte) if row_bytes and rows else None
 
-        def state(slots: int, rows: int, width: int, fill: float) -> torch.Tensor | None:
-            if width == 0 or rows == 0 or slots == 0:
-                return None
-            return torch.full((slots, rows, width), fill, dtype=torch.float32, device=device)
+        def state(slots: int, rows: int, width: int, fill: float) -> tuple | None:
+            return ((slots, rows, width), torch.float32, fill) if width and rows and slots else None
 
         snapshot_rows = snapshots + 1 if snapshots else 0
         self.layers: list[LayerCache] = []
@@ -160,12 +166,25 @@ class CachePools:
                 boundary_index_score=state(snapshot_rows, m, layer.index_state_width, float("-inf")),
                 scratch=snapshots,
             ))
+        self._stacks: dict[str, list[tuple[tuple[int, ...], torch.Tensor]]] = {}
+        for name in _FIELDS:
+            groups: dict[tuple, list[int]] = {}
+            for i, layer in enumerate(self.layers):
+                if getattr(layer, name) is not None:
+                    groups.setdefault(getattr(layer, name), []).append(i)
+            self._stacks[name] = []
+            for (shape, dtype, fill), indices in groups.items():
+                numel, size = math.prod(shape), torch.empty(0, dtype=dtype).element_size()
+                padded = -(-numel * size // _ALIGN) * _ALIGN // size
+                storage = torch.full((len(indices), padded), fill, dtype=dtype, device=device)
+                for k, i in enumerate(indices):
+                    setattr(self.layers[i], name, storage[k, :numel].view(shape))
+                self._stacks[name].append((tuple(indices), storage[:, :numel].view(len(indices), *shape)))
 
     def stacks(self, name: str) -> list[tuple[tuple[int, ...], torch.Tensor]]:
-        """`LayerCache.<name>` of every layer that has one, as (layer indices, tensor [layers, *shape]) per group of
-        layers stored together: one indexing op on a group's tensor reaches the rows of all its layers."""
-        return [((i,), t.unsqueeze(0)) for i, layer in enumerate(self.layers)
-                if (t := getattr(layer, name)) is not None]
+        """`LayerCache.<name>` of every layer that has one, as (layer indices, view [layers, *shape]) per group of
+        layers stored together: one indexing op on a group's view reaches the rows of all its layers."""
+        return self._stacks[name]
 
     @property
     def nbytes(self) -> int:

@@ -22,10 +22,10 @@ Which counts can be kept: a ring keeps only a step's last R rows (the window; R 
 request that brings at most `max_tentative_tokens` tokens (the smallest ring: 8 on V4) may keep any number of them;
 one that brings more (a prefill chunk in a verify step) keeps all or none.
 
-Cost: the log copies each tentative token's rows (V4-Flash, FP8 entries, MXFP4 keys: 584 B per window layer, 4,680 B
-per HCA layer, 10,987 B per CSA layer, 0.32 MB per token over the 43 layers); settling puts back the rows of the
-rejected tokens only. Blocks and snapshots cost a copy only when a step crosses a page boundary (snapshots) or with
-poison=True (blocks).
+Cost: the log copies each tentative token's rows (V4-Flash, FP8 entries, MXFP4 keys: 584 B in a window layer,
+4,685 B in an HCA layer, 10,987 B in a CSA layer, 0.33 MB per token over the 43 layers), in one gather per kind of
+tensor (the layers sharing a shape are stored together, `CachePools.stacks`); settling puts back the rows of the
+rejected tokens only. A boundary snapshot the step takes is logged whole (4.1 MB), with poison=True a mapped block too.
 """
 
 from __future__ import annotations
