@@ -20,7 +20,9 @@ embedding (no residual stream, whose attention outputs are not exact). What is c
 from __future__ import annotations
 
 import functools
+import json
 import random
+from importlib import resources
 
 import numpy as np
 import pytest
@@ -30,34 +32,70 @@ from dsv4kv import CacheManager, StepPlan
 from dsv4kv.cache import NoRoom
 from dsv4kv.cache.manager import RequestError
 from dsv4kv.geometry import ModelGeometry
+from dsv4kv.model.graph import CapturedStep
 from dsv4kv.model.layer import DSV4Attention, init_random_weights
 
-G = ModelGeometry.preset("tiny")
+G = ModelGeometry.preset("tiny")  # window, CSA m=4, HCA m=16, CSA; window 16: max_tentative_tokens 8 (the CSA ring)
+# the interpreter's geometry: one layer of each kind, 2 heads (the interpreter's time goes with the kernels' work)
+SMALL = ModelGeometry.from_hf_config({
+    **json.loads(resources.files("dsv4kv.presets").joinpath("tiny.json").read_text()),
+    "num_hidden_layers": 3, "num_attention_heads": 2, "o_groups": 1, "index_n_heads": 2,
+    "layer_types": ["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"]})
 P = 128  # page_tokens
 VOCAB = 512
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """One intra-op thread: these steps are small, and on a shared CPU a second thread mostly waits (spinning)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 # --- the model: each layer over the token embeddings, exact projections -------------------------------------------
 @functools.lru_cache(maxsize=None)
-def model(backend: str, device: str) -> tuple[torch.Tensor, tuple[DSV4Attention, ...]]:
+def model(backend: str, device: str, geometry: ModelGeometry = G) -> tuple[torch.Tensor, tuple[DSV4Attention, ...]]:
     layers = []
-    for i in range(G.num_layers):
-        layer = init_random_weights(DSV4Attention(G, i, device=device, backend=backend), seed=20 + i)
+    for i in range(geometry.num_layers):
+        layer = init_random_weights(DSV4Attention(geometry, i, device=device, backend=backend), seed=20 + i)
         with torch.no_grad():
             for name, p in layer.named_parameters():
                 if p.dim() == 2 and "position_bias" not in name:
                     p.copy_((p.float() * 64).round() / 64)
         layers.append(layer)
-    embedding = torch.randn(VOCAB, G.hidden_size, generator=torch.Generator().manual_seed(7))
+    embedding = torch.randn(VOCAB, geometry.hidden_size, generator=torch.Generator().manual_seed(7))
     return (embedding * 8).round().div(8).to(torch.bfloat16).to(device), tuple(layers)
 
 
 def run_layers(cache: CacheManager, plan: StepPlan, ids: list[int], backend: str) -> torch.Tensor:
     """Every layer over the plan, each fed the tokens' embeddings -> [layers, N, hidden]."""
-    embedding, layers = model(backend, str(cache.device))
+    embedding, layers = model(backend, str(cache.device), cache.geometry)
     x = embedding[torch.tensor(ids, device=cache.device)]
     return torch.stack([layer(x, plan, cache) for layer in layers])
+
+
+class GraphVerify:
+    """Verify steps of up to `batch` requests x `width` tokens over persistent buffers, run through a CUDA graph
+    (`CapturedStep`: eager, then captured, then replayed): the layers' kernels, padding rows included."""
+
+    def __init__(self, cache: CacheManager, *, batch: int, width: int):
+        self.cache, self.width = cache, width
+        self.buffers = cache.step_buffers(max_tokens=batch * width, max_requests=batch)
+        self.embedding, self.layers = model("triton", str(cache.device), cache.geometry)
+        self.x = torch.zeros(batch * width, cache.geometry.hidden_size, dtype=torch.bfloat16, device=cache.device)
+        self.captured = CapturedStep(capture=cache.device.type == "cuda")
+
+    def fits(self, counts: list[int]) -> bool:
+        return len(counts) * self.width <= self.x.shape[0] and max(counts) <= self.width
+
+    def __call__(self, plan: StepPlan, ids: list[int]) -> None:
+        self.x.zero_()
+        self.x[:len(ids)] = self.embedding[torch.tensor(ids, device=self.cache.device)]
+        self.captured.run(lambda: torch.stack([layer(self.x, plan, self.cache) for layer in self.layers]), plan,
+                          [layer.layer_index for layer in self.layers])
 
 
 # --- the state compared ----------------------------------------------------------------------------------------
@@ -66,7 +104,10 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def state(cache: CacheManager) -> dict:
-    """Everything a cache holds, on the host (the scratch snapshot row left out)."""
+    """Everything a cache holds, on the host (the scratch snapshot row left out), as its public calls see it: they
+    first publish what the latest plan filled once its layers ran (a twin that kept nothing planned nothing, so its
+    previous plan's blocks wait for that call, where `spec` published them when it planned the tentative step)."""
+    cache.num_cached_blocks  # settles
     out = {}
     for i, layer in enumerate(cache.pools.layers):
         for name in ("window", "entries", "index_keys", "state_kv", "state_score", "index_state_kv",
@@ -117,10 +158,10 @@ class Twins:
     """`spec` speculates, `twin` is fed only what `spec` keeps. Each request has a true token stream; a verify step
     feeds its next tokens, the rejected ones replaced by wrong ids."""
 
-    def __init__(self, backend="torch", device="cpu", *, prefix_caching=False, seed=0, **kw):
-        kw = dict(max_requests=3, max_tokens=1200, page_tokens=P, poison=True, device=device,
-                  prefix_caching=prefix_caching, **kw)
-        self.spec, self.twin = CacheManager(G, **kw), CacheManager(G, **kw)
+    def __init__(self, backend="torch", device="cpu", *, geometry=G, prefix_caching=False, seed=0, **kw):
+        kw = {"max_requests": 3, "max_tokens": 1200, "page_tokens": P, "poison": True, "device": device,
+              "prefix_caching": prefix_caching, **kw}
+        self.spec, self.twin = CacheManager(geometry, **kw), CacheManager(geometry, **kw)
         self.backend = backend
         self.rng = random.Random(seed)
         self.streams: dict[int, list[int]] = {}  # request id -> its true tokens (prompt, then what it generates)
@@ -165,9 +206,11 @@ class Twins:
         self.steps += 1
         assert_same(self.spec, self.twin, f"after plain step {self.steps}")
 
-    def verify(self, batch: list[tuple[int, int, int]], *, order=None, release=(), buffers=None, graph=None) -> None:
-        """batch: (request, tokens, kept). `spec` plans all of them tentative, runs the layers, accepts `kept` (in
-        `order` of batch rows; releases the requests in `release` instead); `twin` plans the kept ones plainly."""
+    def verify(self, batch: list[tuple[int, int, int]], *, order=None, release=(), graph: GraphVerify | None = None
+               ) -> None:
+        """batch: (request, tokens, kept). `spec` plans all of them tentative, runs the layers (through `graph` if
+        given and the step fits), accepts `kept` (in `order` of batch rows; releases the requests in `release`
+        instead); `twin` plans the kept ones plainly."""
         ids, fed = [], {}
         for rid, n, keep in batch:
             start = self.spec.length(rid)
@@ -176,7 +219,9 @@ class Twins:
             fed[rid] = true[:keep] + wrong if start + n > self.prompt[rid] else true
             self._ids(self.spec, rid, fed[rid])
             ids += fed[rid]
-        plan = self.spec.plan_step([(rid, n) for rid, n, _ in batch], tentative=True, buffers=buffers)
+        graph = graph if graph is not None and graph.fits([n for _, n, _ in batch]) else None
+        plan = self.spec.plan_step([(rid, n) for rid, n, _ in batch], tentative=True,
+                                   buffers=graph.buffers if graph is not None else None)
         assert isinstance(plan, StepPlan) and plan.tentative, plan
         if graph is not None:
             graph(plan, ids)
@@ -268,19 +313,294 @@ def tokens(seed: int, n: int) -> list[int]:
     return np.random.default_rng(seed).integers(0, VOCAB, n).tolist()
 
 
-# --- schedules -------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("seed", [1, 2])
+
+
+def random_schedule(t: Twins, steps: int, prompts, *, max_draft=8, graph: GraphVerify | None = None) -> None:
+    """Admissions, prefill chunks (plain, or in a verify step and kept whole), verify steps of 1..max_draft tokens per
+    decoding request with a random kept count (now and then a request released mid-verify), releases, swaps."""
+    rng = t.rng
+    waiting = list(prompts)
+    for _ in range(steps):
+        if waiting and len(t.streams) < t.spec.max_requests and rng.random() < 0.5:
+            t.admit(waiting.pop(0))
+            continue
+        live = list(t.streams)
+        if not live:
+            continue
+        roll = rng.random()
+        if roll < 0.05 and len(live) > 1:
+            t.release(rng.choice(live))
+            continue
+        if roll < 0.1:
+            t.swap(rng.choice(live))
+            continue
+        batch, plain = [], roll < 0.3
+        for rid in rng.sample(live, rng.randint(1, len(live))):
+            length, prompt = t.spec.length(rid), t.prompt[rid]
+            room = min(len(t.streams[rid]) - length, t.spec.max_seq_len - length)
+            if room <= 0:
+                continue
+            if length < prompt:  # prefill: a chunk, kept whole
+                n = min(prompt - length, rng.choice([5, 37, 100, 128, 200]), room)
+                batch.append((rid, n, n))
+            else:
+                n = min(rng.randint(1, max_draft), room)
+                batch.append((rid, n, n if plain else rng.randint(0, n)))
+        if not batch:
+            continue
+        if plain:
+            t.plain([(rid, n) for rid, n, _ in batch])
+            continue
+        order = list(range(len(batch)))
+        rng.shuffle(order)
+        decoding = [rid for rid, _, _ in batch if t.spec.length(rid) >= t.prompt[rid]]
+        release = [rng.choice(decoding)] if decoding and len(live) > 1 and rng.random() < 0.08 else []
+        t.verify(batch, order=order, release=release, graph=graph)
+
+
+def tokens(seed: int, n: int) -> list[int]:
+    return np.random.default_rng(seed).integers(0, VOCAB, n).tolist()
+
+
+def prefix_prompts(seed: int) -> list[list[int]]:
+    """Prompts sharing a 250-token system prompt at 60, 127, 128 and 250 tokens (hits at 128), odd lengths."""
+    system = tokens(seed, 250)
+    return [system[:n] + tokens(seed * 10 + i, extra) for i, (n, extra) in
+            enumerate(((128, 9), (250, 0), (127, 3), (250, 6), (128, 0), (60, 70)))]
+
+
+# --- random schedules -------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("seed", [1, 2, 3])
 def test_random_schedule_equals_the_twin_fed_only_kept_tokens(seed):
     t = Twins(seed=seed)
-    random_schedule(t, 60, [tokens(seed * 10 + i, n) for i, n in enumerate((37, 140, 5, 260, 99))])
+    random_schedule(t, 70, [tokens(seed * 10 + i, n) for i, n in enumerate((37, 140, 5, 260, 99))])
 
 
-@pytest.mark.parametrize("seed", [3, 4])
+@pytest.mark.parametrize("seed", [4, 5, 8])
 def test_random_schedule_with_prefix_caching(seed):
-    """Shared prompts of every length around the page: boundaries crossed by kept and by rejected tokens, hits."""
-    system = tokens(seed, 250)
-    prompts = [system[:n] + tokens(seed * 10 + i, extra) for i, (n, extra) in
-               enumerate(((128, 9), (250, 0), (127, 3), (250, 6), (128, 0), (60, 70)))]
-    t = Twins(seed=seed, prefix_caching=True, prefix_snapshots=4)
-    random_schedule(t, 70, prompts)
-    assert t.spec.prefix_stats.hits > 0
+    """Boundaries crossed by kept and by rejected tokens, prompts of every length around the page, hits, few
+    snapshots (evicted least recently used)."""
+    t = Twins(seed=seed, prefix_caching=True, prefix_snapshots=3)
+    random_schedule(t, 80, prefix_prompts(seed))
+    assert t.spec.prefix_stats.hits > 0 and t.spec.prefix_stats.snapshots_evicted > 0
+
+
+# --- the cases by name ------------------------------------------------------------------------------------------
+def test_window_wrap_and_compressor_groups_completed_by_rejected_tokens():
+    """Tokens 13..20 straddle the window ring's wrap (16) and complete CSA entries 3 and 4 and HCA entry 0; keeping
+    2, 0, then all of such steps leaves the rings, entries and keys of the twin."""
+    t = Twins(seed=5)
+    a, b = t.admit(tokens(1, 13)), t.admit(tokens(2, 30))
+    t.plain([(a, 13), (b, 30)])
+    t.verify([(a, 8, 2), (b, 8, 7)])  # a: 13..20, keeps 13, 14; b: 30..37, keeps 30..36
+    t.verify([(a, 8, 0), (b, 2, 2)])
+    t.verify([(a, 8, 8), (b, 8, 1)])
+    t.verify([(a, 1, 1)])
+    t.plain([(a, 1), (b, 1)])
+    assert t.spec.length(a) == 25 and t.spec.length(b) == 41
+
+
+def test_boundaries_crossed_by_kept_and_by_rejected_tokens_and_hits_at_every_page():
+    """A request decodes speculatively across 128, 256 and 384, each boundary first crossed by rejected tokens only
+    (nothing published), then by kept ones (published, its snapshot the twin's); prompts ending past each boundary
+    then hit it and go on bit for bit."""
+    t = Twins(seed=6, prefix_caching=True, max_tokens=1600)
+    a = t.admit(tokens(3, 123))
+    t.plain([(a, 123)])
+    for boundary in (128, 256, 384):
+        t.plain([(a, boundary - 3 - t.spec.length(a))])
+        t.verify([(a, 8, 2)])  # rejected tokens cross the boundary
+        assert t.spec.num_cached_blocks == boundary // P - 1
+        t.verify([(a, 8, 3)])  # kept tokens cross it
+        assert t.spec.num_cached_blocks == boundary // P and t.spec.num_snapshots == boundary // P
+    stream = t.streams[a]
+    for pages, extra in ((1, 1), (2, 77), (3, 5)):
+        rid = t.admit(stream[:pages * P + extra])
+        assert t.spec.cached_tokens(rid) == pages * P
+        t.plain([(rid, extra)])
+        t.verify([(rid, 4, 2)])
+        t.release(rid)
+
+
+def test_two_requests_crossing_a_boundary_in_one_step_get_the_twins_blocks():
+    """Both cross 128; the first keeps none of its crossing, the second keeps its: the second takes the block the
+    twin gives it (the first free one, which the step had mapped to the first), and the free queue is the twin's."""
+    t = Twins(seed=12, prefix_caching=True)
+    a, b = t.admit(tokens(14, 126)), t.admit(tokens(15, 125))
+    t.plain([(a, 126), (b, 125)])
+    t.verify([(a, 8, 1), (b, 8, 6)], order=[1, 0])
+    assert t.spec.blocks(b)[1] == t.twin.blocks(b)[1] and t.spec.num_cached_blocks == 1
+    t.verify([(a, 8, 8), (b, 4, 4)])
+    t.plain([(a, 1), (b, 1)])
+
+
+def test_a_cached_block_the_step_maps_stays_cached_unless_kept_tokens_need_it():
+    """The only free block is a cached one nobody holds: a step crossing a boundary maps it; rejected, the block keeps
+    its bytes and its place in the prefix cache (a later prompt hits it); kept, it is evicted as the twin evicts it."""
+    t = Twins(seed=13, prefix_caching=True, num_blocks=3)
+    first = tokens(16, 200)
+    a = t.admit(first)
+    t.plain([(a, 200)])
+    t.release(a)  # block 0 cached, free at the back of the queue
+    b, c = t.admit(tokens(17, 125)), t.admit(tokens(18, 100))
+    t.plain([(b, 125), (c, 100)])
+    assert t.spec.num_free_blocks == 1 and t.spec.num_evictable_blocks == 1
+    t.verify([(b, 8, 2), (c, 8, 8)])  # maps the cached block, keeps none of it
+    assert t.spec.num_cached_blocks == 1 and t.spec.prefix_stats.evicted_blocks == 0
+    t.release(c)
+    d = t.admit(first[:128] + tokens(19, 4))
+    assert t.spec.cached_tokens(d) == 128
+    t.plain([(d, 4)])
+    t.release(d)
+    t.verify([(b, 8, 5)])  # keeps its crossing: takes a block as the twin does
+    assert t.spec.prefix_stats.evicted_blocks == t.twin.prefix_stats.evicted_blocks
+
+
+def test_release_mid_verify_frees_everything():
+    """A request released before its accept leaves as if it had not been in the step; releasing every request of
+    a step settles it without any accept."""
+    t = Twins(seed=7, prefix_caching=True)
+    a, b, c = t.admit(tokens(4, 126)), t.admit(tokens(5, 40)), t.admit(tokens(6, 20))
+    t.plain([(a, 126), (b, 40), (c, 20)])
+    t.verify([(a, 8, 5), (b, 6, 1), (c, 3, 3)], order=[2, 1, 0], release=[a])  # a crosses 128
+    assert not t.spec.is_live(a) and t.spec.num_free_blocks == t.twin.num_free_blocks
+    t.verify([(b, 8, 2), (c, 8, 8)], release=[b, c])
+    assert t.spec.num_live_requests == 0 and t.spec.num_used_blocks == 0
+
+
+def test_a_prefill_chunk_in_a_verify_step_is_kept_whole():
+    """A request bringing more than max_tentative_tokens keeps all or none: a partial accept is refused."""
+    t = Twins(seed=8)
+    a, b = t.admit(tokens(7, 60)), t.admit(tokens(8, 9))
+    t.plain([(b, 9)])
+    assert t.spec.max_tentative_tokens == 8
+    plan = t.spec.plan_step([(a, 37), (b, 5)], tentative=True)
+    run_layers(t.spec, plan, t.streams[a][:37] + t.streams[b][9:14], "torch")
+    with pytest.raises(ValueError, match="keeps all or none"):
+        t.spec.accept(a, 9)
+    t.spec.accept(a, 37)
+    t.spec.accept(b, 4)
+    plan = t.twin.plan_step([(a, 37), (b, 4)])
+    run_layers(t.twin, plan, t.streams[a][:37] + t.streams[b][9:13], "torch")
+    assert_same(t.spec, t.twin, "after a kept chunk")
+    t.verify([(a, 23, 0), (b, 3, 3)])  # none of a chunk
+    t.plain([(a, 23), (b, 1)])
+
+
+def test_swap_after_accept():
+    t = Twins(seed=9, prefix_caching=True)
+    a = t.admit(tokens(9, 130))
+    t.plain([(a, 130)])
+    b = t.admit(tokens(9, 128) + tokens(10, 3))
+    assert t.spec.cached_tokens(b) == 128
+    t.verify([(a, 6, 2), (b, 3, 3)])
+    t.swap(a)
+    t.verify([(a, 8, 5), (b, 8, 3)])
+    t.swap(b)
+    t.plain([(a, 1), (b, 1)])
+
+
+# --- bad input ------------------------------------------------------------------------------------------------
+def pending_step(prefix_caching=False):
+    """A cache with a tentative step awaiting accept: a (4 tokens) and b (2 tokens) in it, c outside it, d swapped."""
+    cache = CacheManager(G, max_requests=4, max_tokens=600, page_tokens=P, poison=True, prefix_caching=prefix_caching)
+    ids = tokens(11, 40)
+    rids = [cache.admit(ids if prefix_caching else None) for _ in range(4)]
+    plan = cache.plan_step([(rid, 30) for rid in rids])
+    run_layers(cache, plan, ids[:30] * 4, "torch")
+    assert cache.swap_out(rids[3])
+    plan = cache.plan_step([(rids[0], 4), (rids[1], 2)], tentative=True)
+    run_layers(cache, plan, ids[30:34] + ids[30:32], "torch")
+    return cache, rids
+
+
+def test_bad_accepts_raise_and_change_nothing():
+    cache, (a, b, c, d) = pending_step()
+    before = state(cache)
+    for rid, n, error, says in [
+        (99, 1, RequestError, "unknown"), ("a", 1, RequestError, "unknown"), (c, 1, RequestError, "no tentative"),
+        (d, 1, RequestError, "swapped out"), (a, -1, ValueError, "cannot keep -1"), (a, 5, ValueError, "cannot keep 5"),
+        (a, 1.0, ValueError, "must be an int"), (a, True, ValueError, "must be an int"), (a, "1", ValueError, "int"),
+        (a, None, ValueError, "int")]:
+        with pytest.raises(error, match=says):
+            cache.accept(rid, n)
+        assert_same_state(cache, before)
+        assert cache.awaiting_accept() == [a, b]
+    cache.accept(a, 4)
+    with pytest.raises(RequestError, match="no tentative"):
+        cache.accept(a, 4)  # twice
+    cache.accept(b, 0)
+    assert cache.awaiting_accept() == [] and cache.length(a) == 34 and cache.length(b) == 30
+    with pytest.raises(RequestError, match="no tentative"):
+        cache.accept(a, 0)  # no step pending
+    with pytest.raises(ValueError, match="tentative: expected a bool"):
+        cache.plan_step([(a, 1)], tentative=1)
+    before = state(cache)
+    short = cache.plan_step([(a, 8), (b, 8), (c, 850)], tentative=True)
+    assert not short and short.needed > short.free  # OutOfBlocks: nothing changed, nothing awaits accept
+    assert_same_state(cache, before)
+    assert cache.awaiting_accept() == []
+
+
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_other_calls_wait_for_the_accept(prefix_caching):
+    """While the step awaits accept, anything that would take blocks or slots, or move a request of the step, is
+    refused with nothing changed; reading calls and another request's export work."""
+    cache, (a, b, c, d) = pending_step(prefix_caching)
+    before = state(cache)
+    other = CacheManager(G, max_requests=2, max_tokens=300, page_tokens=P)
+    moved = other.export_request(other.admit())
+    calls = [lambda: cache.plan_step([(c, 1)]), lambda: cache.plan_step([(a, 1)], tentative=True),
+             lambda: cache.admit(), lambda: cache.swap_out(c), lambda: cache.swap_out(a), lambda: cache.swap_in(d),
+             lambda: cache.export_request(a), lambda: cache.import_request(moved),
+             lambda: cache.append_tokens(a, [1])]
+    for call in calls:
+        with pytest.raises(RequestError, match="awaits accept"):
+            call()
+        assert_same_state(cache, before)
+    assert cache.export_request(c).length == 30
+    cache.lookup(tokens(11, 40))
+    assert cache.swap_in_blocks(d) >= 0
+    assert_same_state(cache, before)
+    cache.accept(a, 1)
+    cache.accept(b, 2)
+    assert cache.plan_step([(c, 1)])
+
+
+def assert_same_state(cache: CacheManager, before: dict) -> None:
+    after = state(cache)
+    for key in before:
+        x, y = before[key], after[key]
+        same = (torch.equal(x, y) if isinstance(x, torch.Tensor) else np.array_equal(x, y)
+                if isinstance(x, np.ndarray) else x == y)
+        assert same, f"{key} changed"
+
+
+# --- the kernels ------------------------------------------------------------------------------------------------
+def test_kernels_under_the_interpreter():
+    """The Triton kernels (the interpreter on a CPU; the CUDA test runs the schedules on a GPU) over persistent
+    buffers with padding rows: a boundary crossed by rejected then by kept tokens, a window wrap, compressor groups
+    completed by rejected tokens, a request released mid-verify; a prefill in the reference (the same bytes in both
+    caches)."""
+    t = Twins(geometry=SMALL, prefix_caching=True, seed=10)
+    a, b = t.admit(tokens(12, 125)), t.admit(tokens(13, 7))
+    t.plain([(a, 125), (b, 7)])
+    t.backend = "triton"
+    graph = GraphVerify(t.spec, batch=2, width=8)
+    t.verify([(a, 8, 2), (b, 8, 8)], order=[1, 0], graph=graph)  # a: 125..132, keeps 2: 128 crossed by rejected
+    assert t.spec.num_cached_blocks == 0
+    t.verify([(a, 8, 5), (b, 3, 1)], release=[b], graph=graph)
+    assert t.spec.num_cached_blocks == 1
+    t.plain([(a, 1)])
+
+
+@cuda
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_cuda_schedules_with_captured_verify_steps(prefix_caching):
+    """The random schedules on the GPU's kernels, verify steps of up to 3 requests x 8 tokens replayed from one CUDA
+    graph (captured on the second), the others eager."""
+    t = Twins("triton", "cuda", seed=11, prefix_caching=prefix_caching, prefix_snapshots=3)
+    graph = GraphVerify(t.spec, batch=3, width=8)
+    prompts = prefix_prompts(11) if prefix_caching else [tokens(110 + i, n) for i, n in enumerate((37, 140, 5, 260))]
+    random_schedule(t, 80, prompts, graph=graph)
+    assert graph.captured.graph is not None and graph.captured.steps > 3
