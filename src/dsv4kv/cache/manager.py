@@ -17,7 +17,6 @@ tokens of each of its requests, the cache then bit-identical to one fed only tho
 
 from __future__ import annotations
 
-import numbers
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
@@ -426,17 +425,13 @@ class CacheManager:
         counter (but `steps_planned`). Call it after the layers ran over the plan, before anything else touches
         the request. An unknown id, or one without a tentative step awaiting accept, raises RequestError and a bad
         n ValueError; nothing changes. Cost: cache/rollback.py."""
-        step = self._tentative
-        entry = step.requests.get(rid) if step is not None and self._is_id(rid) else None
-        if entry is None or entry.kept is not None:
+        entry = self._tentative.awaiting(rid) if self._tentative is not None and self._is_id(rid) else None
+        if entry is None:
             self._request(rid)  # the unknown / released / swapped-out error
             raise RequestError(f"accept: request {rid} has no tentative step awaiting accept")
-        if isinstance(n, bool) or not isinstance(n, numbers.Integral):
-            raise ValueError(f"accept: n must be an int, got {n!r}")
-        step.check_kept(entry, int(n), self.max_tentative_tokens)
-        step.keep(entry, int(n))
+        self._tentative.keep(entry, n, self.max_tentative_tokens)
         self._status.current = False  # no layer may run over the step any more
-        if step.settled:
+        if self._tentative.settled:
             self._settle_tentative()
 
     def awaiting_accept(self) -> list[int]:
@@ -593,15 +588,9 @@ class CacheManager:
         take the blocks and snapshots a plain step of the kept tokens would (cache/rollback.py)."""
         step, self._tentative = self._tentative, None
         entries, snapshots = step.set_aside()
-        step.restore()
+        step.restore(self._host_table, self.block_table)
         if self._publisher is not None:
             step.undo_queue(self.prefix, self._publisher)
-        for entry in step.requests.values():  # unmap what the step mapped without taking
-            request = entry.request
-            if request.num_blocks > entry.held:
-                self._host_table[request.slot, entry.held:request.num_blocks] = -1
-                self.block_table[request.slot, entry.held:request.num_blocks] = -1
-                request.num_blocks = entry.held
         kept = [entry for entry in step.requests.values() if entry.kept]
         requests = [entry.request for entry in kept]
         need = [self.spec.blocks_for(entry.end) - entry.held for entry in kept]
@@ -628,8 +617,8 @@ class CacheManager:
 
     def _settle(self, *, final: bool, leaving: int | None = None) -> None:
         """Publish the latest plan's filled blocks if every layer ran over it, else keep or drop them
-        (`PrefixPublisher.settle`)."""
-        if self._publisher is not None:
+        (`PrefixPublisher.settle`). A tentative step's wait for its accepts."""
+        if self._publisher is not None and self._tentative is None:
             self._publisher.settle(self._status.layers_run, self._requests, final=final, leaving=leaving)
 
     @property

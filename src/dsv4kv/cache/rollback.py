@@ -16,7 +16,9 @@ The step settles once each of its requests has been accepted (or released). The 
 mapped blocks and the kept boundaries' snapshots are set aside; every logged byte of a rejected token, of a mapped
 block and of a taken snapshot is put back, and the snapshot takes are undone in reverse order; the manager then takes
 the blocks and snapshots that a plain step of the kept tokens would take (the same ids, evictions, poisoning and
-publications), and the bytes set aside land there. The cache is then bit-identical to one fed only the kept tokens.
+publications), and the bytes set aside land there. The cache is then bit-identical to one fed only the kept tokens
+(but where a step crosses more boundaries than the cache has snapshots: a kept boundary the plan could not capture is
+then published without a snapshot).
 
 Which counts can be kept: a ring keeps only a step's last R rows (the window; R = 2m in CSA and m in HCA layers), so a
 request that brings at most `max_tentative_tokens` tokens (the smallest ring: 8 on V4) may keep any number of them;
@@ -30,6 +32,7 @@ rejected tokens only. A boundary snapshot the step takes is logged whole (4.1 MB
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -186,11 +189,14 @@ class TentativeStep:
         return [tensor for name in names for _, tensor in self.pools.stacks(name)]
 
     def _upload(self, *arrays: np.ndarray) -> list[torch.Tensor]:
-        """int64 host arrays -> device tensors, in one copy."""
-        sizes = [len(a) for a in arrays]
-        flat = torch.from_numpy(np.concatenate([np.asarray(a, dtype=np.int64) for a in arrays]) if arrays
-                                else np.zeros(0, dtype=np.int64))
-        return list(flat.to(self.device).split(sizes)) if arrays else []
+        """int64 host arrays -> device tensors, in one copy (on CUDA from pinned memory, without waiting for the
+        stream: the step before may still be running)."""
+        if not arrays:
+            return []
+        flat = torch.from_numpy(np.concatenate([np.asarray(a, dtype=np.int64) for a in arrays]))
+        if self.device.type == "cuda":
+            flat = flat.pin_memory().to(self.device, non_blocking=True)
+        return list(flat.to(self.device).split([len(a) for a in arrays]))
 
     # --- accepting ---------------------------------------------------------------------------------------
     def pending(self) -> list[int]:
@@ -201,17 +207,27 @@ class TentativeStep:
     def settled(self) -> bool:
         return all(entry.kept is not None for entry in self.requests.values())
 
-    def check_kept(self, entry: TentativeRequest, n: int, limit: int) -> None:
-        """ValueError unless `n` of the request's tokens can be kept (see the module docstring)."""
-        if not 0 <= n <= entry.count:
-            raise ValueError(f"accept: request {entry.request.rid} brought {entry.count} tokens to tentative step "
-                             f"{self.step}, cannot keep {n}")
-        if entry.count > limit and n not in (0, entry.count):
-            raise ValueError(f"accept: request {entry.request.rid} brought {entry.count} tokens to tentative step "
-                             f"{self.step}, more than max_tentative_tokens ({limit}): it keeps all or none, not {n}")
+    def awaiting(self, rid) -> TentativeRequest | None:
+        """The step's entry of request `rid` if it awaits accept, else None."""
+        entry = self.requests.get(rid)
+        return entry if entry is not None and entry.kept is None else None
 
-    def keep(self, entry: TentativeRequest, n: int) -> None:
-        """Record that the request keeps n tokens (checked): its length and token ids now, its bytes at settling."""
+    def keep(self, entry: TentativeRequest, n, limit: int) -> None:
+        """The request keeps n of its tokens: its length and token ids change now, its bytes when the step settles.
+        ValueError (nothing changed) unless 0 <= n <= its count, or for a request of more than `limit` tokens
+        (`max_tentative_tokens`) n is 0 or all."""
+        rid, count = entry.request.rid, entry.count
+        if isinstance(n, bool) or not isinstance(n, numbers.Integral):
+            raise ValueError(f"accept: n must be an int, got {n!r}")
+        if not 0 <= n <= count:
+            raise ValueError(f"accept: request {rid} brought {count} tokens to tentative step {self.step}, "
+                             f"cannot keep {n}")
+        if count > limit and n not in (0, count):
+            raise ValueError(f"accept: request {rid} brought {count} tokens to tentative step {self.step}, more "
+                             f"than max_tentative_tokens ({limit}): it keeps all or none, not {n}")
+        self._keep(entry, int(n))
+
+    def _keep(self, entry: TentativeRequest, n: int) -> None:
         entry.kept = n
         request = entry.request
         request.length = entry.start + n
@@ -223,7 +239,7 @@ class TentativeStep:
         step's keeps what it accepted, none if it had not (an abort mid-verify)."""
         entry = self.requests.get(request.rid)
         if entry is not None and entry.kept is None:
-            self.keep(entry, 0)
+            self._keep(entry, 0)
         self.leaving.append(request)
 
     # --- prefix caching ----------------------------------------------------------------------------------
@@ -264,8 +280,15 @@ class TentativeStep:
             snapshots = {(p.rid, p.depth): (i, values) for i, p in enumerate(kept)}
         return entries, snapshots
 
-    def restore(self) -> None:
-        """Put back every logged byte of a rejected token, of a mapped block and of a taken snapshot."""
+    def restore(self, host_table: np.ndarray, block_table: torch.Tensor) -> None:
+        """Put back every logged byte of a rejected token, of a mapped block and of a taken snapshot, and unmap the
+        blocks the step mapped (the manager's tables; each request then holds its blocks from before the step)."""
+        for entry in self.requests.values():
+            request = entry.request
+            if request.num_blocks > entry.held:
+                host_table[request.slot, entry.held:request.num_blocks] = -1
+                block_table[request.slot, entry.held:request.num_blocks] = -1
+                request.num_blocks = entry.held
         ends = self._ends()
         mapped = np.asarray(self.mapped, dtype=np.int64)
         masks = [(site.position >= ends[site.row]) | np.isin(site.block, mapped) for site in self._sites]
