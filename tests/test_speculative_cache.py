@@ -586,7 +586,10 @@ def test_other_calls_wait_for_the_accept(prefix_caching):
     assert cache.swap_in_blocks(d) >= 0
     assert_same_state(cache, before)
     cache.accept(a, 1)
+    with pytest.raises(RequestError, match="awaits accept"):
+        cache.export_request(a)  # accepted, but its bytes settle with b's accept
     cache.accept(b, 2)
+    assert cache.export_request(a).length == 31
     assert cache.plan_step([(c, 1)])
 
 
@@ -600,12 +603,12 @@ def assert_same_state(cache: CacheManager, before: dict) -> None:
 
 
 # --- the kernels ------------------------------------------------------------------------------------------------
-def test_kernels_under_the_interpreter():
-    """The Triton kernels (the interpreter on a CPU; the CUDA test runs the schedules on a GPU) over persistent
-    buffers with padding rows: a boundary crossed by rejected then by kept tokens, a window wrap, compressor groups
-    completed by rejected tokens, a request released mid-verify; a prefill in the reference (the same bytes in both
+def test_kernels_over_persistent_buffers():
+    """The Triton kernels (under the interpreter on a CPU) over persistent buffers with padding rows (on a GPU
+    replayed from a CUDA graph): a boundary crossed by rejected then by kept tokens, a window wrap, compressor groups
+    completed by rejected tokens, a request released mid-verify; the prefill on the reference (the same bytes in both
     caches)."""
-    t = Twins(geometry=SMALL, prefix_caching=True, seed=10)
+    t = Twins(geometry=SMALL, prefix_caching=True, seed=10, device="cuda" if torch.cuda.is_available() else "cpu")
     a, b = t.admit(tokens(12, 125)), t.admit(tokens(13, 7))
     t.plain([(a, 125), (b, 7)])
     t.backend = "triton"

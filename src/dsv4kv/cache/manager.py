@@ -292,7 +292,7 @@ class CacheManager:
         leaves out the pages of those first blocks. An unknown, released or swapped-out id raises RequestError, a bad
         skip_tokens ValueError; nothing changes."""
         request = self._request(rid)
-        self._refuse_while_tentative("export_request", rid)
+        self._refuse_while_tentative("export_request", rid, accepted=True)
         k = first_block(skip_tokens, request.length, self.spec.page_tokens)
         saved = self.pools.save(request.slot, self._host_table[request.slot, k:request.num_blocks].tolist())
         if self.device.type == "cuda":
@@ -575,11 +575,11 @@ class CacheManager:
             raise RequestError(f"request {rid} was already released")
         raise RequestError(f"unknown request id {rid!r}")
 
-    def _refuse_while_tentative(self, what: str, rid: int | None = None) -> None:
+    def _refuse_while_tentative(self, what: str, rid: int | None = None, *, accepted: bool = False) -> None:
         """RequestError (nothing changed) while a tentative step awaits accept: for any request (rid None), or for `rid`
-        if it is one of the step's."""
+        if it awaits accept (with `accepted`, also if it was accepted: its bytes settle with the step)."""
         pending = self.awaiting_accept()
-        if pending and (rid is None or rid in pending):
+        if pending and (rid is None or rid in pending or (accepted and rid in self._tentative.requests)):
             raise RequestError(f"{what}: tentative step {self._tentative.step} awaits accept() of requests {pending}; "
                                f"accept (or release) them first")
 

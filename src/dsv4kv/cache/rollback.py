@@ -292,11 +292,11 @@ class TentativeStep:
         ends = self._ends()
         mapped = np.asarray(self.mapped, dtype=np.int64)
         masks = [(site.position >= ends[site.row]) | np.isin(site.block, mapped) for site in self._sites]
-        index = self._upload(*[x for site, m in zip(self._sites, masks) for x in (site.a[m], site.b[m], np.flatnonzero(m))])
-        for site, (a, b, i) in zip(self._sites, zip(index[0::3], index[1::3], index[2::3])):
-            if len(a):
-                for view, saved in zip(site.views, site.saved):
-                    view[:, a, b] = saved[:, i]
+        sites = [(site, m) for site, m in zip(self._sites, masks) if m.any()]  # none when every token is kept
+        index = self._upload(*[x for site, m in sites for x in (site.a[m], site.b[m], np.flatnonzero(m))])
+        for (site, _), a, b, i in zip(sites, index[0::3], index[1::3], index[2::3]):
+            for view, saved in zip(site.views, site.saved):
+                view[:, a, b] = saved[:, i]
         if self._block_log:
             blocks = self._upload(np.asarray(self.mapped))[0]
             for tensor, saved in zip(self._whole(_PAGED_FIELDS), self._block_log):
