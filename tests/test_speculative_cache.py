@@ -55,6 +55,16 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+@pytest.fixture
+def exact_gemms():
+    """cuBLAS's bf16 GEMMs sum in fp32 (by default they may reduce split sums in bf16): the projections stay exact."""
+    matmul = torch.backends.cuda.matmul
+    before = matmul.allow_bf16_reduced_precision_reduction
+    matmul.allow_bf16_reduced_precision_reduction = False
+    yield
+    matmul.allow_bf16_reduced_precision_reduction = before
+
+
 # --- the model: each layer over the token embeddings, exact projections -------------------------------------------
 @functools.lru_cache(maxsize=None)
 def model(backend: str, device: str, geometry: ModelGeometry = G) -> tuple[torch.Tensor, tuple[DSV4Attention, ...]]:
@@ -603,7 +613,7 @@ def assert_same_state(cache: CacheManager, before: dict) -> None:
 
 
 # --- the kernels ------------------------------------------------------------------------------------------------
-def test_kernels_over_persistent_buffers():
+def test_kernels_over_persistent_buffers(exact_gemms):
     """The Triton kernels (under the interpreter on a CPU) over persistent buffers with padding rows (on a GPU
     replayed from a CUDA graph): a boundary crossed by rejected then by kept tokens, a window wrap, compressor groups
     completed by rejected tokens, a request released mid-verify; the prefill on the reference (the same bytes in both
@@ -622,7 +632,7 @@ def test_kernels_over_persistent_buffers():
 
 @cuda
 @pytest.mark.parametrize("prefix_caching", [False, True])
-def test_cuda_schedules_with_captured_verify_steps(prefix_caching):
+def test_cuda_schedules_with_captured_verify_steps(prefix_caching, exact_gemms):
     """The random schedules on the GPU's kernels, verify steps of up to 3 requests x 8 tokens replayed from one CUDA
     graph (captured on the second), the others eager. Prefill chunks go in plain steps only: the HCA pooling kernel
     picks its tile by the step's entry count, so a chunk's entries beside a verify step's rejected ones could round
