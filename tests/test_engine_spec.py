@@ -391,6 +391,9 @@ def test_speculative_greedy_equals_plain_greedy(name, graphs):
     assert s.verifies > 0 and s.verify_steps > 0 and s.draft_tokens >= s.verifies
     assert s.acceptance_length == pytest.approx(1 + s.accepted_tokens / s.verifies)
     assert s.decode_tokens + s.prefill_tokens == sum(PROMPTS) + 4 * 11  # every token fed once and kept
+    # a verify step's decode tokens: each verify's kept tokens, plus plain decodes riding along
+    assert s.verifies + s.accepted_tokens <= s.tokens_in_verify_steps <= s.decode_tokens
+    assert 0 < s.verify_seconds <= s.decode_seconds + s.prefill_seconds
     if name == "replay":
         assert s.accepted_tokens > 0 and s.steps < 2 + 12
     if graphs:

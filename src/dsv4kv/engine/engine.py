@@ -77,6 +77,8 @@ class EngineStats:
     accepted_tokens: int = 0
     verifies: int = 0
     verify_steps: int = 0
+    verify_seconds: float = 0.0  # wall time of the steps holding any verify (counted in decode_seconds too)
+    tokens_in_verify_steps: int = 0  # decode tokens those steps added, plain decodes riding along included
 
     @property
     def acceptance_length(self) -> float:
@@ -314,9 +316,11 @@ class Engine:
         if tentative:  # each verify keeps its newest token and its accepted drafts, any other request all it fed
             for w in work:
                 self.cache.accept(w.request.cache_id, w.kept)
+        decoded = 0
         for w in work:
             if w.request.pending == 1:
                 s.decode_tokens += w.kept
+                decoded += w.kept
             else:
                 s.prefill_tokens += w.n
             if w.drafts:
@@ -339,7 +343,10 @@ class Engine:
             offset += w.n
         if observed:
             self._speculator.drafter.observe(observed)
-        s.verify_steps += tentative
+        if tentative:
+            s.verify_steps += 1
+            s.verify_seconds += now - start
+            s.tokens_in_verify_steps += decoded
         self._count_step(scheduled, now - start)
         return outputs
 

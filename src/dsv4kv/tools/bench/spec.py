@@ -228,7 +228,14 @@ def _engine_report(ctx: Context, oracle, model, prompts, sizes: SpecSizes, optio
         check, passed = _token_check(ctx, oracle, model, prompts, plain_outputs, outputs, options) \
             if label != "plain" else ("the baseline", True)
         step_us = 1e6 * stats.decode_seconds / stats.decode_steps
+        # the steps that verified drafts alone: a request that forked from the replayed continuation (a near tie
+        # under the verify step's other GEMM shapes) gets no drafts after it, and its plain steps would dilute the
+        # figure with steps that are not speculative
+        verify_rate = stats.tokens_in_verify_steps / stats.verify_seconds if stats.verify_seconds else None
         extra = {"decode_tokens_per_s": rate, "speedup": rate / plain_rate,
+                 "verify_steps": stats.verify_steps, "verify_step_us": 1e6 * stats.verify_seconds / stats.verify_steps
+                 if stats.verify_steps else None, "verify_tokens_per_s": verify_rate,
+                 "verify_speedup": verify_rate / plain_rate if verify_rate else None,
                  "acceptance_length": stats.acceptance_length, "acceptance_rate": stats.acceptance_rate,
                  "draft_tokens": stats.draft_tokens, "accepted_tokens": stats.accepted_tokens,
                  "verifies": stats.verifies, "decode_steps": stats.decode_steps, "graph_steps": stats.graph_steps,
@@ -238,6 +245,9 @@ def _engine_report(ctx: Context, oracle, model, prompts, sizes: SpecSizes, optio
                   "new_tokens": sizes.new_tokens, "prompt": sizes.segment * sizes.repeats}
         ctx.report.add(Result("spec", f"{label}, batch {batch}", params, step_us, check=check, passed=passed,
                               extra=extra))
+        if verify_rate:
+            ctx.log(f"  {label}, batch {batch}: over its {stats.verify_steps} verify steps {verify_rate:.0f} decode "
+                    f"tokens/s ({verify_rate / plain_rate:.2f}x plain), {extra['verify_step_us'] / 1e3:.2f} ms a step")
         ctx.log(f"  {label}, batch {batch}: {rate:.0f} decode tokens/s ({rate / plain_rate:.2f}x), acceptance length "
                 f"{stats.acceptance_length:.2f}, engine step {step_us / 1e3:.2f} ms ({stats.graph_steps} of "
                 f"{stats.decode_steps} from graphs); {check}")
