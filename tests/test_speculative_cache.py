@@ -35,6 +35,8 @@ from dsv4kv.geometry import ModelGeometry
 from dsv4kv.model.graph import CapturedStep
 from dsv4kv.model.layer import DSV4Attention, init_random_weights
 
+from prefix_sim import check_invariants
+
 G = ModelGeometry.preset("tiny")  # window, CSA m=4, HCA m=16, CSA; window 16: max_tentative_tokens 8 (the CSA ring)
 # the interpreter's geometry: one layer of each kind, 2 heads (the interpreter's time goes with the kernels' work)
 SMALL = ModelGeometry.from_hf_config({
@@ -487,6 +489,32 @@ def test_nothing_is_published_before_the_accept():
     t.spec.accept(a, 2)
     assert t.spec.num_cached_blocks == 0 and t.spec.prefix_stats.published_blocks == 0
     t.spec.release(a)
+
+
+def test_snapshots_running_short_in_a_step():
+    """One snapshot for two boundaries in one step: the plan captures the later request's (rejected) crossing and not
+    the earlier one's (kept); the kept block is published without a snapshot (a plain step of the kept tokens would
+    have captured it), every id and reference stays accounted for, and the requests go on reading their own rows."""
+    t = Twins(seed=15, prefix_caching=True, prefix_snapshots=1)
+    a, b = t.admit(tokens(22, 126)), t.admit(tokens(23, 125))
+    t.plain([(a, 126), (b, 125)])
+    spec = t.spec
+    ids = [t.streams[a][126:134], t.streams[b][125:133]]
+    for rid, fed in zip((a, b), ids):
+        spec.append_tokens(rid, fed)
+    plan = spec.plan_step([(a, 8), (b, 8)], tentative=True)
+    run_layers(spec, plan, ids[0] + ids[1], "torch")
+    spec.accept(a, 5)
+    spec.accept(b, 1)
+    assert spec.num_cached_blocks == 1 and spec.num_snapshots == 0
+    (node,) = spec.prefix.cached_blocks()
+    assert node.block == spec.blocks(a)[0] and node.snapshot is None
+    check_invariants(spec)
+    spec.append_tokens(a, t.streams[a][131:132])
+    spec.append_tokens(b, t.streams[b][126:127])
+    plan = spec.plan_step([(a, 1), (b, 1)])
+    assert torch.isfinite(run_layers(spec, plan, t.streams[a][131:132] + t.streams[b][126:127], "torch")).all()
+    check_invariants(spec)
 
 
 def test_release_mid_verify_frees_everything():

@@ -256,12 +256,14 @@ class TentativeStep:
         for request, publishing in self.publishing:
             request.publishing = publishing
         prefix.stats.duplicate_blocks = self.duplicate_blocks
-        publisher.pending = [p for p in publisher.pending if not any(p is q for q in self.publications)]
+        queued = {id(p) for p in self.publications}
+        publisher.pending = [p for p in publisher.pending if id(p) not in queued]
 
     # --- settling ----------------------------------------------------------------------------------------
-    def set_aside(self) -> tuple[list, list]:
-        """The kept bytes that must move: the entries kept tokens wrote into mapped blocks (with their batch rows and
-        positions) and the snapshots of kept boundaries (with their publications). Gathered before `restore`."""
+    def set_aside(self) -> tuple[list, tuple[dict, list]]:
+        """The kept bytes that must move, gathered before `restore`: the entries kept tokens wrote into mapped blocks
+        (per site: batch rows, positions, values) and the snapshots of kept boundaries ((request id, depth) -> row of
+        the values, the values of each snapshot tensor)."""
         ends = self._ends()
         mapped = np.asarray(self.mapped, dtype=np.int64)
         entries = []
@@ -273,12 +275,11 @@ class TentativeStep:
         page = self.pools.layers[0].spec.page_tokens
         kept = [p for p in self.publications
                 if p.snapshot is not None and (p.depth + 1) * page <= ends[self.requests[p.rid].row]]
-        snapshots = {}
+        values = []
         if kept:
             index = self._upload(np.asarray([p.snapshot for p in kept]))[0]
             values = [t[:, index] for t in self._whole(_SNAPSHOT_FIELDS)]
-            snapshots = {(p.rid, p.depth): (i, values) for i, p in enumerate(kept)}
-        return entries, snapshots
+        return entries, ({(p.rid, p.depth): i for i, p in enumerate(kept)}, values)
 
     def restore(self, host_table: np.ndarray, block_table: torch.Tensor) -> None:
         """Put back every logged byte of a rejected token, of a mapped block and of a taken snapshot, and unmap the
@@ -306,7 +307,7 @@ class TentativeStep:
             for tensor, saved in zip(self._whole(_SNAPSHOT_FIELDS), self._snapshot_log):
                 tensor[:, ids] = saved
 
-    def place(self, entries: list, snapshots: dict, host_table: np.ndarray, kept: list[Publication]
+    def place(self, entries: list, snapshots: tuple[dict, list], host_table: np.ndarray, kept: list[Publication]
               ) -> list[Publication]:
         """Write the bytes `set_aside` gathered where a plain step of the kept tokens puts them: entries at the slots
         of the blocks now mapped (host_table), snapshots at the ids of the publications `kept` queued. Returns the
@@ -321,14 +322,14 @@ class TentativeStep:
             a, b = self._upload(block, (first % page) // ratio)
             for view, value in zip(site.views, values):
                 view[:, a, b] = value
-        found = [(p, snapshots.get((p.rid, p.depth))) for p in kept if p.snapshot is not None]
-        if any(f is not None for _, f in found):
-            pairs = [(p.snapshot, f[0]) for p, f in found if f is not None]
-            values = next(f[1] for _, f in found if f is not None)
-            dst, src = self._upload(np.asarray([d for d, _ in pairs]), np.asarray([s for _, s in pairs]))
+        rows, values = snapshots
+        found = [(p, rows.get((p.rid, p.depth))) for p in kept if p.snapshot is not None]
+        pairs = [(p.snapshot, i) for p, i in found if i is not None]
+        if pairs:
+            dst, src = self._upload(np.asarray([d for d, _ in pairs]), np.asarray([i for _, i in pairs]))
             for tensor, value in zip(self._whole(_SNAPSHOT_FIELDS), values):
                 tensor[:, dst] = value[:, src]
-        return [p for p, f in found if f is None]
+        return [p for p, i in found if i is None]
 
     def _ends(self) -> np.ndarray:
         """Each batch row's length once settled (start + kept)."""
