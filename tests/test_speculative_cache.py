@@ -403,6 +403,12 @@ def test_random_schedule_with_prefix_caching(seed):
     assert t.spec.prefix_stats.hits > 0 and t.spec.prefix_stats.snapshots_evicted > 0
 
 
+@pytest.mark.parametrize("kv_format,indexer_format", [("bf16", "bf16"), ("fp8", "fp8")])
+def test_random_schedule_in_the_other_formats(kv_format, indexer_format):
+    t = Twins(seed=6, prefix_caching=True, prefix_snapshots=2, kv_format=kv_format, indexer_format=indexer_format)
+    random_schedule(t, 50, prefix_prompts(6))
+
+
 # --- the cases by name ------------------------------------------------------------------------------------------
 def test_window_wrap_and_compressor_groups_completed_by_rejected_tokens():
     """Tokens 13..20 straddle the window ring's wrap (16) and complete CSA entries 3 and 4 and HCA entry 0; keeping
