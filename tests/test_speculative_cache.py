@@ -671,7 +671,7 @@ def test_cuda_schedules_with_captured_verify_steps(prefix_caching, exact_gemms):
     graph (captured on the second), the others eager. Prefill chunks go in plain steps only: the HCA pooling kernel
     picks its tile by the step's entry count, so a chunk's entries beside a verify step's rejected ones could round
     differently from the twin's (as a GEMM rounds by its shape), which is not the cache's doing."""
-    t = Twins("triton", "cuda", seed=11, prefix_caching=prefix_caching, prefix_snapshots=3)
+    t = Twins("triton", "cuda", seed=11, prefix_caching=prefix_caching, prefix_snapshots=3 if prefix_caching else None)
     graph = GraphVerify(t.spec, batch=3, width=8)
     prompts = prefix_prompts(11) if prefix_caching else [tokens(110 + i, n) for i, n in enumerate((37, 140, 5, 260))]
     random_schedule(t, 120, prompts, graph=graph, mixed=False)
