@@ -369,13 +369,13 @@ def test_a_step_plan_is_freed_when_dropped():
     import gc
     import weakref
 
-    layers = [init_random_weights(DSV4Attention(TINY, i), i) for i in range(3)]
+    layers = [init_random_weights(DSV4Attention(TINY, i, device=DEVICE), i) for i in range(3)]
     cache = make_cache("fp8", "mxfp4")
     rid = cache.admit()
     gc.disable()
     try:
         plan = cache.plan_step([(rid, 20)])
-        x = torch.randn(20, TINY.hidden_size, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16)
+        x = torch.randn(20, TINY.hidden_size, generator=torch.Generator().manual_seed(7)).to(DEVICE, torch.bfloat16)
         for layer in layers:
             layer(x, plan, cache)
         kernel = [layer.attention_plan(plan, cache.pages(layer.layer_index), "triton") for layer in layers]
