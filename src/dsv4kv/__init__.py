@@ -4,11 +4,13 @@ The pipeline, by folder (each imports only from the ones above it):
 
     geometry.py, checks.py   the model's attention geometry; the one argument-checking helper
     cache/                   byte layouts and quantizers, the cache spec, block allocator, pools, prefix cache, swap,
-                             memory planner, step plans (`StepPlan`), and `CacheManager` (request lifecycle)
+                             memory planner, step plans (`StepPlan`), tentative steps' rollback, a request's state
+                             moved (export / import, files, torch.distributed), and `CacheManager` (request lifecycle)
     ops/<op>/                each operation's PyTorch reference beside its Triton kernel (`ops.kernels` lists them)
     model/                   `DSV4Attention` over its own pages: the attention plan built once per step and layer
                              kind, the kernel path's schedules, weights, streams, captured decode steps
-    engine/                  `Engine`: a DeepSeek-V4 model served over the cache (scheduler, runner, sampler)
+    engine/                  `Engine`: a DeepSeek-V4 model served over the cache (scheduler, runner, sampler,
+                             speculative decoding, cache files, prefill / decode roles)
     tools/                   the command line (`dsv4kv plan | demo | bench`), the demo and the benchmarks
 """
 

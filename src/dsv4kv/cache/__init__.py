@@ -1,5 +1,6 @@
 """Memory: block allocator (ids, refcounts), cache spec (byte counts), pools (tensors), planner (reports),
-prefix cache index (which blocks hold which prefix), swap records, a request's state exported and saved."""
+prefix cache index (which blocks hold which prefix), swap records, tentative steps' rollback (`rollback`), a request's
+state exported, saved and sent to another process (`transfer`, `files`, `distributed`)."""
 
 from .allocator import AllocatorError, BlockAllocator
 from .planner import MemoryPlan, parse_bytes
