@@ -333,3 +333,30 @@ def test_a_partial_state_the_receiver_cannot_complete_is_refused_with_nothing_ch
         with pytest.raises(ValueError, match="skip_tokens: expected a multiple of page_tokens 128 in"):
             sender.export_request(rid, skip_tokens=bad)
     assert_unchanged(sender, before)
+
+
+@pytest.mark.parametrize("prefix_caching", [False, True], ids=["plain", "prefix"])
+def test_a_fault_while_loading_an_import_leaves_the_cache_as_it_was(state, monkeypatch, prefix_caching):
+    """pools.load raising (a device out of memory) drops the half-imported request: no live request with partial
+    bytes, its blocks and slot free again, and a later import and step work and share no block."""
+    receiver, other = busy_receiver(prefix_caching=prefix_caching)
+    before = snapshot(receiver)
+
+    def fault(*args, **kwargs):
+        raise RuntimeError("CUDA out of memory (injected)")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(receiver.pools, "load", fault)
+        with pytest.raises(RuntimeError, match="injected"):
+            receiver.import_request(state)
+    assert_unchanged(receiver, before)
+    assert receiver.request_ids() == [other] and receiver.length(other) == 150
+
+    rid = receiver.import_request(state)
+    assert receiver.is_live(rid) and receiver.length(rid) == state.length
+    assert_same_state(receiver.export_request(rid), state)
+    if prefix_caching:
+        receiver.append_tokens(other, [7])
+    assert receiver.plan_step([(other, 1)]) and receiver.plan_step([(rid, 1)])
+    held = receiver.blocks(other) + receiver.blocks(rid)
+    assert len(set(held)) == len(held) == receiver.num_used_blocks

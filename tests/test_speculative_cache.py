@@ -31,6 +31,8 @@ import torch
 from dsv4kv import CacheManager, StepPlan
 from dsv4kv.cache import NoRoom
 from dsv4kv.cache.manager import RequestError
+from dsv4kv.cache.plan import StepBuffers
+from dsv4kv.cache.rollback import TentativeStep
 from dsv4kv.geometry import ModelGeometry
 from dsv4kv.model.graph import CapturedStep
 from dsv4kv.model.layer import DSV4Attention, init_random_weights
@@ -676,3 +678,100 @@ def test_cuda_schedules_with_captured_verify_steps(prefix_caching, exact_gemms):
     prompts = prefix_prompts(11) if prefix_caching else [tokens(110 + i, n) for i, n in enumerate((37, 140, 5, 260))]
     random_schedule(t, 120, prompts, graph=graph, mixed=False)
     assert graph.captured.graph is not None and graph.captured.steps > 3
+
+
+# --- faults (a device out of memory) ----------------------------------------------------------------------------
+def injected(*args, **kwargs):
+    raise RuntimeError("CUDA out of memory (injected)")
+
+
+def failing_after(original):
+    """`original`, then the injected fault: a fault after its writes landed."""
+    def call(*args, **kwargs):
+        original(*args, **kwargs)
+        injected()
+    return call
+
+
+def crossing_pair(t: Twins) -> tuple[int, int]:
+    """a at 126 tokens (a verify step of 8 crosses the first boundary, its snapshot copies window rows from before
+    the step), b at 40."""
+    a, b = t.admit(tokens(24, 126)), t.admit(tokens(25, 40))
+    t.plain([(a, 126), (b, 40)])
+    for rid, n in ((a, 8), (b, 5)):
+        start = t.spec.length(rid)
+        t._ids(t.spec, rid, t.streams[rid][start:start + n])
+    return a, b
+
+
+@pytest.mark.parametrize("prefix_caching,where", [
+    (False, "log"), (False, "buffers"), (True, "log"), (True, "snapshot-copy"), (True, "buffers")])
+def test_a_fault_while_planning_a_tentative_step_changes_nothing(monkeypatch, prefix_caching, where):
+    """The undo log's gathers, a boundary snapshot's copy (after its bytes landed) or the plan's buffers raising:
+    the error propagates and every byte, table, length, reference, snapshot and queued publication is as before;
+    nothing awaits accept, and the cache goes on equal to its twin (no block handed to two requests)."""
+    t = Twins(seed=16, prefix_caching=prefix_caching)
+    a, b = crossing_pair(t)
+    spec = t.spec
+    before = state(spec)
+    with monkeypatch.context() as patch:
+        if where == "log":
+            patch.setattr(TentativeStep, "_record", injected)
+        elif where == "snapshot-copy":
+            patch.setattr(spec.pools, "copy_to_snapshot", failing_after(spec.pools.copy_to_snapshot))
+        else:
+            patch.setattr(StepBuffers, "load", injected)
+        with pytest.raises(RuntimeError, match="injected"):
+            spec.plan_step([(a, 8), (b, 5)], tentative=True)
+    assert_same_state(spec, before)
+    assert spec.awaiting_accept() == []
+    check_invariants(spec)
+    t.verify([(a, 8, 5), (b, 5, 2)])
+    c = t.admit(tokens(26, 30))
+    t.plain([(c, 30), (a, 1)])
+    check_invariants(spec)
+
+
+@pytest.mark.parametrize("prefix_caching,where", [
+    (False, "set_aside"), (False, "restore"), (True, "set_aside"), (True, "restore")])
+def test_a_settle_that_raises_is_retried_by_the_next_call(monkeypatch, prefix_caching, where):
+    """The last accept's settle raising while it gathers the kept bytes or puts the logged ones back (after they
+    landed): the step stays unsettled, the next call settles it, and the cache equals its twin fed the kept tokens."""
+    t = Twins(seed=17, prefix_caching=prefix_caching)
+    a, b = crossing_pair(t)
+    spec, twin = t.spec, t.twin
+    plan = spec.plan_step([(a, 8), (b, 5)], tentative=True)
+    run_layers(spec, plan, t.streams[a][126:134] + t.streams[b][40:45], "torch")
+    spec.accept(a, 5)
+    with monkeypatch.context() as patch:
+        original = getattr(TentativeStep, where)
+        patch.setattr(TentativeStep, where, injected if where == "set_aside" else failing_after(original))
+        with pytest.raises(RuntimeError, match="injected"):
+            spec.accept(b, 2)
+    assert spec.length(b) == 42  # settles
+    for rid, start, keep in ((a, 126, 5), (b, 40, 2)):
+        t._ids(twin, rid, t.streams[rid][start:start + keep])
+    plan = twin.plan_step([(a, 5), (b, 2)])
+    run_layers(twin, plan, t.streams[a][126:131] + t.streams[b][40:42], "torch")
+    assert_same(spec, twin, "after the retried settle")
+    t.verify([(a, 3, 1), (b, 8, 8)])
+    check_invariants(spec)
+
+
+def test_a_settle_that_raises_once_blocks_are_taken_makes_every_call_raise(monkeypatch):
+    """Past its retryable part (blocks taken, kept bytes being placed) a settle cannot be redone: the cache says so
+    on every later call instead of handing out blocks whose owner it no longer knows."""
+    t = Twins(seed=18)
+    a, b = crossing_pair(t)
+    spec = t.spec
+    plan = spec.plan_step([(a, 8), (b, 5)], tentative=True)
+    run_layers(spec, plan, t.streams[a][126:134] + t.streams[b][40:45], "torch")
+    spec.accept(a, 5)
+    with monkeypatch.context() as patch:
+        patch.setattr(TentativeStep, "place", injected)
+        with pytest.raises(RuntimeError, match="injected"):
+            spec.accept(b, 2)
+    for call in (lambda: spec.admit(), lambda: spec.plan_step([(a, 1)]), lambda: spec.length(a),
+                 lambda: spec.release(b), lambda: spec.accept(a, 1)):
+        with pytest.raises(RuntimeError, match="make a new cache"):
+            call()

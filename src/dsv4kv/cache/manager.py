@@ -57,6 +57,13 @@ class _Request:
     publishing: bool = False  # its next full block may be published (its bytes sit on top of `nodes`)
 
 
+@dataclass
+class _TentativePlan:
+    """A tentative plan in progress: its undo log once made (what a plan that raises must undo)."""
+
+    step: TentativeStep | None = None
+
+
 class CacheManager:
     """Paged DeepSeek-V4 cache for up to `max_requests` live requests holding `max_tokens` tokens in all.
 
@@ -130,7 +137,8 @@ class CacheManager:
         self._swap_used = 0
         self.cache_id = new_cache_id()
         self._publisher = PrefixPublisher(self.prefix, self.pools, self.allocator, geometry) if prefix_caching else None
-        self._tentative: TentativeStep | None = None  # the tentative step awaiting accept, if any
+        self._tentative: TentativeStep | None = None  # the tentative step awaiting accept (or its settle), if any
+        self._broken: str | None = None  # why every call raises: a settle that failed past its retryable part
         self.max_tentative_tokens = max_tentative_tokens(self.spec)
 
     # --- lifecycle ------------------------------------------------------------------------------
@@ -329,8 +337,14 @@ class CacheManager:
             request.tokens, request.publishing, request.nodes = TokenIds(ids), True, list(chain)
             if chain:
                 self.prefix.touch(chain[-1])
-        self._set_table(slot, 0, blocks)
-        self.pools.load(saved, slot, blocks[k:], range(n - k))
+        try:
+            self._set_table(slot, 0, blocks)
+            self.pools.load(saved, slot, blocks[k:], range(n - k))
+        except BaseException:  # a fault (device out of memory) leaves no request with partial bytes behind
+            self._drop(request)
+            self._free_slots.appendleft(self._free_slots.pop())  # the slot first again, as before the call
+            self._next_rid -= 1
+            raise
         return rid
 
     def plan_step(self, batch: Sequence[tuple[int, int]], *, buffers: StepBuffers | None = None,
@@ -366,36 +380,23 @@ class CacheManager:
         need = [self.spec.blocks_for(r.length + n) - r.num_blocks for r, n in zip(requests, counts)]
         if sum(need) > self.allocator.num_free:
             return OutOfBlocks(needed=sum(need), free=self.allocator.num_free)
-        # a tentative step maps blocks without taking them: they are taken for its kept tokens when it settles
-        fresh = self.allocator.peek(sum(need)) if tentative else self._allocate(sum(need))
-        self._map_blocks(requests, need, fresh, poison=not tentative)
-
-        for request, n in zip(requests, counts):
-            request.length += n
-        host = host_fields(np.array([r.slot for r in requests], dtype=np.int64), starts, counts_np, new_entries,
-                           window=self.geometry.window, page_tokens=self.spec.page_tokens,
-                           block_table=self._host_table)
-        step = None
-        if tentative:  # the undo log: copies of what the step will overwrite, issued before its layers run
-            step = TentativeStep(self._step + 1, [TentativeRequest(r, b, int(starts[b]), n, h) for b, (r, n, h)
-                                                  in enumerate(zip(requests, counts, held))],
-                                 self.pools, host, fresh, poison=self.poison)
-        capture_rows = 0
-        if self._publisher is not None:
-            if step is not None:
-                step.before_queue(self.prefix)
-            capture_rows = self._publisher.plan_captures(
-                requests, starts, counts_np, host, self._host_table, taken=step.snapshot_takes if step else None,
-                before_copies=step.log_snapshots if step else None)
-            if step is not None:
-                step.publications = list(self._publisher.pending)
-        self._tentative = step
         if buffers is None:
             buffers = StepBuffers(self.cache_id, self.geometry.ratios, max_tokens=num_tokens,
                                   max_requests=num_requests, device=self.device, entries=entry_counts,
                                   persistent=False, snapshots=self.prefix is not None)
-        views = buffers.load(host, num_tokens, num_requests)
-        longest = int(host["seq_lens"].max()) if num_requests else 0
+        if tentative:
+            # all or nothing: a plan that raises (a device gather out of memory) leaves the cache as it was
+            step = _TentativePlan()
+            try:
+                views, capture_rows = self._plan_blocks(requests, counts, held, need, starts, counts_np, new_entries,
+                                                        buffers, tentative=step)
+            except BaseException:
+                self._unplan_tentative(requests, starts, held, need, step.step)
+                raise
+        else:
+            views, capture_rows = self._plan_blocks(requests, counts, held, need, starts, counts_np, new_entries,
+                                                    buffers, tentative=None)
+        longest = int((starts + counts_np).max()) if num_requests else 0
         self._step += 1
         self._status.current = False
         self._status = StepStatus()
@@ -416,6 +417,51 @@ class CacheManager:
             snapshots=snapshots, status=self._status, tentative=tentative,
         )
 
+    def _plan_blocks(self, requests: list[_Request], counts: list[int], held: list[int], need: list[int],
+                     starts: np.ndarray, counts_np: np.ndarray, new_entries: dict, buffers: StepBuffers, *, tentative: _TentativePlan | None) -> tuple[dict, int]:
+        """`plan_step`'s changes: map (and, for a plain step, take) the blocks, advance the lengths, log a tentative
+        step's undo (its `TentativeStep` goes into `tentative.step` as soon as it exists), queue the publications and
+        load the plan's buffers. Returns the buffers' views and the snapshot capture rows."""
+        # a tentative step maps blocks without taking them: they are taken for its kept tokens when it settles
+        fresh = self.allocator.peek(sum(need)) if tentative is not None else self._allocate(sum(need))
+        self._map_blocks(requests, need, fresh, poison=tentative is None)
+        for request, n in zip(requests, counts):
+            request.length += n
+        host = host_fields(np.array([r.slot for r in requests], dtype=np.int64), starts, counts_np, new_entries,
+                           window=self.geometry.window, page_tokens=self.spec.page_tokens,
+                           block_table=self._host_table)
+        step = None
+        if tentative is not None:  # the undo log: copies of what the step will overwrite, issued before its layers run
+            step = tentative.step = TentativeStep(
+                self._step + 1, [TentativeRequest(r, b, int(starts[b]), n, h) for b, (r, n, h)
+                                 in enumerate(zip(requests, counts, held))],
+                self.pools, host, fresh, poison=self.poison)
+        capture_rows = 0
+        if self._publisher is not None:
+            if step is not None:
+                step.before_queue(self.prefix)
+            capture_rows = self._publisher.plan_captures(
+                requests, starts, counts_np, host, self._host_table, taken=step.snapshot_takes if step else None,
+                before_copies=step.log_snapshots if step else None)
+            if step is not None:
+                step.publications = list(self._publisher.pending)
+        views = buffers.load(host, int(counts_np.sum()), len(requests))
+        self._tentative = step
+        return views, capture_rows
+
+    def _unplan_tentative(self, requests: list[_Request], starts: np.ndarray, held: list[int], need: list[int],
+                          step: TentativeStep | None) -> None:
+        """Undo a tentative plan that raised before it was returned: the queueing and bytes the step wrote
+        (`TentativeStep.abandon`), the blocks it mapped (host and device tables) and the lengths."""
+        self._tentative = None
+        if step is not None:
+            step.abandon(self.prefix, self._publisher)
+        for request, start, h, n in zip(requests, starts, held, need):
+            if n:  # columns past a request's blocks are -1: put back exactly those the plan mapped
+                self._host_table[request.slot, h:h + n] = -1
+                self.block_table[request.slot, h:h + n] = -1
+            request.num_blocks, request.length = h, int(start)
+
     def accept(self, rid: int, n: int) -> None:
         """Keep the first n tokens request `rid` brought to the tentative step awaiting accept (0 <= n <= its count;
         a request that brought more than `max_tentative_tokens` keeps 0 or all) and roll back the rest: its length
@@ -424,7 +470,11 @@ class CacheManager:
         none): every pool, state and snapshot byte, block table, reference count, free queue, prefix-cache entry and
         counter (but `steps_planned`). Call it after the layers ran over the plan, before anything else touches
         the request. An unknown id, or one without a tentative step awaiting accept, raises RequestError and a bad
-        n ValueError; nothing changes. Cost: cache/rollback.py."""
+        n ValueError; nothing changes. Cost: cache/rollback.py.
+
+        If settling raises (a device fault) while gathering or putting back bytes, the step stays unsettled and the next
+        call on the cache retries it; past that (its blocks being taken) every later call raises RuntimeError."""
+        self._usable()
         entry = self._tentative.awaiting(rid) if self._tentative is not None and self._is_id(rid) else None
         if entry is None:
             self._request(rid)  # the unknown / released / swapped-out error
@@ -564,7 +614,15 @@ class CacheManager:
     def _is_id(rid) -> bool:
         return isinstance(rid, (int, np.integer)) and not isinstance(rid, bool)
 
+    def _usable(self) -> None:
+        """Raise if a failed settle left the cache unusable; finish a settle that raised in its retryable part."""
+        if self._broken is not None:
+            raise RuntimeError(self._broken)
+        if self._tentative is not None and self._tentative.settled:
+            self._settle_tentative()
+
     def _request(self, rid) -> _Request:
+        self._usable()
         is_id = self._is_id(rid)
         request = self._requests.get(rid) if is_id else None
         if request is not None:
@@ -578,6 +636,7 @@ class CacheManager:
     def _refuse_while_tentative(self, what: str, rid: int | None = None, *, accepted: bool = False) -> None:
         """RequestError (nothing changed) while a tentative step awaits accept: for any request (rid None), or for `rid`
         if it awaits accept (with `accepted`, also if it was accepted: its bytes settle with the step)."""
+        self._usable()
         pending = self.awaiting_accept()
         if pending and (rid is None or rid in pending or (accepted and rid in self._tentative.requests)):
             raise RequestError(f"{what}: tentative step {self._tentative.step} awaits accept() of requests {pending}; "
@@ -586,9 +645,25 @@ class CacheManager:
     def _settle_tentative(self) -> None:
         """Every request of the tentative step is accepted or released: put back what the rejected tokens wrote and
         take the blocks and snapshots a plain step of the kept tokens would (cache/rollback.py)."""
-        step, self._tentative = self._tentative, None
-        entries, snapshots = step.set_aside()
-        step.restore(self._host_table, self.block_table)
+        step = self._tentative
+        # Gathering the kept bytes and putting the logged ones back are the step's device work; until both succeed
+        # the step stays awaiting its settle, which the next call retries (restore is idempotent, the set-aside bytes
+        # are kept). What follows takes blocks and snapshots and writes the kept bytes there: a failure in it cannot
+        # be retried (the blocks are taken), so the cache then refuses every call (`_broken`).
+        if step.aside is None:
+            step.aside = step.set_aside()
+        if not step.restored:
+            step.restore(self._host_table, self.block_table)
+            step.restored = True
+        try:
+            self._finish_settle(step)
+        except BaseException as error:
+            self._broken = (f"settling tentative step {step.step} failed after its blocks were being taken "
+                            f"({type(error).__name__}: {error}); the cache's state is undefined: make a new cache")
+            raise
+
+    def _finish_settle(self, step: TentativeStep) -> None:
+        entries, snapshots = step.aside
         if self._publisher is not None:
             step.undo_queue(self.prefix, self._publisher)
         kept = [entry for entry in step.requests.values() if entry.kept]
@@ -602,6 +677,7 @@ class CacheManager:
         for publish in step.place(entries, snapshots, self._host_table, published):
             self.prefix.return_snapshot(publish.snapshot)  # not captured: snapshots ran short in the step
             publish.snapshot = None
+        self._tentative = None  # settled: the releases below publish and drop as after a plain step
         for request in step.leaving:  # released meanwhile: they leave now, as after a plain step of the kept tokens
             self._requests[request.rid] = request
             self._settle(final=False, leaving=request.rid)

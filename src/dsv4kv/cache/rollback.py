@@ -131,12 +131,20 @@ class TentativeStep:
         self._snapshots: list[int] = []  # ids logged whole
         self._snapshot_log: list[torch.Tensor] = []
         self._block_log: list[torch.Tensor] = []
+        self._queued = False  # `before_queue` ran: `abandon` undoes the queueing
+        self.aside: tuple[list, tuple[dict, list]] | None = None  # `set_aside`'s bytes, kept until the step settles
+        self.restored = False  # `restore` ran (a settle that failed after it retries from there)
         self._sites = self._record(host, requests)
         if poison and self.mapped:
             blocks = self._upload(np.asarray(self.mapped))[0]
-            for tensor in self._whole(_PAGED_FIELDS):
-                self._block_log.append(tensor[:, blocks])
-                tensor[:, blocks] = POISON_BYTE
+            tensors = self._whole(_PAGED_FIELDS)
+            self._block_log = [tensor[:, blocks] for tensor in tensors]  # every copy before the first write
+            try:
+                for tensor in tensors:
+                    tensor[:, blocks] = POISON_BYTE
+            except BaseException:
+                self._put_back_blocks()
+                raise
 
     # --- the log ---------------------------------------------------------------------------------------
     def _record(self, host: dict[str, np.ndarray], requests: list[TentativeRequest]) -> list[_Rows]:
@@ -248,6 +256,7 @@ class TentativeStep:
         counter), so that settling can queue as a plain step of the kept tokens would."""
         self.publishing = [(entry.request, entry.request.publishing) for entry in self.requests.values()]
         self.duplicate_blocks = prefix.stats.duplicate_blocks
+        self._queued = True
 
     def undo_queue(self, prefix, publisher) -> None:
         """Undo the plan's queueing: its snapshot takes in reverse order, the flags and counter, its publications."""
@@ -258,6 +267,26 @@ class TentativeStep:
         prefix.stats.duplicate_blocks = self.duplicate_blocks
         queued = {id(p) for p in self.publications}
         publisher.pending = [p for p in publisher.pending if id(p) not in queued]
+
+    # --- a plan that failed --------------------------------------------------------------------------------
+    def abandon(self, prefix, publisher) -> None:
+        """Undo what planning the step did to the pools and the prefix cache, for a plan that raised before it was
+        returned (no layer ran over it): the queueing, the bytes written into taken snapshots (rows copied from the
+        rings) and the poisoned mapped blocks. The manager unmaps the blocks itself."""
+        if self._queued:
+            self.undo_queue(prefix, publisher)
+        if self._snapshot_log:
+            ids = self._upload(np.asarray(self._snapshots))[0]
+            for tensor, saved in zip(self._whole(_SNAPSHOT_FIELDS), self._snapshot_log):
+                tensor[:, ids] = saved
+        self._put_back_blocks()
+
+    def _put_back_blocks(self) -> None:
+        """The mapped blocks' logged bytes back (with poison=True; nothing otherwise)."""
+        if self._block_log:
+            blocks = self._upload(np.asarray(self.mapped))[0]
+            for tensor, saved in zip(self._whole(_PAGED_FIELDS), self._block_log):
+                tensor[:, blocks] = saved
 
     # --- settling ----------------------------------------------------------------------------------------
     def set_aside(self) -> tuple[list, tuple[dict, list]]:
@@ -298,10 +327,7 @@ class TentativeStep:
         for (site, _), a, b, i in zip(sites, index[0::3], index[1::3], index[2::3]):
             for view, saved in zip(site.views, site.saved):
                 view[:, a, b] = saved[:, i]
-        if self._block_log:
-            blocks = self._upload(np.asarray(self.mapped))[0]
-            for tensor, saved in zip(self._whole(_PAGED_FIELDS), self._block_log):
-                tensor[:, blocks] = saved
+        self._put_back_blocks()
         if self._snapshot_log:
             ids = self._upload(np.asarray(self._snapshots))[0]
             for tensor, saved in zip(self._whole(_SNAPSHOT_FIELDS), self._snapshot_log):
