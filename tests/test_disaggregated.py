@@ -78,3 +78,60 @@ def test_disaggregated_greedy_tokens_equal_one_engine(tmp_path):
         assert [g[2] for g in got] == [True, True, True, False, True]  # the 1-token request never moved
         assert [g[3] for g in got] == [len(o.token_ids) for o in want]  # a time per token
     assert sorted(results) == [False, True]
+
+
+def _no_room(rank: int, init_file: str, out: str) -> None:
+    """Rank 1 plays a decode side without room: it answers the first move's header NO_ROOM (no slot), and the second
+    move's final reply NO_ROOM (its import finds no slot: a receiver told there was room at the header). The router
+    keeps both requests on the prefill engine."""
+    from test_engine import engine
+    from dsv4kv.cache.distributed import RequestReceiver
+    from dsv4kv.engine.disaggregated import NEW, STOP, PairGroups, PrefillRouter
+
+    class RoomAtHeader(RequestReceiver):
+        def _room(self, length, tokens, skip):  # as if a slot were free at the header; the import finds none
+            return None
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=60))
+    groups = PairGroups.make(prefill_rank=0, decode_rank=1)
+    prompts, params = workload()
+    if rank == 1:
+        cache = engine(max_requests=1).cache
+        cache.admit()  # its only slot is taken
+        before = (cache.request_ids(), cache.num_free_blocks)
+        answers = []
+        for receiver in (RequestReceiver(cache, peer=0, group=groups.transfer),
+                         RoomAtHeader(cache, peer=0, group=groups.transfer)):
+            words = torch.zeros(8, dtype=torch.int64)
+            dist.recv(words, 0, group=groups.control)
+            kind, _, prompt_len, params_len = words.tolist()[:4]
+            assert kind == NEW
+            dist.recv(torch.empty(params_len, dtype=torch.uint8), 0, group=groups.control)
+            dist.recv(torch.empty(prompt_len, dtype=torch.int64), 0, group=groups.control)
+            answers.append(receiver.recv())
+        assert [type(a).__name__ for a in answers] == ["NoRoom", "NoRoom"]
+        assert (cache.request_ids(), cache.num_free_blocks) == before
+        dist.recv(words, 0, group=groups.control)
+        assert words[0] == STOP
+        dist.send(torch.tensor([STOP] + [0] * 7, dtype=torch.int64), 0, group=groups.control)  # the goodbye
+    else:
+        router = PrefillRouter(engine(max_requests=2), groups)
+        outputs = router.generate(prompts[:2], params[:2])
+        router.close()
+        assert (router.stats.moved, router.stats.failed_moves, router.stats.bytes_sent) == (0, 2, 0)
+        c = router.engine.cache
+        assert (c.num_live_requests, c.num_used_blocks) == (0, 0) and not router.engine.has_unfinished
+        torch.save([(o.token_ids, o.moved) for o in outputs], os.path.join(out, "outputs.pt"))
+    dist.destroy_process_group()
+
+
+def test_a_decode_side_without_room_leaves_the_requests_on_the_prefill_engine(tmp_path):
+    from test_engine import engine
+
+    prompts, params = workload()
+    want = engine().generate(prompts[:2], params[:2])
+    mp.spawn(_no_room, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
+    got = torch.load(tmp_path / "outputs.pt")
+    assert got == [(o.token_ids, False) for o in want]

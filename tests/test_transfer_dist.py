@@ -293,3 +293,67 @@ def test_the_transfer_bench_runs_on_two_cpu_processes():
     mixed = results[4].extra
     assert mixed["router_moved"] == 4 and mixed["gaps"] == 2 * (CPU.decode_new - 1) + 2 * (CPU.long_new - 1)
     assert 0 < mixed["itl_p50_ms"] <= mixed["itl_p99_ms"]
+
+
+# --- a sender whose request changes, a header of the wrong shape ----------------------------------
+def _guarded(rank: int, backend: str, init_file: str, out: str) -> None:
+    """Each refusal or abort leaves the receiver's cache as it was and the pair in step: a request in a tentative step
+    is refused before anything is sent; a step planned, or the request released, between start() and a later layer
+    aborts the transfer; a JSON header whose spec is not a mapping gets a REFUSED reply (the sender does not wait
+    for a reply that never comes). Then a whole request moves, every byte equal."""
+    from dsv4kv.cache.manager import RequestError
+
+    device = _init(rank, backend, init_file)
+    if rank == 1:
+        cache = make(device)
+        busy = cache.admit()
+        assert cache.plan_step([(busy, 150)])
+        receiver = RequestReceiver(cache, peer=0, timeout=TIMEOUT)
+        before = snapshot(cache)
+        for match in ("aborted the transfer after 1 of 4 layers", "aborted the transfer after 0 of 4 layers",
+                      r"a malformed header: AttributeError"):
+            with pytest.raises(TransferError, match=match):
+                receiver.recv()
+            assert_unchanged(cache, before)
+        got = receiver.recv()
+        torch.save({"state": state_bytes(cache, got)}, os.path.join(out, "receiver.pt"))
+        dist.destroy_process_group()
+        return
+    cache = make(device)
+    rid = prefill(cache, 203, seed=70)
+    # a verify step awaits accept: refused at start, nothing sent
+    plan = cache.plan_step([(rid, 3)], tentative=True)
+    run(cache, plan, hidden(5, 3, cache.device))
+    with pytest.raises(RequestError, match=r"start: a tentative step awaits accept\(\) of requests \[0\]"):
+        RequestSender(cache, rid, peer=1, timeout=TIMEOUT).start()
+    cache.accept(rid, 1)  # settled: 204 tokens
+    sender = RequestSender(cache, rid, peer=1, message_bytes=0, timeout=TIMEOUT)
+    assert sender.start() == 0 and sender.length == 204
+    sender.send_layer(0)
+    run(cache, cache.plan_step([(rid, 1)]), hidden(6, 1, cache.device))  # a decode step: 205 tokens, new bytes
+    with pytest.raises(TransferError, match=r"a step was planned after start\(\) \(steps_planned 4 then 5\)"):
+        sender.send_layer(1)
+    other = prefill(cache, 131, seed=71)
+    sender = RequestSender(cache, other, peer=1, timeout=TIMEOUT)  # one 32 MiB message: aborted before any layer
+    assert sender.start() == 0
+    cache.release(other)
+    with pytest.raises(TransferError, match=f"request {other} was released or swapped out after start"):
+        sender.send_layer(0)
+    # a well-formed JSON header whose spec is a list
+    channel = sender.channel
+    data = b'{"format": "dsv4kv.request-transfer/1", "spec": []}'
+    channel.send(channel.control(0x3476_7364_6B76, 1, len(data), 0, 12345), "header")  # MAGIC, HEADER
+    channel.send_bytes(data, "header")
+    words = channel.recv_control(2, "reply")  # REPLY
+    assert words[2] == 1 and words[5] == 12345  # REFUSED, this transfer
+    assert "AttributeError" in channel.recv_bytes(words[4], "reply").decode()
+    assert send_request(cache, rid, peer=1, timeout=TIMEOUT) == 1
+    torch.save({"state": state_bytes(cache, rid)}, os.path.join(out, "sender.pt"))
+    dist.destroy_process_group()
+
+
+def test_a_request_that_changes_midway_or_a_bad_header_leaves_the_receiver_as_it_was(tmp_path):
+    mp.spawn(_guarded, args=("gloo", str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
+    sent, received = torch.load(tmp_path / "sender.pt")["state"], torch.load(tmp_path / "receiver.pt")["state"]
+    assert sent.keys() == received.keys() and sent["length"] == received["length"] == 205
+    assert all(torch.equal(sent[k], received[k]) for k in sent if k != "length")

@@ -16,7 +16,8 @@ the request's cache state layer by layer over the transfer group (`cache.distrib
 decode side has every byte, the prefill engine drops the request. The decode engine queues the request with its
 prompt + first token, imports the state when it admits it (only the first token is fed) and decodes the rest,
 polling for new requests between its steps; finished outputs go back to the router. A request that finishes at its
-first token never moves; one whose transfer fails keeps decoding on the prefill engine. Greedy tokens are those of
+first token never moves; one whose transfer fails or finds no room on the decode side keeps decoding on the prefill
+engine. Greedy tokens are those of
 one engine serving alone (tests/test_disaggregated.py). Sampled requests draw their first token on the prefill side
 and the rest from a generator seeded alike on the decode side, so their tokens differ from one engine's; logprobs
 are not carried across the move (refused).
@@ -36,6 +37,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
+from ..cache import NoRoom
 from ..cache.distributed import RequestReceiver, RequestSender, TransferError
 from .engine import Engine
 from .params import SamplingParams
@@ -84,7 +86,7 @@ class DisaggregatedOutput:
 @dataclass
 class RouterStats:
     moved: int = 0  # requests handed to the decode side
-    failed_moves: int = 0  # transfers that failed (the request decoded on the prefill engine)
+    failed_moves: int = 0  # transfers that failed or found no room (the request decoded on the prefill engine)
     bytes_sent: int = 0
     transfer_seconds: float = 0.0  # wall time of the hand-offs (control message, state, the decode side's answer)
 
@@ -254,11 +256,14 @@ class PrefillRouter:
         sender = RequestSender(self.engine.cache, cache_id, peer=self.groups.decode_rank, group=self.groups.transfer,
                                tokens=route.prompt, timeout=self.timeout)
         try:
-            sender.start()
-            sender.send_all()
-            sender.finish()
+            answer = sender.start()
+            if not isinstance(answer, NoRoom):
+                sender.send_all()
+                answer = sender.finish()
         except TransferError:
-            self.stats.failed_moves += 1  # it keeps decoding here
+            answer = None
+        if answer is None or isinstance(answer, NoRoom):  # no room there (now), or a fault: it keeps decoding here
+            self.stats.failed_moves += 1
             return
         self.engine.abort(request_id)
         self.engine.output(request_id)  # forget it here
