@@ -4,6 +4,7 @@ its checkpoint names, and the engine's tokens with speculation against plain dec
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 
@@ -390,8 +391,9 @@ def test_speculative_greedy_equals_plain_greedy(name, graphs):
     s = e.stats
     assert s.verifies > 0 and s.verify_steps > 0 and s.draft_tokens >= s.verifies
     assert s.acceptance_length == pytest.approx(1 + s.accepted_tokens / s.verifies)
-    assert s.decode_tokens + s.prefill_tokens == sum(PROMPTS) + 4 * 11  # every token fed once and kept
-    # a verify step's decode tokens: each verify's kept tokens, plus plain decodes riding along
+    # every prompt token fed once; every generated token but the first (the prefill's) emitted by a decode or verify
+    assert s.decode_tokens + s.prefill_tokens == sum(PROMPTS) + 4 * 11
+    # a verify step's decode tokens: each verify's emitted tokens, plus plain decodes riding along
     assert s.verifies + s.accepted_tokens <= s.tokens_in_verify_steps <= s.decode_tokens
     assert 0 < s.verify_seconds <= s.decode_seconds + s.prefill_seconds
     if name == "replay":
@@ -443,6 +445,108 @@ def test_stop_tokens_and_lengths_inside_an_accepted_run():
         prompt = PROMPTS[rid]
         assert 1 <= k <= min(3, params[rid].max_new_tokens - (n - prompt) - 1, 131 + 6 - n), (rid, n, k)
     assert any(k < 3 for rid, _, k in asked if rid == 0) and any(k < 3 for rid, _, k in asked if rid == 2)
+
+
+@pytest.mark.parametrize("at", [5, 6], ids=["stop-first", "stop-second"])
+def test_counters_count_emitted_tokens_past_a_stop_token(at):
+    """One request (a 47-token prompt, prefilled in one step) with three correct drafts per verify: verify 1 emits
+    tokens 1 .. 4, verify 2 accepts its three drafts and keeps four tokens in the cache, but the stop token (greedy
+    token 5: the model's first of the verify; token 6: its second, an accepted draft) ends the request there. The
+    counters count what was emitted: decode_tokens and tokens_in_verify_steps the tokens after the prefill's, equal to
+    plain decoding's; accepted_tokens the tokens each verify emitted beyond its first (3, then at - 5)."""
+    prompt = prompts(PROMPTS)[1]
+    want = Engine.from_transformers(tiny_model(), **CACHE).generate([prompt], SamplingParams(max_new_tokens=12))[0]
+    want = want.token_ids
+    assert want.index(want[at]) == at  # the stop token occurs first there
+    params = SamplingParams(max_new_tokens=12, stop_token_ids=[want[at]])
+    plain = Engine.from_transformers(tiny_model(), **CACHE)
+    assert plain.generate([prompt], params)[0].token_ids == want[:at + 1]
+    e = Engine.from_transformers(tiny_model(), speculative=replay({tuple(prompt): want}, (3,)), draft_tokens=3,
+                                 **CACHE)
+    out = e.generate([prompt], params)[0]
+    assert out.token_ids == want[:at + 1] and out.finish_reason == "stop"
+    s = e.stats
+    assert (s.verifies, s.verify_steps, s.draft_tokens) == (2, 2, 6)
+    assert (s.decode_tokens, s.tokens_in_verify_steps, s.accepted_tokens) == (at, at, 3 + at - 5)
+    assert s.decode_tokens == plain.stats.decode_tokens and s.prefill_tokens == plain.stats.prefill_tokens == 47
+    assert s.acceptance_length == 1 + (3 + at - 5) / 2 and s.acceptance_rate == (3 + at - 5) / 6
+
+
+class Boom(RuntimeError):
+    """The failure a test injects into a verify step."""
+
+
+def same_state(a, b) -> bool:
+    """Two `RequestState`s hold the same length, token ids and bytes."""
+    if (a.length, a.first_block, sorted(a.tensors)) != (b.length, b.first_block, sorted(b.tensors)):
+        return False
+    if (a.tokens is None) != (b.tokens is None) or (a.tokens is not None and not torch.equal(a.tokens, b.tokens)):
+        return False
+    as_bytes = lambda t: t.contiguous().reshape(-1).view(torch.uint8)  # NaN compares equal to itself here
+    return all(torch.equal(as_bytes(a.tensors[k]), as_bytes(b.tensors[k])) for k in a.tensors)
+
+
+@pytest.mark.parametrize("prefix_caching", [False, True], ids=["", "prefix-caching"])
+@pytest.mark.parametrize("where", ["runner", "sampler"])
+def test_a_verify_step_that_raises_leaves_the_engine_as_before(where, prefix_caching, monkeypatch):
+    """The runner (after its layers ran over the tentative plan) or the sampler raises once, in a verify step holding
+    a prefill chunk (more tokens than max_tentative_tokens: kept all or none) beside three verifies: the exception
+    reaches the caller, no accept is left pending, every running request's cache state (pages, window ring, compressor
+    state, length) is byte for byte what it was before the step and its token ids (prefix caching) are its tokens,
+    its tokens and computed count are unchanged, and the engine serves on: plain greedy's tokens, the counters
+    counting each token once."""
+    e = Engine.from_transformers(tiny_model(), prefix_caching=prefix_caching, speculative=drafter_for("replay"),
+                                 draft_tokens=3, **CACHE)
+    run, sample = e.runner.run, e._sample
+    armed = {}
+
+    def failing_run(batch, *, decode, rows, tentative):
+        arm = (tentative and "before" not in armed
+               and any(len(tokens) > e.cache.max_tentative_tokens for _, tokens in batch))
+        if arm:
+            armed["before"] = {rid: e.cache.export_request(rid) for rid, _ in batch}
+            armed["requests"] = {r.id: (list(r.tokens), r.num_computed) for r in e.scheduler.running}
+        result = run(batch, decode=decode, rows=rows, tentative=tentative)
+        assert e.cache.awaiting_accept() == ([rid for rid, _ in batch] if tentative else [])
+        if arm and where == "runner":
+            raise Boom("the runner")
+        armed["sampler"] = arm
+        return result
+
+    def failing_sample(work, logits):
+        if armed.pop("sampler", False):
+            raise Boom("the sampler")
+        return sample(work, logits)
+
+    monkeypatch.setattr(e.runner, "run", failing_run)
+    monkeypatch.setattr(e, "_sample", failing_sample)
+    token_lists, ids, step, failed = prompts(PROMPTS), {}, 0, 0
+    while len(ids) < len(token_lists) or e.has_unfinished:
+        for i, at in enumerate(ARRIVALS):
+            if at == step and i not in ids:
+                ids[i] = e.add_request(token_lists[i], SamplingParams(max_new_tokens=12))
+        step += 1
+        stats = dataclasses.replace(e.stats)
+        try:
+            e.step()
+            continue
+        except Boom as error:
+            assert str(error) == f"the {where}"
+        failed += 1
+        assert e.cache.awaiting_accept() == [] and e.stats == stats
+        assert {r.id: (list(r.tokens), r.num_computed) for r in e.scheduler.running} == armed["requests"]
+        assert len(armed["before"]) == 4
+        for r in e.scheduler.running:
+            after = e.cache.export_request(r.cache_id)
+            before = armed["before"][r.cache_id]
+            assert after.length == r.num_computed
+            assert same_state(after, dataclasses.replace(before, tokens=after.tokens))
+            assert after.tokens is None if not prefix_caching else after.tokens.tolist() == r.tokens
+    assert failed == 1
+    assert tuple(e.output(ids[i]).token_ids for i in range(len(token_lists))) == plain_greedy()
+    s = e.stats
+    assert s.decode_tokens + s.prefill_tokens == sum(PROMPTS) + 4 * 11 and s.accepted_tokens > 0
+    assert e.cache.num_live_requests == 0 and e.cache.num_used_blocks == 0
 
 
 @pytest.mark.parametrize("preemption", ["recompute", "swap"])

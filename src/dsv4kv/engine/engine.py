@@ -55,7 +55,10 @@ class EngineStats:
     decode_steps: int = 0  # steps that only decoded (one token per request, or with speculation a verify)
     graph_steps: int = 0  # decode steps served by a DecodeStepGraph (replayed on CUDA)
     prefill_tokens: int = 0
-    decode_tokens: int = 0  # tokens decoding requests added to their cache (a verify: its token and accepted drafts)
+    # tokens decoding requests emitted: one per plain decode, a verify's accepted drafts and the model's own token up to
+    # a stop token, max_new_tokens or max_seq_len (those it kept in its cache past a stop token are not counted), so
+    # the same as plain decoding's for the same tokens
+    decode_tokens: int = 0
     preemptions: int = 0  # of both kinds: swap_preemptions + recompute_preemptions
     swap_preemptions: int = 0  # swapped out to host memory (CacheManager.swap_out)
     recompute_preemptions: int = 0  # released, recomputed on readmission (a swap refused by the host budget included)
@@ -71,23 +74,24 @@ class EngineStats:
     prefix_hits: int = 0
     prefix_hit_tokens: int = 0
     prefix_evicted_blocks: int = 0
-    # speculative decoding (all 0 with it off): draft tokens fed to verify steps, those accepted, requests verified
-    # (one request's drafts checked in one step) and steps holding any verify
+    # speculative decoding (all 0 with it off): draft tokens fed to verify steps, the tokens verifies emitted beyond
+    # their first (the decode steps they saved; a verify whose first token stops its request saved none, whatever it
+    # accepted), requests verified (one request's drafts checked in one step) and steps holding any verify
     draft_tokens: int = 0
     accepted_tokens: int = 0
     verifies: int = 0
     verify_steps: int = 0
     verify_seconds: float = 0.0  # wall time of the steps holding any verify (counted in decode_seconds too)
-    tokens_in_verify_steps: int = 0  # decode tokens those steps added, plain decodes riding along included
+    tokens_in_verify_steps: int = 0  # decode tokens (as decode_tokens) those steps emitted, plain decodes included
 
     @property
     def acceptance_length(self) -> float:
-        """Tokens a request gains per verify: accepted drafts + the target's own token (0.0 with no verify)."""
+        """Tokens a verify emits on average: 1 + accepted_tokens / verifies (0.0 with no verify)."""
         return 1 + self.accepted_tokens / self.verifies if self.verifies else 0.0
 
     @property
     def acceptance_rate(self) -> float:
-        """Accepted over proposed draft tokens (0.0 with none proposed)."""
+        """accepted_tokens over draft_tokens (0.0 with none proposed)."""
         return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
 
     @property
@@ -107,6 +111,7 @@ class _Work:
     rows: int  # logits rows asked for: a verify's every row, else its last
     ready: bool  # it gets tokens in this step
     kept: int  # tokens its cache keeps (a verify: set once its drafts are checked)
+    decoding: bool  # it feeds its one pending token (and, a verify, drafts after it)
     row: int = 0  # its first row in the step's sampler batch
     emit: int = 0  # tokens it emits
 
@@ -115,8 +120,8 @@ class _Work:
         c = request.num_computed
         if request.pending == 1 and n > 1:
             drafts = list(drafts)[:n - 1]
-            return cls(request, n, request.tokens[c:] + drafts, drafts, n, True, n)
-        return cls(request, n, request.tokens[c:c + n], [], 1, request.pending == n, n)
+            return cls(request, n, request.tokens[c:] + drafts, drafts, n, True, n, True)
+        return cls(request, n, request.tokens[c:c + n], [], 1, request.pending == n, n, request.pending == 1)
 
 
 class Engine:
@@ -309,38 +314,44 @@ class Engine:
             for w in work:
                 if w.drafts:
                     self.cache.append_tokens(w.request.cache_id, w.drafts)
-        result = self.runner.run([(w.request.cache_id, w.tokens) for w in work],
-                                 decode=scheduled.is_decode or scheduled.is_verify, rows=[w.rows for w in work],
-                                 tentative=tentative)
-        sampled = self._sample(work, result.logits)
+        try:
+            result = self.runner.run([(w.request.cache_id, w.tokens) for w in work],
+                                     decode=scheduled.is_decode or scheduled.is_verify, rows=[w.rows for w in work],
+                                     tentative=tentative)
+            sampled = self._sample(work, result.logits)
+        except BaseException:
+            if tentative:  # else the cache would refuse every later step while the verify awaits its accepts
+                self._reject_step(work)
+            raise
         if tentative:  # each verify keeps its newest token and its accepted drafts, any other request all it fed
             for w in work:
                 self.cache.accept(w.request.cache_id, w.kept)
-        decoded = 0
         for w in work:
-            if w.request.pending == 1:
-                s.decode_tokens += w.kept
-                decoded += w.kept
-            else:
+            if not w.decoding:
                 s.prefill_tokens += w.n
-            if w.drafts:
-                s.verifies += 1
-                s.draft_tokens += len(w.drafts)
-                s.accepted_tokens += w.kept - 1
             w.request.num_computed += w.kept
         now = time.perf_counter()
         outputs, observed = [], []
         streams = self._speculator is not None and self._speculator.drafter.needs_streams
         offset = 0  # the request's first row in the step's streams
+        decoded = 0
         for w in work:
             request = w.request
             if w.emit:
                 outputs.append(self._emit(request, sampled, w.row, w.emit, now))
+                emitted = len(outputs[-1].new_token_ids)
+                if w.decoding:  # what it emitted: a verify keeps the tokens past a stop token, but never emits them
+                    decoded += emitted
+                if w.drafts:
+                    s.verifies += 1
+                    s.draft_tokens += len(w.drafts)
+                    s.accepted_tokens += emitted - 1
             if streams and not request.finished:
                 begin = request.num_computed - w.kept  # the step's first position
                 observed.append(ObservedRows(request.id, begin, request.tokens[begin + 1:begin + w.kept + 1],
                                              result.streams[offset:offset + w.kept], request.pending == 1))
             offset += w.n
+        s.decode_tokens += decoded
         if observed:
             self._speculator.drafter.observe(observed)
         if tentative:
@@ -349,6 +360,21 @@ class Engine:
             s.tokens_in_verify_steps += decoded
         self._count_step(scheduled, now - start)
         return outputs
+
+    def _reject_step(self, work: list[_Work]) -> None:
+        """A verify step that failed before its accepts (the runner or the sampler raised): every request keeps none of
+        its tokens, which leaves the cache as it was before the step (`CacheManager.accept`; a prefill chunk, kept
+        all or none, keeps none), so the engine can go on from the requests' unchanged state. Keeping 0 also drops
+        the ids of the tokens a request fed (its pending ones, not only its drafts): with prefix caching they are
+        given back. A step that failed before its plan (nothing awaits accept) is left as it is: with prefix caching
+        its drafts' ids stay recorded."""
+        awaiting = set(self.cache.awaiting_accept())
+        for rid in awaiting:
+            self.cache.accept(rid, 0)
+        if self.prefix_caching:
+            for w in work:
+                if w.request.cache_id in awaiting:
+                    self.cache.append_tokens(w.request.cache_id, w.request.tokens[w.request.num_computed:])
 
     def _sample(self, work: list[_Work], logits: torch.Tensor):
         """The tokens of every request that gets any (a verify's every row; another request's last row once its last
