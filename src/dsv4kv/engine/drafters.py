@@ -14,6 +14,7 @@ that guesses well only makes decoding faster.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import NamedTuple, Sequence
 
@@ -49,8 +50,8 @@ class ObservedRows:
     final: bool
 
 
-class Drafter:
-    """The interface the engine drives. `needs_streams`: `observe` reads the target's last hidden streams (the
+class Drafter(ABC):
+    """The interface the engine drives (a subclass defines `propose`). `needs_streams`: `observe` reads the target's last hidden streams (the
     runner then keeps them). A drafter holds per-request state only through `observe` / `release`."""
 
     name = "drafter"
@@ -60,9 +61,9 @@ class Drafter:
         """Called once by the engine that uses this drafter, with its model (`DSV4Model`) and `CacheManager`, before
         any other call: a drafter with a cache of its own sizes it here."""
 
+    @abstractmethod
     def propose(self, requests: Sequence[DraftRequest]) -> list[list[int]]:
         """At most `max_drafts` draft ids per request, in order (fewer, or none, when it has no guess)."""
-        raise NotImplementedError
 
     def observe(self, rows: Sequence[ObservedRows]) -> None:
         """The rows each request kept in the step just run (accepted drafts included, rejected ones not)."""
