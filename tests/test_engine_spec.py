@@ -487,9 +487,10 @@ def same_state(a, b) -> bool:
 
 
 @pytest.mark.parametrize("prefix_caching", [False, True], ids=["", "prefix-caching"])
-@pytest.mark.parametrize("where", ["runner", "sampler"])
+@pytest.mark.parametrize("where", ["runner", "sampler", "before-plan"])
 def test_a_verify_step_that_raises_leaves_the_engine_as_before(where, prefix_caching, monkeypatch):
-    """The runner (after its layers ran over the tentative plan) or the sampler raises once, in a verify step holding
+    """The runner (after its layers ran over the tentative plan, or before it planned: the drafts' ids, recorded with
+    prefix caching before the step, are then forgotten) or the sampler raises once, in a verify step holding
     a prefill chunk (more tokens than max_tentative_tokens: kept all or none) beside three verifies: the exception
     reaches the caller, no accept is left pending, every running request's cache state (pages, window ring, compressor
     state, length) is byte for byte what it was before the step and its token ids (prefix caching) are its tokens,
@@ -506,6 +507,8 @@ def test_a_verify_step_that_raises_leaves_the_engine_as_before(where, prefix_cac
         if arm:
             armed["before"] = {rid: e.cache.export_request(rid) for rid, _ in batch}
             armed["requests"] = {r.id: (list(r.tokens), r.num_computed) for r in e.scheduler.running}
+            if where == "before-plan":
+                raise Boom("the before-plan")
         result = run(batch, decode=decode, rows=rows, tentative=tentative)
         assert e.cache.awaiting_accept() == ([rid for rid, _ in batch] if tentative else [])
         if arm and where == "runner":

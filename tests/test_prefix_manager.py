@@ -558,3 +558,32 @@ def test_random_schedule(seed, steps):
     assert min(seen.values()) > 0, seen
     assert stats.hits > 0 and stats.evicted_blocks > 0 and stats.snapshots_evicted > 0
     assert stats.duplicate_blocks > 0 and stats.hit_rate > 0.1
+
+
+def test_forget_tokens_takes_back_ids_never_fed():
+    """Ids appended for tokens a request is not fed after all (a speculative step's drafts, when the step failed before
+    its plan) are forgotten; the ids of tokens it holds cannot be, nor more than it has; the block it then fills
+    publishes the ids fed, not the forgotten ones."""
+    from dsv4kv import RequestError
+
+    d = Driver(make())
+    prompt = tokens(81, P - 1)
+    rid = d.admit(prompt)
+    d.feed(rid, [P - 2])  # one prompt token left to feed
+    d.cache.append_tokens(rid, [7, 8, 9])  # drafts that will not be fed
+    with pytest.raises(ValueError, match=f"keep {P - 3} cuts into the {P - 2} tokens request {rid} holds"):
+        d.cache.forget_tokens(rid, P - 3)
+    with pytest.raises(ValueError, match=f"keep {P + 3} exceeds the {P + 2} token ids request {rid} has"):
+        d.cache.forget_tokens(rid, P + 3)
+    with pytest.raises(TypeError, match="keep must be an int"):
+        d.cache.forget_tokens(rid, float(P))
+    with pytest.raises(RequestError, match="unknown request id 99"):
+        d.cache.forget_tokens(99, P)
+    d.cache.forget_tokens(rid, P - 1)  # the prompt's ids only
+    with pytest.raises(ValueError, match="token ids are known"):
+        d.step([(rid, 2)])  # the drafts' ids are gone
+    d.decode(rid, [5])  # the last prompt token and one generated token fill the block
+    d.step([(rid, 1)])
+    d.check()
+    assert d.cache.lookup(prompt + [5, 1]) == P  # published with the ids fed
+    assert d.cache.lookup(prompt + [7, 1]) == 0

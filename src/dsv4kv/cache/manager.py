@@ -204,6 +204,24 @@ class CacheManager:
                              f"max_seq_len is {self.max_seq_len}")
         request.tokens.append(ids)
 
+    def forget_tokens(self, rid: int, keep: int) -> None:
+        """Forget the ids recorded past the request's first `keep` tokens: ids appended for tokens it will not be fed
+        after all (the drafts of a speculative step that failed before its plan). `keep` may not cut into the tokens
+        the cache holds (its length) nor exceed the ids known; a request admitted without ids, or no prefix caching:
+        checked and otherwise ignored, as `append_tokens`."""
+        record = self._swapped.get(rid) if self._is_id(rid) else None
+        request = record.request if record is not None else self._request(rid)
+        self._refuse_while_tentative("forget_tokens", rid)
+        if isinstance(keep, bool) or not isinstance(keep, (int, np.integer)):
+            raise TypeError(f"forget_tokens: keep must be an int, got {type(keep).__name__}")
+        known = request.tokens.n if request.tokens is not None else None
+        if keep < request.length or (known is not None and keep > known):
+            raise ValueError(f"forget_tokens: keep {keep} cuts into the {request.length} tokens request {rid} holds"
+                             if keep < request.length else
+                             f"forget_tokens: keep {keep} exceeds the {known} token ids request {rid} has")
+        if self.prefix is not None and request.tokens is not None:
+            request.tokens.truncate(int(keep))
+
     def release(self, rid: int) -> None:
         """Return a request's blocks and slot (or its host copy, if swapped out). Releasing an unknown or
         released id raises RequestError. While a tentative step awaits accept, a request of it that is released

@@ -366,8 +366,8 @@ class Engine:
         its tokens, which leaves the cache as it was before the step (`CacheManager.accept`; a prefill chunk, kept
         all or none, keeps none), so the engine can go on from the requests' unchanged state. Keeping 0 also drops
         the ids of the tokens a request fed (its pending ones, not only its drafts): with prefix caching they are
-        given back. A step that failed before its plan (nothing awaits accept) is left as it is: with prefix caching
-        its drafts' ids stay recorded."""
+        given back. A step that failed before its plan (nothing awaits accept) only forgets the drafts' ids (prefix
+        caching recorded them before the step)."""
         awaiting = set(self.cache.awaiting_accept())
         for rid in awaiting:
             self.cache.accept(rid, 0)
@@ -375,6 +375,8 @@ class Engine:
             for w in work:
                 if w.request.cache_id in awaiting:
                     self.cache.append_tokens(w.request.cache_id, w.request.tokens[w.request.num_computed:])
+                elif w.drafts:
+                    self.cache.forget_tokens(w.request.cache_id, len(w.request.tokens))
 
     def _sample(self, work: list[_Work], logits: torch.Tensor):
         """The tokens of every request that gets any (a verify's every row; another request's last row once its last
