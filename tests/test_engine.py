@@ -22,14 +22,7 @@ EXACT = dict(kv_format="bf16", indexer_format="bf16")
 CACHE = dict(max_requests=4, max_tokens=1024, page_tokens=128, step_tokens=96, **EXACT)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """The tiny model's ops are too small to gain from a second thread, and spinning threads slow them several
-    times over when other processes share the cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @functools.lru_cache(maxsize=None)

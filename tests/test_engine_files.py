@@ -15,7 +15,9 @@ from dsv4kv import RequestError
 from dsv4kv.cache import load_request, save_request
 from dsv4kv.engine import SamplingParams
 
-from test_engine import EXACT, engine, one_thread, prompts  # noqa: F401  (one_thread: the module's autouse fixture)
+from test_engine import EXACT, engine, prompts
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @functools.lru_cache(maxsize=None)

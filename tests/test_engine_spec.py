@@ -19,25 +19,16 @@ from dsv4kv.engine.sampler import probabilities, sample_with_logprobs, uniform
 from dsv4kv.engine.speculative_sampling import accepted_prefix, advance, peek_uniforms, rejection_sample
 from dsv4kv.model.weights import OFFICIAL_NAMES
 
-EXACT = dict(kv_format="bf16", indexer_format="bf16")
-CACHE = dict(max_requests=4, max_tokens=1024, page_tokens=128, step_tokens=96, **EXACT)
+from test_engine import CACHE, EXACT, tiny_model
+
 # the 0.999 quantile of the chi-square distribution by degrees of freedom: a correct sampler fails 1 time in 1000
 # per comparison, and the seeds are fixed
 CHI2_999 = {1: 10.828, 2: 13.816, 3: 16.266, 4: 18.467, 5: 20.515, 6: 22.458}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """The tiny model's ops are too small to gain from a second thread (see tests/test_engine.py)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-@functools.lru_cache(maxsize=None)
-def tiny_model():
-    return random_model(tiny_config(), seed=0)
 
 
 def prompts(lengths, seed: int = 3) -> list[list[int]]:

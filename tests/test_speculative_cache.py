@@ -50,13 +50,7 @@ VOCAB = 512
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """One intra-op thread: these steps are small, and on a shared CPU a second thread mostly waits (spinning)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture
@@ -278,57 +272,6 @@ class Twins:
         for cache in (self.spec, self.twin):
             assert not isinstance(cache.swap_in(rid), NoRoom)
         assert_same(self.spec, self.twin, f"after swap_in of {rid}")
-
-
-def random_schedule(t: Twins, steps: int, prompts, *, max_draft=8) -> None:
-    """Admissions, prefill chunks (plain, or in a verify step, kept whole), verify steps of 1..max_draft tokens per
-    decoding request with a random kept count (whole requests released mid-verify now and then), releases, swaps."""
-    rng = t.rng
-    pending_prompts = list(prompts)
-    for _ in range(steps):
-        if pending_prompts and len(t.streams) < t.spec.max_requests and rng.random() < 0.5:
-            t.admit(pending_prompts.pop(0))
-            continue
-        live = [rid for rid in t.streams if t.spec.is_live(rid)]
-        if not live:
-            continue
-        roll = rng.random()
-        if roll < 0.05 and len(live) > 1:
-            t.release(rng.choice(live))
-            continue
-        if roll < 0.1:
-            t.swap(rng.choice(live))
-            continue
-        batch, plain = [], roll < 0.3
-        for rid in rng.sample(live, rng.randint(1, len(live))):
-            length, prompt = t.spec.length(rid), t.prompt[rid]
-            room = min(len(t.streams[rid]) - length, t.spec.max_seq_len - length)
-            if room <= 0:
-                continue
-            if length < prompt:  # prefill: a chunk, kept whole
-                if not (plain or mixed):
-                    continue
-                n = min(prompt - length, rng.choice([5, 37, 100, 128, 200]), room)
-                batch.append((rid, n, n))
-            else:
-                n = min(rng.randint(1, max_draft), room)
-                batch.append((rid, n, n if plain else rng.randint(0, n)))
-        if not batch:
-            continue
-        if plain:
-            t.plain([(rid, n) for rid, n, _ in batch])
-            continue
-        order = list(range(len(batch)))
-        rng.shuffle(order)
-        decoding = [rid for rid, n, keep in batch if t.spec.length(rid) >= t.prompt[rid]]
-        release = [rng.choice(decoding)] if decoding and len(live) > 1 and rng.random() < 0.08 else []
-        t.verify(batch, order=order, release=release)
-
-
-def tokens(seed: int, n: int) -> list[int]:
-    return np.random.default_rng(seed).integers(0, VOCAB, n).tolist()
-
-
 
 
 def random_schedule(t: Twins, steps: int, prompts, *, max_draft=8, graph: GraphVerify | None = None,

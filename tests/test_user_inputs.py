@@ -23,13 +23,7 @@ from dsv4kv.tools.cli import build_parser, main
 VOCAB = 512  # tiny_config's
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """The demo-cpu model's ops are too small to gain from a second thread (as in tests/test_engine.py)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture
