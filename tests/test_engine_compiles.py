@@ -24,7 +24,8 @@ from dsv4kv.ops.topk import kernel as topk_module
 from dsv4kv.ops.topk.tuning import TUNING as TOPK_TUNING
 from dsv4kv.ops.shared.specialization import record_launches
 
-from test_engine import one_thread  # noqa: F401  (the module's autouse fixture: torch on one thread)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 pytest.importorskip("triton")
 

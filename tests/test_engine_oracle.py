@@ -52,7 +52,9 @@ from dsv4kv.engine.reference import (
     with_dtype,
 )
 
-from test_engine import one_thread, tiny_model  # noqa: F401  (one_thread: the module's autouse fixture)
+from test_engine import tiny_model
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 MARGIN = 0.05  # oracle logits this close to its maximum count as tied with it
 PROMPTS = (250, 121, 251, 126, 100, 137)  # just under block boundaries: decode crosses into new blocks

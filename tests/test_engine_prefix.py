@@ -7,7 +7,9 @@ import pytest
 
 from dsv4kv.engine import SamplingParams
 
-from test_engine import engine, one_thread, prompts  # noqa: F401  (one_thread: the module's autouse fixture)
+from test_engine import engine, prompts
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 GREEDY = SamplingParams(max_new_tokens=6)
 

@@ -16,7 +16,9 @@ from dsv4kv.engine.request import Request, Status
 from dsv4kv.engine.scheduler import Scheduler
 
 from prefix_sim import check_invariants
-from test_engine import EXACT, engine, one_thread, prompts, run_step, tiny_model_geometry  # noqa: F401
+from test_engine import EXACT, engine, prompts, run_step, tiny_model_geometry
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 SMALL = dict(max_requests=2, max_tokens=384)  # 4 blocks of 128 tokens
 PARAMS = SamplingParams(max_new_tokens=12)
