@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime
 import functools
+import json
 import os
 
 import pytest
@@ -19,7 +20,8 @@ import torch.multiprocessing as mp
 
 from dsv4kv import CacheManager, StepPlan
 from dsv4kv.cache import NoRoom
-from dsv4kv.cache.distributed import RequestReceiver, RequestSender, TransferError, send_request
+from dsv4kv.cache.distributed import FORMAT, RequestReceiver, RequestSender, TransferError, send_request
+from dsv4kv.cache.distributed import _Gathers, _layout  # the wire layout, checked without a peer
 from dsv4kv.geometry import ModelGeometry
 from dsv4kv.model.layer import DSV4Attention, init_random_weights
 
@@ -100,6 +102,30 @@ def assert_unchanged(cache: CacheManager, before: tuple) -> None:
     assert all(torch.equal(a, b) for a, b in zip(tensors, before[0]))
 
 
+# --- a message's bytes, without a peer ------------------------------------------------------------
+@pytest.mark.parametrize("counts", [(4,), (1, 1, 1, 1), (3, 1), (1, 3)])
+def test_a_message_gathered_whole_or_layer_by_layer_holds_the_exported_bytes(counts):
+    cache = make("cpu")
+    other = prefill(cache, 150, seed=80)  # slot 0 and the first blocks: the request's ids are not 0..n
+    rid = prefill(cache, 333, seed=81)
+    cache.release(other)
+    state, k = cache.export_request(rid, skip_tokens=128), 1
+    messages = _layout(cache.spec, cache.spec.blocks_for(333) - k, counts)
+    gathers = _Gathers(cache, rid, k, messages)
+    for message in messages:
+        spans = sorted((part.offset, part.offset + part.nbytes) for parts in message.parts for part in parts)
+        assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])) and spans[-1][1] <= message.payload
+        whole, by_layer = (torch.full((message.nbytes,), 0xFF, dtype=torch.uint8) for _ in range(2))
+        gathers.message(message, whole)
+        for i in range(message.first, message.end):
+            gathers.layer(i, message, by_layer)
+        assert torch.equal(whole, by_layer)
+        for parts in message.parts:
+            for part in parts:
+                got = whole[part.offset:part.offset + part.nbytes].view(part.dtype).view(part.shape)
+                assert torch.equal(got.view(torch.uint8), state.tensors[part.name].view(torch.uint8)), part.name
+
+
 # --- the two sides -------------------------------------------------------------------------------
 def _sender(device: str, out: str, dead_peer: bool) -> None:
     results = {}
@@ -133,8 +159,8 @@ def _sender(device: str, out: str, dead_peer: bool) -> None:
     cached = make(device, prefix_caching=True)
     senders = []
 
-    def last_chunk(rid: int):
-        sender = RequestSender(cached, rid, peer=1, tokens=TOKENS, message_bytes=0, timeout=TIMEOUT)
+    def last_chunk(rid: int):  # one message: each layer's parts go into their runs as the layer runs
+        sender = RequestSender(cached, rid, peer=1, tokens=TOKENS, timeout=TIMEOUT)
         assert sender.start() == 256  # the header carries the length after this chunk
         senders.append(sender)
         return sender.send_layer
@@ -254,9 +280,8 @@ def _receiver_leaves(rank: int, backend: str, init_file: str, out: str) -> None:
     device = _init(rank, backend, init_file)
     if rank == 1:
         channel = RequestReceiver(make(device), peer=0, timeout=TIMEOUT).channel
-        words = channel.recv_control(1, "header")  # HEADER
-        channel.recv_bytes(words[2], "header")
-        channel.send(channel.control(words[0], 2, 0, 0, 0, words[4]), "reply")  # REPLY: ACCEPT, skip 0
+        words, _ = channel.recv_message(1, "header")  # HEADER
+        channel.send_message([words[0], 2, 0, 0, 0, words[4]], b"", "reply")  # REPLY: ACCEPT, skip 0
         os._exit(0)
     cache = make(device)
     rid = prefill(cache, 203, seed=70)
@@ -334,19 +359,18 @@ def _guarded(rank: int, backend: str, init_file: str, out: str) -> None:
     with pytest.raises(TransferError, match=r"a step was planned after start\(\) \(steps_planned 4 then 5\)"):
         sender.send_layer(1)
     other = prefill(cache, 131, seed=71)
-    sender = RequestSender(cache, other, peer=1, timeout=TIMEOUT)  # one 32 MiB message: aborted before any layer
+    sender = RequestSender(cache, other, peer=1, timeout=TIMEOUT)  # one message: aborted before any layer
     assert sender.start() == 0
     cache.release(other)
     with pytest.raises(TransferError, match=f"request {other} was released or swapped out after start"):
         sender.send_layer(0)
-    # a well-formed JSON header whose spec is a list
+    # a well-formed JSON header whose spec is a list, longer than a control message's frame
     channel = sender.channel
-    data = b'{"format": "dsv4kv.request-transfer/1", "spec": []}'
-    channel.send(channel.control(0x3476_7364_6B76, 1, len(data), 0, 12345), "header")  # MAGIC, HEADER
-    channel.send_bytes(data, "header")
-    words = channel.recv_control(2, "reply")  # REPLY
+    data = json.dumps({"format": FORMAT, "spec": [], "pad": "x" * 40000}).encode()  # longer than one frame
+    channel.send_message([0x3476_7364_6B76, 1, 0, 0, 12345], data, "header")  # MAGIC, HEADER
+    words, reason = channel.recv_message(2, "reply")  # REPLY
     assert words[2] == 1 and words[5] == 12345  # REFUSED, this transfer
-    assert "AttributeError" in channel.recv_bytes(words[4], "reply").decode()
+    assert "AttributeError" in reason.decode()
     assert send_request(cache, rid, peer=1, timeout=TIMEOUT) == 1
     torch.save({"state": state_bytes(cache, rid)}, os.path.join(out, "sender.pt"))
     dist.destroy_process_group()

@@ -9,24 +9,24 @@ GPUs, gloo between CPU processes; point-to-point sends and receives only, no soc
 
 The messages, in order, between one sender and one receiver (a pair's point-to-point messages arrive in order):
 
-1. header (sender -> receiver): a control word block (int64 [8]: magic, HEADER, JSON bytes, token count, transfer
-   id), the JSON (format, the spec fields of `transfer.spec_fields`, length, tensor names, bytes per layer, layers
-   per message) and the token ids (int64, when given). The receiver checks the spec, names, sizes and room *before* it allocates
-   anything, and looks its token ids up in its prefix cache.
-2. reply (receiver -> sender): ACCEPT with `skip_tokens` (the whole blocks its prefix cache holds: their pages are
-   not sent, as in `export_request(rid, skip_tokens=...)`), or REFUSED / NO_ROOM with the reason. Nothing else
-   follows a refusal.
-3. the layers, in order, in messages of consecutive layers (`message_bytes`: 32 MiB by default, or one layer per
-   message): each layer's request tensors (`LayerCache.request_tensors` order, pages from block
-   skip_tokens / page_tokens on) packed into the message's uint8 buffer, each part at a 16-byte offset, then a
-   64-byte trailer (magic, LAYER or ABORT, message index, payload bytes, transfer id, first and end layer). The
-   receiver posts every message's receive at once into staging buffers (on the cache's device for NCCL), so the
-   link never waits on the host. The sender gathers each layer when it is ready (`send_layer(i)`, any time after
-   layer i ran over the request's last plan: a prefill can send layer i while layers > i compute) and posts a
-   message's send once its last layer is in; a layer's gather is a few launches (one `index_select` per paged
-   pool, through 8-byte elements where the page size allows, and one multi-tensor copy of the slot's rows).
-   Measured on two H200s over NCCL (docs/performance.md), a 128K-token request's move took 12.8 ms where one
-   `dist.send` of the same 482 MB takes 1.54 ms; where the difference goes is not profiled yet.
+1. header (sender -> receiver): a control message (one 32 KiB frame: int64 [8] words, here magic, HEADER, token
+   count, transfer id and the text's length, then the text: the JSON of the format, the spec fields of
+   `transfer.spec_fields`, length, tensor names, bytes per layer, layers per message; a text longer than the frame
+   sends its rest in a second message), then the token ids (int64, when given). The receiver checks the spec,
+   names, sizes and room *before* it allocates anything, and looks its token ids up in its prefix cache.
+2. reply (receiver -> sender), a control message: ACCEPT with `skip_tokens` (the whole blocks its prefix cache
+   holds: their pages are not sent, as in `export_request(rid, skip_tokens=...)`), or REFUSED / NO_ROOM with the
+   reason. Nothing else follows a refusal.
+3. the layers, in order, in messages of consecutive layers (`message_bytes`: 64 MiB by default, or one layer per
+   message), then a 64-byte trailer (magic, LAYER or ABORT, message index, payload bytes, transfer id, first and
+   end layer). Inside a message the request's tensors (pages from block skip_tokens / page_tokens on) go field by
+   field, and within a field the layers stored together (`CachePools.stacks`) back to back: a *run*, which one
+   `index_select` over the group's rows (`CachePools.stack_rows`) fills, moving 8-byte elements where the rows
+   allow. The receiver posts every message's receive at once into staging buffers (on the cache's device for
+   NCCL), so the link never waits on the host. The sender gathers a whole message at once (`send_all`), or each
+   layer when it is ready (`send_layer(i)`, any time after layer i ran over the request's last plan: a prefill can
+   send layer i while layers > i compute, a launch per part), and posts a message's send once its last layer is
+   in.
 4. final reply (receiver -> sender): DONE with the receiver's request id, NO_ROOM (its prefix blocks were evicted
    or its room taken meanwhile), or FAILED (an ABORT trailer, a malformed message).
 
@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import secrets
 from dataclasses import dataclass
 from datetime import timedelta
@@ -56,20 +57,23 @@ import torch
 import torch.distributed as dist
 
 from .manager import CacheManager, RequestError
-from .pools import CachePools
+from .pools import CachePools, wide_views
 from .spec import CacheSpec
 from .swap import NoRoom
 from .transfer import RequestState, check_spec, first_block, spec_fields, tensor_names
 
 __all__ = ["RequestSender", "RequestReceiver", "TransferError", "send_request", "FORMAT"]
 
-FORMAT = "dsv4kv.request-transfer/1"
+FORMAT = "dsv4kv.request-transfer/2"
 MAGIC = 0x3476_7364_6B76  # "kvdsv4"
 HEADER, REPLY, LAYER, ABORT, FINAL = 1, 2, 3, 4, 5
 ACCEPT, REFUSED, NO_ROOM, DONE, FAILED = 0, 1, 2, 3, 4
 TRAILER = 64  # bytes: int64 [8]
+FRAME = 32 << 10  # bytes of a control message (header, replies): its words and, mostly, all its text
 ALIGN = 16
-MESSAGE_BYTES = 32 << 20  # a sender's default message size: few sends, each long enough for the link's full rate
+MESSAGE_BYTES = 64 << 20  # a sender's default message size: few sends, each long enough for the link's full rate
+# the request tensors' fields, in the order a message holds them (`LayerCache.request_tensors` names them)
+_REQUEST_FIELDS = ("entries", "index_keys", "window", "state_kv", "state_score", "index_state_kv", "index_state_score")
 
 
 class TransferError(RuntimeError):
@@ -80,7 +84,7 @@ class TransferError(RuntimeError):
 @dataclass(frozen=True)
 class _Part:
     name: str
-    offset: int  # in the layer's buffer
+    offset: int  # in its message's buffer
     dtype: torch.dtype
     shape: tuple[int, ...]
 
@@ -89,47 +93,105 @@ class _Part:
         return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
 
 
-@functools.lru_cache(maxsize=16)
-def _template(spec: CacheSpec) -> tuple[tuple[tuple[str, torch.dtype, tuple[int, ...], bool], ...], ...]:
-    """Per layer, its request tensors' (name, dtype, row shape, paged): a function of the spec, read once from pools
-    on the meta device (no memory), so a transfer pays no per-layer Python walk over a cache's tensors."""
-    pools = CachePools(spec, num_blocks=1, max_requests=1, device=torch.device("meta"))
-    names = iter(tensor_names(pools))
-    return tuple(tuple((next(names), t.dtype, tuple(t.shape[1:]), paged) for t, paged in layer.request_tensors())
-                 for layer in pools.layers)
+@dataclass(frozen=True)
+class _Run:
+    """One stack group's part (`CachePools.stacks(field)[group]`) of a message's layers, back to back from `offset`:
+    one indexing op gathers all of it (pages: the request's blocks of every layer; slot rows: its slot's)."""
 
-
-@functools.lru_cache(maxsize=64)
-def _layout(spec: CacheSpec, blocks: int) -> tuple[tuple[_Part, ...], ...]:
-    """Per layer, where each of its request tensors sits in the layer's buffer for a state of `blocks` pages."""
-    layers = []
-    for rows in _template(spec):
-        parts, offset = [], 0
-        for name, dtype, row, paged in rows:
-            part = _Part(name, offset, dtype, (blocks, *row) if paged else row)
-            parts.append(part)
-            offset += -(-part.nbytes // ALIGN) * ALIGN
-        layers.append(tuple(parts))
-    return tuple(layers)
-
-
-def _names(spec: CacheSpec) -> list[str]:
-    return [name for rows in _template(spec) for name, *_ in rows]
+    field: str
+    group: int
+    positions: tuple[int, ...]  # the layers' positions in the group's stack, in layer order
+    paged: bool
+    offset: int
+    part_bytes: int
 
 
 @dataclass(frozen=True)
 class _Message:
-    """Layers first..end-1 of a state in one buffer: each layer's parts at `offsets[i - first]`, then the trailer."""
+    """Layers first..end-1 of a state in one buffer: their parts in runs (field by field, a stack group's layers
+    together), then the trailer."""
 
     index: int
     first: int
     end: int
-    offsets: tuple[int, ...]
+    parts: tuple[tuple[_Part, ...], ...]  # per layer, `LayerCache.request_tensors` order
+    runs: tuple[_Run, ...]
     payload: int  # bytes before the trailer (a multiple of ALIGN)
 
     @property
     def nbytes(self) -> int:
         return self.payload + TRAILER
+
+
+# (name, field, dtype, row shape, paged, stack group, position in the group) of one request tensor of one layer
+_Row = tuple[str, str, torch.dtype, tuple[int, ...], bool, int, int]
+
+
+@functools.lru_cache(maxsize=16)
+def _template(spec: CacheSpec) -> tuple[tuple[_Row, ...], ...]:
+    """Per layer, its request tensors (`LayerCache.request_tensors` order) with their stack groups: a function of
+    the spec, read once from pools on the meta device (no memory), so a transfer pays no per-layer Python walk over a
+    cache's tensors."""
+    pools = CachePools(spec, num_blocks=1, max_requests=1, device=torch.device("meta"))
+    where = {}  # (field, layer) -> (group, position)
+    for field in _REQUEST_FIELDS:
+        for g, (indices, _) in enumerate(pools.stacks(field)):
+            where.update({(field, i): (g, k) for k, i in enumerate(indices)})
+    names = iter(tensor_names(pools))
+    layers = []
+    for i, layer in enumerate(pools.layers):
+        rows = []
+        for tensor, paged in layer.request_tensors():
+            name = next(names)
+            field = name.rsplit(".", 1)[1]
+            rows.append((name, field, tensor.dtype, tuple(tensor.shape[1:]), paged, *where[field, i]))
+        layers.append(tuple(rows))
+    return tuple(layers)
+
+
+def _row_bytes(row: _Row, blocks: int) -> int:
+    _, _, dtype, shape, paged, _, _ = row
+    return math.prod(shape) * dtype.itemsize * (blocks if paged else 1)
+
+
+@functools.lru_cache(maxsize=64)
+def _layer_bytes(spec: CacheSpec, blocks: int) -> tuple[int, ...]:
+    """Each layer's request bytes for a state of `blocks` pages (the header's check; messages are grouped by it)."""
+    return tuple(sum(_row_bytes(row, blocks) for row in rows) for rows in _template(spec))
+
+
+@functools.lru_cache(maxsize=64)
+def _layout(spec: CacheSpec, blocks: int, counts: tuple[int, ...]) -> tuple[_Message, ...]:
+    """The messages of a state of `blocks` pages, `counts[m]` consecutive layers in message m. Inside a message the
+    parts go field by field (`_REQUEST_FIELDS`), and within a field stack group by stack group, a group's layers
+    back to back (a `_Run`), each run at an ALIGN offset."""
+    template = _template(spec)
+    messages, first = [], 0
+    for m, count in enumerate(counts):
+        layers = range(first, first + count)
+        runs, offsets, offset = [], {}, 0
+        for field in _REQUEST_FIELDS:
+            groups: dict[int, list[int]] = {}
+            for i in layers:
+                for k, row in enumerate(template[i]):
+                    if row[1] == field:
+                        groups.setdefault(row[5], []).append((i, k))
+            for g, members in sorted(groups.items()):
+                rows = [template[i][k] for i, k in members]
+                part_bytes = _row_bytes(rows[0], blocks)
+                runs.append(_Run(field, g, tuple(row[6] for row in rows), rows[0][4], offset, part_bytes))
+                for n, (i, k) in enumerate(members):
+                    offsets[i, k] = offset + n * part_bytes
+                offset += -(-part_bytes * len(members) // ALIGN) * ALIGN
+        parts = tuple(tuple(_Part(name, offsets[i, k], dtype, (blocks, *shape) if paged else shape)
+                            for k, (name, _, dtype, shape, paged, _, _) in enumerate(template[i])) for i in layers)
+        messages.append(_Message(m, first, first + count, parts, tuple(runs), offset))
+        first += count
+    return tuple(messages)
+
+
+def _names(spec: CacheSpec) -> list[str]:
+    return [row[0] for rows in _template(spec) for row in rows]
 
 
 def _group(layer_bytes: list[int], message_bytes: int) -> list[int]:
@@ -142,22 +204,6 @@ def _group(layer_bytes: list[int], message_bytes: int) -> list[int]:
         counts[-1] += 1
         size += nbytes
     return counts
-
-
-def _messages(layers: tuple[tuple[_Part, ...], ...], counts: list[int]) -> list[_Message]:
-    messages, first = [], 0
-    for m, count in enumerate(counts):
-        offsets, offset = [], 0
-        for parts in layers[first:first + count]:
-            offsets.append(offset)
-            offset += -(-_payload_bytes(parts) // ALIGN) * ALIGN
-        messages.append(_Message(m, first, first + count, tuple(offsets), offset))
-        first += count
-    return messages
-
-
-def _payload_bytes(parts: tuple[_Part, ...]) -> int:
-    return parts[-1].offset + parts[-1].nbytes if parts else 0
 
 
 def _comm_device(cache: CacheManager, group) -> torch.device:
@@ -203,23 +249,39 @@ class _Channel:
         self.wait(self.post_recv(tensor), what)
         return tensor
 
-    def control(self, *words: int) -> torch.Tensor:
-        return torch.tensor(list(words) + [0] * (8 - len(words)), dtype=torch.int64).to(self.device)
+    def send_message(self, words: list[int], text: bytes, what: str) -> None:
+        """A control message: one FRAME of 8 int64 words (the text's length in the last) and the text's first
+        FRAME - 64 bytes; a longer text's rest follows in a second message."""
+        frame = np.zeros(FRAME, dtype=np.uint8)
+        frame[:64] = np.asarray([*words, *[0] * (7 - len(words)), len(text)], dtype=np.int64).view(np.uint8)
+        head = text[:FRAME - 64]
+        frame[64:64 + len(head)] = np.frombuffer(head, dtype=np.uint8)
+        self.send(torch.from_numpy(frame).to(self.device), what)
+        if len(text) > len(head):
+            self.send(torch.frombuffer(bytearray(text[len(head):]), dtype=torch.uint8).to(self.device), what)
 
-    def recv_control(self, kind: int, what: str) -> list[int]:
-        words = self.recv(torch.zeros(8, dtype=torch.int64, device=self.device), what).tolist()
-        if words[0] != MAGIC or words[1] != kind:
+    def post_message(self) -> tuple[torch.Tensor, object]:
+        """Post the receive of a control message now (wait for it with `wait_message`)."""
+        frame = torch.empty(FRAME, dtype=torch.uint8, device=self.device)
+        return frame, self.post_recv(frame)
+
+    def wait_message(self, posted: tuple[torch.Tensor, object], kind: int, what: str) -> tuple[list[int], bytes]:
+        """The words and text of a posted control message of `kind`; TransferError if it is not one."""
+        frame, work = posted
+        self.wait(work, what)
+        host = frame.cpu().numpy()
+        words = host[:64].view(np.int64).tolist()
+        if words[0] != MAGIC or words[1] != kind or not 0 <= words[7] <= 1 << 30:
             raise TransferError(f"{what}: a malformed message (control words {words[:3]})")
-        return words
+        n = words[7]
+        text = host[64:64 + min(n, FRAME - 64)].tobytes()
+        if n > len(text):
+            rest = self.recv(torch.empty(n - len(text), dtype=torch.uint8, device=self.device), what)
+            text += rest.cpu().numpy().tobytes()
+        return words, text
 
-    def send_bytes(self, data: bytes, what: str) -> None:
-        if data:
-            self.send(torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device), what)
-
-    def recv_bytes(self, n: int, what: str) -> bytes:
-        if not n:
-            return b""
-        return self.recv(torch.empty(n, dtype=torch.uint8, device=self.device), what).cpu().numpy().tobytes()
+    def recv_message(self, kind: int, what: str) -> tuple[list[int], bytes]:
+        return self.wait_message(self.post_message(), kind, what)
 
 
 class RequestSender:
@@ -229,7 +291,7 @@ class RequestSender:
 
     tokens: the request's token ids (at least `cache.length(rid)` of them; the receiver's prefix cache finds the
         pages it holds by them and the imported request carries them), or None (every page is sent).
-    message_bytes: consecutive layers share a message until it holds this many bytes (default 32 MiB: few sends,
+    message_bytes: consecutive layers share a message until it holds this many bytes (default 64 MiB: few sends,
         each large enough for the link's full rate); 0 sends each layer as soon as it is gathered (overlapping a
         prefill layer by layer).
     timeout: bound on each wait (default: the process group's timeout). On NCCL a wait with a timeout polls on the
@@ -259,8 +321,8 @@ class RequestSender:
         self.bytes_sent = 0
         self._next_layer = 0
         self._works: list = []  # (work, buffer) of messages in flight
-        self._layers: tuple[tuple[_Part, ...], ...] = ()
-        self._messages: list[_Message] = []
+        self._messages: tuple[_Message, ...] = ()
+        self._prepared: int | None = None  # the first block `_prepare` made the messages from
         self._buffer: torch.Tensor | None = None  # the message being gathered
 
     def start(self) -> int | NoRoom:
@@ -282,20 +344,21 @@ class RequestSender:
         self._step = self.cache.steps_planned
         spec = self.cache.spec
         blocks = spec.blocks_for(self.length)
-        layer_bytes = [_payload_bytes(p) for p in _layout(spec, blocks)]
+        layer_bytes = _layer_bytes(spec, blocks)
         counts = _group(layer_bytes, self.message_bytes)
         header = json.dumps({"format": FORMAT, "spec": spec_fields(spec), "length": self.length,
-                             "names": _names(spec), "layer_bytes": layer_bytes, "messages": counts})
+                             "names": _names(spec), "layer_bytes": list(layer_bytes), "messages": counts})
         data = header.encode()
         n = self.tokens.numel() if self.tokens is not None else 0
         ch = self.channel
-        ch.send(ch.control(MAGIC, HEADER, len(data), n, self.transfer_id), "header")
-        ch.send_bytes(data, "header")
+        ch.send_message([MAGIC, HEADER, 0, n, self.transfer_id], data, "header")
         if n:
             ch.send(self.tokens.to(ch.device), "token ids")
-        words = ch.recv_control(REPLY, "reply")
-        status, skip, reason_bytes = words[2], words[3], words[4]
-        reason = ch.recv_bytes(reason_bytes, "reply").decode(errors="replace")
+        reply = ch.post_message()
+        if self.tokens is None:  # nothing can be skipped: the messages' index is made while the header travels
+            self._prepare(blocks, 0, counts)
+        words, reason = ch.wait_message(reply, REPLY, "reply")
+        status, skip, reason = words[2], words[3], reason.decode(errors="replace")
         if status == REFUSED:
             raise ValueError(f"the receiver (rank {ch.peer}) refused the request's state: {reason}")
         if status == NO_ROOM:
@@ -308,14 +371,19 @@ class RequestSender:
         except ValueError as e:
             raise TransferError(f"reply: the receiver asked to skip {skip} tokens: {e}") from e
         self.skip_tokens = skip
-        self._layers = _layout(spec, blocks - k)
-        self._messages = _messages(self._layers, counts)
-        self._index = torch.tensor(self.cache.blocks(self.rid)[k:], dtype=torch.long, device=self.cache.device)
-        self._slot = self.cache.slot(self.rid)
-        self._trailers = torch.tensor([_trailer(LAYER, m, self.transfer_id) for m in self._messages],
-                                      dtype=torch.int64).to(ch.device)
-        self._message_of = [m for m in self._messages for _ in range(m.first, m.end)]
+        if self._prepared != k:
+            self._prepare(blocks, k, counts)
         return skip
+
+    def _prepare(self, blocks: int, k: int, counts: list[int]) -> None:
+        """The messages of the state from block k on, their index and trailers."""
+        self._messages = _layout(self.cache.spec, blocks - k, tuple(counts))
+        self._num_layers = sum(counts)
+        self._gathers = _Gathers(self.cache, self.rid, k, self._messages)
+        self._trailers = torch.tensor([_trailer(LAYER, m, self.transfer_id) for m in self._messages],
+                                      dtype=torch.int64).to(self.channel.device)
+        self._message_of = [m for m in self._messages for _ in range(m.first, m.end)]
+        self._prepared = k
 
     def send_layer(self, i: int) -> None:
         """Gather layer i's part of the request's state into its message, and post the message's send once its last
@@ -333,20 +401,7 @@ class RequestSender:
         message = self._message_of[i]
         if self._buffer is None:
             self._buffer = torch.empty(message.nbytes, dtype=torch.uint8, device=self.channel.device)
-        base = message.offsets[i - message.first]
-        dsts, srcs = [], []
-        for part, (tensor, paged) in zip(self._layers[i], self.cache.pages(i).request_tensors()):
-            dst = self._buffer[base + part.offset:base + part.offset + part.nbytes]
-            if paged:  # the request's blocks
-                _gather(tensor, self._index, dst)
-            else:  # the slot's rows, as bytes: one multi-tensor copy for the layer
-                dsts.append(dst)
-                srcs.append(tensor[self._slot].view(-1).view(torch.uint8))
-        if dsts and all(d.device == t.device for d, t in zip(dsts, srcs)):
-            torch._foreach_copy_(dsts, srcs)
-        else:
-            for d, t in zip(dsts, srcs):
-                d.copy_(t)
+        self._gathers.layer(i, message, self._buffer)
         self._next_layer += 1
         if i == message.end - 1:
             self._post(message, LAYER)
@@ -364,8 +419,22 @@ class RequestSender:
                                 f"keeps nothing)")
 
     def send_all(self) -> None:
-        for i in range(self._next_layer, len(self._layers)):
-            self.send_layer(i)
+        """Send the layers not sent yet (every layer ran over the request's last plan). A message none of whose layers
+        went by `send_layer` is gathered whole, a launch per run (stack group) instead of per layer and part."""
+        while self._next_layer < self._num_layers:
+            message = self._message_of[self._next_layer]
+            if self._next_layer != message.first:
+                self.send_layer(self._next_layer)
+                continue
+            try:
+                self._check_unchanged()
+            except TransferError:
+                self.abort()
+                raise
+            self._buffer = torch.empty(message.nbytes, dtype=torch.uint8, device=self.channel.device)
+            self._gathers.message(message, self._buffer)
+            self._next_layer = message.end
+            self._post(message, LAYER)
 
     def abort(self) -> None:
         """Stop after the layers sent so far: the message being gathered and the rest go as ABORT messages (their
@@ -373,10 +442,10 @@ class RequestSender:
         TransferError only on a fault."""
         if self.skip_tokens is None:
             raise RuntimeError("abort: nothing to abort before start() accepted")
-        if self._next_layer < len(self._layers):
+        if self._next_layer < self._num_layers:
             for message in self._messages[self._message_of[self._next_layer].index:]:
                 self._post(message, ABORT)
-        self._next_layer = len(self._layers)
+        self._next_layer = self._num_layers
         status, _, reason = self._final()
         if status != FAILED:
             raise TransferError(f"final reply: expected FAILED after an abort, got status {status} ({reason})")
@@ -385,8 +454,8 @@ class RequestSender:
         """Wait until every layer is sent and the receiver answers: its request id (-1: it took the state to import
         later, `RequestReceiver.recv_state`), or NoRoom (its room or cached prefix went meanwhile; nothing changed
         there). TransferError if it failed the transfer or on a fault."""
-        if self.skip_tokens is None or self._next_layer != len(self._layers):
-            raise RuntimeError(f"finish: {self._next_layer} of {len(self._layers)} layers sent")
+        if self.skip_tokens is None or self._next_layer != self._num_layers:
+            raise RuntimeError(f"finish: {self._next_layer} of {self._num_layers} layers sent")
         status, value, reason = self._final()
         if status == DONE:
             return value
@@ -413,31 +482,63 @@ class RequestSender:
         for i, (work, _) in enumerate(self._works):
             ch.wait(work, f"message {i}")
         self._works.clear()
-        words = ch.recv_control(FINAL, "final reply")
-        reason = ch.recv_bytes(words[4], "final reply").decode(errors="replace")
+        words, reason = ch.recv_message(FINAL, "final reply")
+        reason = reason.decode(errors="replace")
         if words[5] != self.transfer_id or words[2] not in (DONE, NO_ROOM, FAILED):
             raise TransferError(f"final reply: a malformed message (control words {words[:6]})")
         return words[2], words[3], reason
 
 
-def _wide(rows: torch.Tensor, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`rows` [N, ...] (contiguous) as [N, row] and `flat` (its destination bytes) as [n, row], in the widest integer
-    type the row bytes and both addresses allow: a gather moves elements, so 8-byte ones move 8x fewer."""
-    row = rows[0].numel() * rows.element_size()
-    for dtype in (torch.int64, torch.int32, torch.int16, torch.uint8):
-        w = dtype.itemsize
-        if row % w == 0 and rows.data_ptr() % w == 0 and flat.data_ptr() % w == 0:
-            return rows.view(rows.shape[0], -1).view(torch.uint8).view(dtype), flat.view(-1, row).view(dtype)
-    raise AssertionError("unreachable: uint8 always fits")
+class _Gathers:
+    """The sender's copies of one request's state into message buffers: by layer (`layer`, a launch per part) or by
+    message (`message`, one `index_select` per run over its stack group's rows, `CachePools.stack_rows`). Every
+    index is made on the host and copied to the device at once, and every copy moves the widest integer elements the
+    rows and addresses allow (`wide_views`)."""
+
+    def __init__(self, cache: CacheManager, rid: int, first_block: int, messages: tuple[_Message, ...]):
+        self.pools, self.slot = cache.pools, cache.slot(rid)
+        blocks = np.asarray(cache.blocks(rid)[first_block:], dtype=np.int64)
+        host, at = [blocks, np.asarray([self.slot], dtype=np.int64)], blocks.size + 1
+        self._spans = {}  # (message, run) -> its rows' span of the index
+        for message in messages:
+            for r, run in enumerate(message.runs):
+                _, per_layer = self.pools.stack_rows(run.field)[run.group]
+                positions = np.asarray(run.positions, dtype=np.int64) * per_layer
+                rows = (positions[:, None] + blocks[None, :]).ravel() if run.paged else positions + self.slot
+                host.append(rows)
+                self._spans[message.index, r] = (at, at + rows.size)
+                at += rows.size
+        self.index = torch.from_numpy(np.concatenate(host)).to(cache.device)
+        self.blocks, self.slot_index = self.index[:blocks.size], self.index[blocks.size:blocks.size + 1]
+
+    def layer(self, i: int, message: _Message, buffer: torch.Tensor) -> None:
+        """Layer i's parts into their places in `buffer` (message's), a launch per part."""
+        for part, (tensor, paged) in zip(message.parts[i - message.first], self.pools.layers[i].request_tensors()):
+            src, out = wide_views(_bytes(tensor), buffer[part.offset:part.offset + part.nbytes])
+            _select(src, self.blocks if paged else self.slot_index, out)
+
+    def message(self, message: _Message, buffer: torch.Tensor) -> None:
+        """Every part of `message` into `buffer`, a launch per run."""
+        for r, run in enumerate(message.runs):
+            rows, _ = self.pools.stack_rows(run.field)[run.group]
+            start, end = self._spans[message.index, r]
+            src = _bytes(rows)
+            src, out = wide_views(src, buffer[run.offset:run.offset + (end - start) * src.shape[1]])
+            _select(src, self.index[start:end], out)
 
 
-def _gather(pool: torch.Tensor, index: torch.Tensor, dst: torch.Tensor) -> None:
-    """dst (uint8, a staging slice) <- the bytes of pool's rows `index`, in order."""
-    src, out = _wide(pool, dst)
+def _bytes(tensor: torch.Tensor, keep: int = 1) -> torch.Tensor:
+    """`tensor` with its first `keep` dims kept and the rest flattened into bytes (uint8); the last dim is
+    contiguous in every cache tensor, so this is a view."""
+    return tensor.flatten(keep).view(torch.uint8)
+
+
+def _select(src: torch.Tensor, index: torch.Tensor, out: torch.Tensor) -> None:
+    """out (flat) <- src's rows `index`, one launch where both share a device."""
     if out.device == src.device:
-        torch.index_select(src, 0, index, out=out)
+        torch.index_select(src, 0, index, out=out.view(index.numel(), src.shape[1]))
     else:
-        out.copy_(src[index])
+        out.copy_(src[index].reshape(-1))
 
 
 def _trailer(kind: int, message: _Message, transfer_id: int) -> list[int]:
@@ -474,9 +575,8 @@ class RequestReceiver:
 
     def _recv(self, *, import_now: bool) -> int | NoRoom | RequestState:
         ch, cache = self.channel, self.cache
-        words = ch.recv_control(HEADER, "header")
+        words, data = ch.recv_message(HEADER, "header")
         transfer_id, n = words[4], words[3]
-        data = ch.recv_bytes(words[2], "header")
         tokens = ch.recv(torch.empty(n, dtype=torch.int64, device=ch.device), "token ids").cpu() if n else None
         try:
             header = json.loads(data)
@@ -499,8 +599,7 @@ class RequestReceiver:
         self._reply(REPLY, ACCEPT, skip, transfer_id)
 
         k = skip // cache.spec.page_tokens
-        layers = _layout(cache.spec, cache.spec.blocks_for(length) - k)
-        messages = _messages(layers, counts)
+        messages = _layout(cache.spec, cache.spec.blocks_for(length) - k, tuple(counts))
         buffers = [torch.empty(m.nbytes, dtype=torch.uint8, device=ch.device) for m in messages]
         works = []  # all posted at once: the link never waits on the host
         try:
@@ -511,10 +610,9 @@ class RequestReceiver:
             raise
         tensors = {}  # the state's tensors, views of the buffers, made while the bytes are on their way
         for message, buffer in zip(messages, buffers):
-            for parts, base in zip(layers[message.first:message.end], message.offsets):
+            for parts in message.parts:
                 for part in parts:
-                    start = base + part.offset
-                    tensors[part.name] = buffer[start:start + part.nbytes].view(part.dtype).view(part.shape)
+                    tensors[part.name] = buffer[part.offset:part.offset + part.nbytes].view(part.dtype).view(part.shape)
         for i, work in enumerate(works):
             try:
                 ch.wait(work, f"message {i}")
@@ -523,7 +621,7 @@ class RequestReceiver:
                 raise
         self.bytes_received += sum(b.numel() for b in buffers)
         trailers = torch.stack([b[-TRAILER:].view(torch.int64) for b in buffers]).cpu().tolist()  # one sync
-        problem = self._problem(trailers, messages, len(layers), transfer_id)
+        problem = self._problem(trailers, messages, messages[-1].end, transfer_id)
         if problem is not None:
             self._reply(FINAL, FAILED, 0, transfer_id, problem)
             raise TransferError(problem)
@@ -559,7 +657,7 @@ class RequestReceiver:
                              f"{cache.num_blocks}")
         if header.get("names") != _names(cache.spec):
             raise ValueError("the state's tensor names differ from this cache's")
-        want = [_payload_bytes(p) for p in _layout(cache.spec, cache.spec.blocks_for(length))]
+        want = list(_layer_bytes(cache.spec, cache.spec.blocks_for(length)))
         if header.get("layer_bytes") != want:
             raise ValueError(f"bytes per layer: {header.get('layer_bytes')} in the state, {want} here")
         if tokens is not None and tokens.numel() < length:
@@ -597,9 +695,7 @@ class RequestReceiver:
         return None
 
     def _reply(self, kind: int, status: int, value: int, transfer_id: int, reason: str = "") -> None:
-        data = reason.encode()
-        self.channel.send(self.channel.control(MAGIC, kind, status, value, len(data), transfer_id), "reply")
-        self.channel.send_bytes(data, "reply")
+        self.channel.send_message([MAGIC, kind, status, value, 0, transfer_id], reason.encode(), "reply")
 
 
 def send_request(cache: CacheManager, rid: int, *, peer: int, group=None, tokens=None,

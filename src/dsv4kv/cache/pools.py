@@ -17,7 +17,7 @@ import torch
 from .plan import SnapshotWrites
 from .spec import CacheSpec, LayerCacheSpec
 
-__all__ = ["LayerCache", "CachePools", "POISON_BYTE"]
+__all__ = ["LayerCache", "CachePools", "POISON_BYTE", "wide_views"]
 
 _FIELDS = ("window", "entries", "index_keys", "state_kv", "state_score", "index_state_kv", "index_state_score",
            "boundary_window", "boundary_kv", "boundary_score", "boundary_index_kv", "boundary_index_score")
@@ -26,6 +26,17 @@ _ALIGN = 256  # bytes: where each layer's tensor starts in its group's allocatio
 # 0xFF is NaN in e4m3, bf16, ue8m0 and fp32; an MXFP4 key's data byte 0xFF is a valid e2m1 pair, but its
 # 0xFF scale makes the key NaN. A read of a never-written entry in a poisoned cache cannot pass for data.
 POISON_BYTE = 0xFF
+
+
+def wide_views(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    """uint8 tensors (bytes in a contiguous last dim) viewed as the widest integer type that divides every last dim,
+    address and stride: an indexing op moves elements, so 8-byte ones move 8x fewer."""
+    for dtype in (torch.int64, torch.int32, torch.int16):
+        w = dtype.itemsize
+        if all(t.shape[-1] % w == 0 and t.data_ptr() % w == 0 and all(st % w == 0 for st in t.stride()[:-1])
+               for t in tensors):
+            return [t.view(dtype) for t in tensors]
+    return list(tensors)
 
 
 @dataclass
@@ -167,24 +178,34 @@ class CachePools:
                 scratch=snapshots,
             ))
         self._stacks: dict[str, list[tuple[tuple[int, ...], torch.Tensor]]] = {}
+        self._stack_rows: dict[str, list[tuple[torch.Tensor, int]]] = {}
         for name in _FIELDS:
             groups: dict[tuple, list[int]] = {}
             for i, layer in enumerate(self.layers):
                 if getattr(layer, name) is not None:
                     groups.setdefault(getattr(layer, name), []).append(i)
-            self._stacks[name] = []
+            self._stacks[name], self._stack_rows[name] = [], []
             for (shape, dtype, fill), indices in groups.items():
-                numel, size = math.prod(shape), torch.empty(0, dtype=dtype).element_size()
-                padded = -(-numel * size // _ALIGN) * _ALIGN // size
-                storage = torch.full((len(indices), padded), fill, dtype=dtype, device=device)
+                # each layer's rows padded to whole rows at an _ALIGN boundary: the group is then also one tensor of
+                # rows (`stack_rows`), where one index_select reaches any layer's rows
+                row_bytes = math.prod(shape[1:]) * torch.empty(0, dtype=dtype).element_size()
+                step = _ALIGN // math.gcd(row_bytes, _ALIGN)
+                rows = -(-shape[0] // step) * step
+                storage = torch.full((len(indices), rows, *shape[1:]), fill, dtype=dtype, device=device)
                 for k, i in enumerate(indices):
-                    setattr(self.layers[i], name, storage[k, :numel].view(shape))
-                self._stacks[name].append((tuple(indices), storage[:, :numel].view(len(indices), *shape)))
+                    setattr(self.layers[i], name, storage[k, :shape[0]])
+                self._stacks[name].append((tuple(indices), storage[:, :shape[0]]))
+                self._stack_rows[name].append((storage.flatten(0, 1), rows))
 
     def stacks(self, name: str) -> list[tuple[tuple[int, ...], torch.Tensor]]:
         """`LayerCache.<name>` of every layer that has one, as (layer indices, view [layers, *shape]) per group of
         layers stored together: one indexing op on a group's view reaches the rows of all its layers."""
         return self._stacks[name]
+
+    def stack_rows(self, name: str) -> list[tuple[torch.Tensor, int]]:
+        """Per group of `stacks(name)`, its storage as one tensor of rows and the rows per layer: row
+        `position * rows_per_layer + r` is row r of the group's layer at `position`."""
+        return self._stack_rows[name]
 
     @property
     def nbytes(self) -> int:
@@ -246,7 +267,12 @@ class CachePools:
         saved = []
         for layer in self.layers:
             for tensor, paged in layer.request_tensors():
-                rows = tensor[index] if paged else tensor[slot]
+                if paged:
+                    rows = torch.empty((index.numel(), *tensor.shape[1:]), dtype=tensor.dtype, device=device)
+                    pool, out = wide_views(tensor, rows)
+                    torch.index_select(pool, 0, index, out=out)
+                else:
+                    rows = tensor[slot]
                 host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=pin)
                 host.copy_(rows, non_blocking=pin)  # ordered before any later kernel on the stream
                 saved.append(host)
@@ -268,4 +294,8 @@ class CachePools:
                     tensor[slot].copy_(host, non_blocking=pin)
                 elif copy:
                     # select on the device: on the host the (asynchronous) swap-out copy may not have landed yet
-                    tensor[dst] = host.to(device, non_blocking=pin)[src]
+                    rows = host.to(device, non_blocking=pin)
+                    if len(copy) != rows.shape[0]:
+                        rows = rows[src]
+                    pool, rows = wide_views(tensor, rows.contiguous())
+                    pool.index_copy_(0, dst, rows)

@@ -117,6 +117,16 @@ class CacheSpec:
                 raise ValueError(f"page_tokens: {self.page_tokens} is not a multiple of compression ratio {ratio}")
         self.layers  # builds (and so validates) the layouts
 
+    def __hash__(self) -> int:  # once per spec: caches are keyed on specs, and the layer tuple makes it ~20 us
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = hash((self.geometry, self.kv_format, self.indexer_format, self.page_tokens))
+            object.__setattr__(self, "_hash", h)
+        return h
+
+    def __getstate__(self) -> dict:  # string hashes differ between processes: never carry one along
+        return {k: v for k, v in self.__dict__.items() if k != "_hash"}
+
     @cached_property
     def layers(self) -> tuple[LayerCacheSpec, ...]:
         g = self.geometry

@@ -34,10 +34,10 @@ from ...checks import require
 from ...engine.drafters import Drafter
 from ...geometry import ModelGeometry
 from ...model.layer import DSV4Attention, init_random_weights
-from .common import Context, check_layer, free_cuda, layer_index
+from .common import Context, check_layer, free_cuda, kernel_stage, layer_index
 from .report import Result
 from .synthetic import fill_layer
-from .timing import time_cuda
+from .timing import profile_kernels, time_cuda
 
 __all__ = ["spec", "ReplayDrafter", "SpecSizes", "SPEC", "SPEC_QUICK", "SPEC_CPU"]
 
@@ -132,7 +132,13 @@ def _time_core(ctx: Context, cache: CacheManager, layer: DSV4Attention, plan, x)
     check = check_layer(layer, x, plan, cache, "layer vs reference")
     projected = layer.project(x, plan.positions)
     attn = layer.attention_plan(plan, pages, "triton")
-    timing = time_cuda(lambda: layer.attention_core(projected, attn, pages), device=ctx.device, runs=ctx.runs)
+    core = lambda: layer.attention_core(projected, attn, pages)  # noqa: E731
+    timing = time_cuda(core, device=ctx.device, runs=ctx.runs)
+    by_stage: dict[str, float] = {}
+    for name, us in profile_kernels(core, device=ctx.device):
+        by_stage[kernel_stage(name)] = by_stage.get(kernel_stage(name), 0.0) + us
+    ctx.log(f"    {plan.num_tokens} rows: " + ", ".join(f"{stage} {us:.1f}" for stage, us in by_stage.items())
+            + " us (kernel time by stage; two streams overlap)")
     return timing.median_us, check
 
 
