@@ -21,7 +21,8 @@ import torch.multiprocessing as mp
 from dsv4kv import CacheManager, StepPlan
 from dsv4kv.cache import NoRoom
 from dsv4kv.cache.distributed import FORMAT, RequestReceiver, RequestSender, TransferError, send_request
-from dsv4kv.cache.distributed import _Gathers, _layout  # the wire layout, checked without a peer
+from dsv4kv.cache import distributed
+from dsv4kv.cache.distributed import _chunks, _Gathers, _layout  # the wire layout, checked without a peer
 from dsv4kv.geometry import ModelGeometry
 from dsv4kv.model.layer import DSV4Attention, init_random_weights
 
@@ -104,25 +105,34 @@ def assert_unchanged(cache: CacheManager, before: tuple) -> None:
 
 # --- a message's bytes, without a peer ------------------------------------------------------------
 @pytest.mark.parametrize("counts", [(4,), (1, 1, 1, 1), (3, 1), (1, 3)])
-def test_a_message_gathered_whole_or_layer_by_layer_holds_the_exported_bytes(counts):
+def test_a_message_gathered_by_chunks_or_by_layers_holds_the_exported_bytes(counts, monkeypatch):
+    monkeypatch.setattr(distributed, "CHUNK_BYTES", 1000)  # chunk boundaries split rows of every run
     cache = make("cpu")
     other = prefill(cache, 150, seed=80)  # slot 0 and the first blocks: the request's ids are not 0..n
     rid = prefill(cache, 333, seed=81)
     cache.release(other)
     state, k = cache.export_request(rid, skip_tokens=128), 1
     messages = _layout(cache.spec, cache.spec.blocks_for(333) - k, counts)
-    gathers = _Gathers(cache, rid, k, messages)
-    for message in messages:
+    gathers = _Gathers(cache, rid, k, messages, torch.device("cpu"))
+    for message, buffer in zip(messages, gathers.buffers):
         spans = sorted((part.offset, part.offset + part.nbytes) for parts in message.parts for part in parts)
         assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])) and spans[-1][1] <= message.payload
-        whole, by_layer = (torch.full((message.nbytes,), 0xFF, dtype=torch.uint8) for _ in range(2))
-        gathers.message(message, whole)
+        buffer.fill_(0xFF)
         for i in range(message.first, message.end):
-            gathers.layer(i, message, by_layer)
-        assert torch.equal(whole, by_layer)
+            gathers.layer(i, message)
+        by_layers = buffer.clone()
+        buffer.fill_(0xFF)
+        chunks = _chunks(message.nbytes)
+        assert chunks[0][0] == 0 and chunks[-1][1] == message.nbytes and len(chunks) > 1
+        for (_, end), jobs in zip(chunks, gathers.jobs[message.index]):
+            for src, index, out in jobs:
+                torch.index_select(src, 0, index, out=out.view(index.numel(), -1))
+            for a, b in spans:  # every part byte before the chunk's end is in when the chunk is sent
+                assert torch.equal(buffer[a:min(b, end)], by_layers[a:min(b, end)])
+        assert torch.equal(buffer, by_layers)
         for parts in message.parts:
             for part in parts:
-                got = whole[part.offset:part.offset + part.nbytes].view(part.dtype).view(part.shape)
+                got = buffer[part.offset:part.offset + part.nbytes].view(part.dtype).view(part.shape)
                 assert torch.equal(got.view(torch.uint8), state.tensors[part.name].view(torch.uint8)), part.name
 
 
@@ -179,7 +189,7 @@ def _sender(device: str, out: str, dead_peer: bool) -> None:
     sender = RequestSender(cache, 0, peer=1, message_bytes=0, timeout=TIMEOUT)
     sender.start()
     sender.send_layer(0)
-    sender._works[0][0].wait()  # layer 0 arrived whole
+    sender._works[0][1].wait()  # layer 0 arrived whole
     os._exit(0)  # no goodbye: the receiver sees its peer gone
 
 
@@ -247,11 +257,17 @@ def _run(rank: int, backend: str, init_file: str, out: str) -> None:
 
 @functools.lru_cache(maxsize=None)
 def reference(device: str) -> dict:
-    """The moves' continuations without a move: the same prefill and steps in one cache."""
-    plain, cached = make(device), make(device, prefix_caching=True)
-    a, b = prefill(plain, 203, seed=70), prefill(cached, 330, seed=60, tokens=TOKENS)
-    return {"moved": continued(plain, a, seed=71), "moved_state": state_bytes(plain, a),
-            "dedup": continued(cached, b, seed=72), "dedup_state": state_bytes(cached, b)}
+    """The moves' continuations without a move: the same prefill and steps in one cache, on one thread as the two
+    processes run (a CPU matmul's summation order depends on its threads)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        plain, cached = make(device), make(device, prefix_caching=True)
+        a, b = prefill(plain, 203, seed=70), prefill(cached, 330, seed=60, tokens=TOKENS)
+        return {"moved": continued(plain, a, seed=71), "moved_state": state_bytes(plain, a),
+                "dedup": continued(cached, b, seed=72), "dedup_state": state_bytes(cached, b)}
+    finally:
+        torch.set_num_threads(threads)
 
 
 BACKENDS = [pytest.param("gloo", id="gloo-cpu"),

@@ -71,7 +71,9 @@ ACCEPT, REFUSED, NO_ROOM, DONE, FAILED = 0, 1, 2, 3, 4
 TRAILER = 64  # bytes: int64 [8]
 FRAME = 32 << 10  # bytes of a control message (header, replies): its words and, mostly, all its text
 ALIGN = 16
-MESSAGE_BYTES = 64 << 20  # a sender's default message size: few sends, each long enough for the link's full rate
+MESSAGE_BYTES = 1 << 30  # a sender's default message size: a request's state is mostly one message (fewest gathers)
+CHUNK_BYTES = 64 << 20  # a message travels in sends of this many bytes (the last takes the rest), each gathered just
+# before it is posted: the link starts after the first chunk's gather, not the message's
 # the request tensors' fields, in the order a message holds them (`LayerCache.request_tensors` names them)
 _REQUEST_FIELDS = ("entries", "index_keys", "window", "state_kv", "state_score", "index_state_kv", "index_state_score")
 
@@ -320,10 +322,9 @@ class RequestSender:
         self.skip_tokens: int | None = None  # from the receiver's reply
         self.bytes_sent = 0
         self._next_layer = 0
-        self._works: list = []  # (work, buffer) of messages in flight
+        self._works: list = []  # (message index, work, buffer) of sends in flight
         self._messages: tuple[_Message, ...] = ()
         self._prepared: int | None = None  # the first block `_prepare` made the messages from
-        self._buffer: torch.Tensor | None = None  # the message being gathered
 
     def start(self) -> int | NoRoom:
         """Send the header and wait for the receiver's reply: the tokens whose pages it already holds (they are not
@@ -379,7 +380,7 @@ class RequestSender:
         """The messages of the state from block k on, their index and trailers."""
         self._messages = _layout(self.cache.spec, blocks - k, tuple(counts))
         self._num_layers = sum(counts)
-        self._gathers = _Gathers(self.cache, self.rid, k, self._messages)
+        self._gathers = _Gathers(self.cache, self.rid, k, self._messages, self.channel.device)
         self._trailers = torch.tensor([_trailer(LAYER, m, self.transfer_id) for m in self._messages],
                                       dtype=torch.int64).to(self.channel.device)
         self._message_of = [m for m in self._messages for _ in range(m.first, m.end)]
@@ -399,9 +400,7 @@ class RequestSender:
             self.abort()  # the receiver drops what came and answers FAILED: its cache is unchanged
             raise
         message = self._message_of[i]
-        if self._buffer is None:
-            self._buffer = torch.empty(message.nbytes, dtype=torch.uint8, device=self.channel.device)
-        self._gathers.layer(i, message, self._buffer)
+        self._gathers.layer(i, message)
         self._next_layer += 1
         if i == message.end - 1:
             self._post(message, LAYER)
@@ -420,7 +419,8 @@ class RequestSender:
 
     def send_all(self) -> None:
         """Send the layers not sent yet (every layer ran over the request's last plan). A message none of whose layers
-        went by `send_layer` is gathered whole, a launch per run (stack group) instead of per layer and part."""
+        went by `send_layer` is gathered chunk by chunk, a launch per run (stack group) a chunk, each chunk's send
+        posted as soon as its gathers are queued."""
         while self._next_layer < self._num_layers:
             message = self._message_of[self._next_layer]
             if self._next_layer != message.first:
@@ -431,10 +431,8 @@ class RequestSender:
             except TransferError:
                 self.abort()
                 raise
-            self._buffer = torch.empty(message.nbytes, dtype=torch.uint8, device=self.channel.device)
-            self._gathers.message(message, self._buffer)
             self._next_layer = message.end
-            self._post(message, LAYER)
+            self._post(message, LAYER, gather=True)
 
     def abort(self) -> None:
         """Stop after the layers sent so far: the message being gathered and the rest go as ABORT messages (their
@@ -464,23 +462,26 @@ class RequestSender:
             return NoRoom(what, needed, free)
         raise TransferError(f"the receiver (rank {self.channel.peer}) failed the transfer: {reason}")
 
-    def _post(self, message: _Message, kind: int) -> None:
-        buffer = self._buffer
-        if buffer is None:  # an aborted message never gathered
-            buffer = torch.empty(message.nbytes, dtype=torch.uint8, device=self.channel.device)
+    def _post(self, message: _Message, kind: int, gather: bool = False) -> None:
+        """Post `message`'s sends, chunk by chunk (`gather`: each chunk's gathers queued right before its send), with
+        a LAYER or ABORT trailer."""
+        buffer = self._gathers.buffers[message.index]
         trailer = buffer[-TRAILER:].view(torch.int64)
         trailer.copy_(self._trailers[message.index])
         if kind != LAYER:
             trailer[1] = kind
-        self._works.append((self.channel.post_send(buffer), buffer))
+        for (start, end), jobs in zip(_chunks(message.nbytes), self._gathers.jobs[message.index]):
+            if gather:
+                for src, index, out in jobs:
+                    _select(src, index, out)
+            self._works.append((message.index, self.channel.post_send(buffer[start:end]), buffer))
         self.bytes_sent += buffer.numel()
-        self._buffer = None
 
     def _final(self) -> tuple[int, int, str]:
         """Wait for the messages in flight and the receiver's final reply: (status, value, reason)."""
         ch = self.channel
-        for i, (work, _) in enumerate(self._works):
-            ch.wait(work, f"message {i}")
+        for m, work, _ in self._works:
+            ch.wait(work, f"message {m}")
         self._works.clear()
         words, reason = ch.recv_message(FINAL, "final reply")
         reason = reason.decode(errors="replace")
@@ -490,41 +491,63 @@ class RequestSender:
 
 
 class _Gathers:
-    """The sender's copies of one request's state into message buffers: by layer (`layer`, a launch per part) or by
-    message (`message`, one `index_select` per run over its stack group's rows, `CachePools.stack_rows`). Every
-    index is made on the host and copied to the device at once, and every copy moves the widest integer elements the
-    rows and addresses allow (`wide_views`)."""
+    """The sender's copies of one request's state into its message buffers (allocated here): by layer (`layer`, a
+    launch per part) or by chunk (`jobs`: one `index_select` per run a chunk overlaps, over its stack group's
+    rows, `CachePools.stack_rows`). Every index is made on the host and copied to the device at once, and every copy
+    moves the widest integer elements the rows and addresses allow (`wide_views`)."""
 
-    def __init__(self, cache: CacheManager, rid: int, first_block: int, messages: tuple[_Message, ...]):
+    def __init__(self, cache: CacheManager, rid: int, first_block: int, messages: tuple[_Message, ...],
+                 device: torch.device):
         self.pools, self.slot = cache.pools, cache.slot(rid)
+        self.buffers = [torch.empty(m.nbytes, dtype=torch.uint8, device=device) for m in messages]
         blocks = np.asarray(cache.blocks(rid)[first_block:], dtype=np.int64)
         host, at = [blocks, np.asarray([self.slot], dtype=np.int64)], blocks.size + 1
-        self._spans = {}  # (message, run) -> its rows' span of the index
+        spans = {}  # (message, run) -> its rows' span of the index
         for message in messages:
             for r, run in enumerate(message.runs):
                 _, per_layer = self.pools.stack_rows(run.field)[run.group]
                 positions = np.asarray(run.positions, dtype=np.int64) * per_layer
                 rows = (positions[:, None] + blocks[None, :]).ravel() if run.paged else positions + self.slot
                 host.append(rows)
-                self._spans[message.index, r] = (at, at + rows.size)
+                spans[message.index, r] = (at, at + rows.size)
                 at += rows.size
         self.index = torch.from_numpy(np.concatenate(host)).to(cache.device)
         self.blocks, self.slot_index = self.index[:blocks.size], self.index[blocks.size:blocks.size + 1]
+        self._spans = spans
+        self.jobs = [self._chunk_jobs(m) for m in messages]  # made now: the header's round trip hides the host time
 
-    def layer(self, i: int, message: _Message, buffer: torch.Tensor) -> None:
-        """Layer i's parts into their places in `buffer` (message's), a launch per part."""
+    def layer(self, i: int, message: _Message) -> None:
+        """Layer i's parts into their places in its message's buffer, a launch per part."""
+        buffer = self.buffers[message.index]
         for part, (tensor, paged) in zip(message.parts[i - message.first], self.pools.layers[i].request_tensors()):
             src, out = wide_views(_bytes(tensor), buffer[part.offset:part.offset + part.nbytes])
             _select(src, self.blocks if paged else self.slot_index, out)
 
-    def message(self, message: _Message, buffer: torch.Tensor) -> None:
-        """Every part of `message` into `buffer`, a launch per run."""
+    def _chunk_jobs(self, message: _Message) -> list[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]:
+        """Per chunk of `message` (`_chunks`), the (rows, index, out) selects that fill it: the rows of each run that
+        start before the chunk's end and were not in an earlier chunk's (so a row a chunk boundary splits is whole
+        before the first chunk holding part of it goes)."""
+        buffer, chunks = self.buffers[message.index], _chunks(message.nbytes)
+        jobs: list[list] = [[] for _ in chunks]
         for r, run in enumerate(message.runs):
             rows, _ = self.pools.stack_rows(run.field)[run.group]
-            start, end = self._spans[message.index, r]
             src = _bytes(rows)
-            src, out = wide_views(src, buffer[run.offset:run.offset + (end - start) * src.shape[1]])
-            _select(src, self.index[start:end], out)
+            first, end = self._spans[message.index, r]
+            row_bytes, done = src.shape[1], 0
+            for c, (_, chunk_end) in enumerate(chunks):
+                upto = min(end - first, max(0, -(-(chunk_end - run.offset) // row_bytes)))
+                if upto > done:
+                    out = buffer[run.offset + done * row_bytes:run.offset + upto * row_bytes]
+                    wide, out = wide_views(src, out)
+                    jobs[c].append((wide, self.index[first + done:first + upto], out))
+                    done = upto
+        return jobs
+
+
+def _chunks(nbytes: int) -> list[tuple[int, int]]:
+    """A message's sends: (start, end) byte ranges of CHUNK_BYTES, the last taking the rest (trailer included)."""
+    starts = list(range(0, max(nbytes - TRAILER, 1), CHUNK_BYTES))
+    return [(a, b) for a, b in zip(starts, starts[1:] + [nbytes])]
 
 
 def _bytes(tensor: torch.Tensor, keep: int = 1) -> torch.Tensor:
@@ -603,8 +626,9 @@ class RequestReceiver:
         buffers = [torch.empty(m.nbytes, dtype=torch.uint8, device=ch.device) for m in messages]
         works = []  # all posted at once: the link never waits on the host
         try:
-            for buffer in buffers:
-                works.append(ch.post_recv(buffer))
+            for message, buffer in zip(messages, buffers):
+                for start, end in _chunks(message.nbytes):
+                    works.append((message.index, ch.post_recv(buffer[start:end])))
         except TransferError:
             self._stale.append((works, buffers))
             raise
@@ -613,9 +637,9 @@ class RequestReceiver:
             for parts in message.parts:
                 for part in parts:
                     tensors[part.name] = buffer[part.offset:part.offset + part.nbytes].view(part.dtype).view(part.shape)
-        for i, work in enumerate(works):
+        for i, (m, work) in enumerate(works):
             try:
-                ch.wait(work, f"message {i}")
+                ch.wait(work, f"message {m}")
             except TransferError:
                 self._stale.append((works[i:], buffers))
                 raise
