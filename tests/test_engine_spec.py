@@ -394,6 +394,35 @@ def test_speculative_greedy_equals_plain_greedy(name, graphs):
     assert e.cache.num_live_requests == 0 and e.cache.num_used_blocks == 0
 
 
+@pytest.mark.parametrize("prefix_caching", [False, True], ids=["plain", "prefix"])
+def test_warm_up_runs_every_graph_and_leaves_the_cache_as_it_was(prefix_caching):
+    """`ModelRunner.warm_up` (what an engine capturing CUDA graphs runs when it is made; here the padded graphs run
+    eagerly): every decode and verify graph runs a full step over scratch requests in every slot, and the cache is
+    then bit for bit what it was (pools, tables, allocator, slot order, prefix cache; only its next request id moves
+    on), and serving gives plain greedy's tokens."""
+    from test_speculative_cache import state
+
+    want = dict(zip(map(tuple, prompts(PROMPTS)), plain_greedy()))
+    e = Engine.from_transformers(tiny_model(), **{**CACHE, "max_requests": 3}, decode_graph_sizes=(1, 2, 3),
+                                 speculative=replay(want, (1, 2)), draft_tokens=3, prefix_caching=prefix_caching)
+    graphs = [*e.runner.graphs.values(), *e.runner.verify_graphs.values()]
+    assert [(g.batch, g.width) for g in graphs] == [(1, 1), (2, 1), (3, 1), (1, 4), (2, 4), (3, 4)]
+    before = state(e.cache)
+    e.runner.warm_up()
+    after = state(e.cache)
+    assert all(g.captured.steps == 1 for g in graphs)
+    assert e.cache._next_rid == 3 and after["counters"][-1] == before["counters"][-1] + 3
+    before["counters"], after["counters"] = before["counters"][:-1], after["counters"][:-1]
+    for key in before:
+        x, y = before[key], after[key]
+        same = (torch.equal(x, y) if isinstance(x, torch.Tensor) else bool((x == y).all())
+                if hasattr(x, "all") else x == y)
+        assert same, f"{key} changed"
+    outputs = serve(e, prompts(PROMPTS), SamplingParams(max_new_tokens=12), ARRIVALS)
+    assert tuple(o.token_ids for o in outputs) == plain_greedy()
+    assert e.stats.accepted_tokens > 0 and e.stats.graph_steps > 0
+
+
 def test_seeded_speculative_sampling_gives_plain_samplings_tokens():
     """Sampled requests (temperature, top-k, top-p, their own seeds) with the replay drafter: each verify row draws
     with the request's next uniform, so the tokens are plain sampling's and the logprobs its own up to fp32

@@ -35,7 +35,7 @@ from .swap import NoRoom, Swapped
 from .transfer import RequestState, cached_prefix, check_state, first_block, spec_fields, tensor_names
 from .plan import EntryWrites, OutOfBlocks, SnapshotWrites, StepBuffers, StepPlan, StepStatus, host_fields, new_cache_id
 from .publish import PrefixPublisher, Publication, TokenIds, token_ids
-from .rollback import TentativeRequest, TentativeStep, max_tentative_tokens
+from .rollback import LogViews, TentativeRequest, TentativeStep, max_tentative_tokens
 
 __all__ = ["CacheManager", "RequestError"]
 
@@ -140,6 +140,7 @@ class CacheManager:
         self._tentative: TentativeStep | None = None  # the tentative step awaiting accept (or its settle), if any
         self._broken: str | None = None  # why every call raises: a settle that failed past its retryable part
         self.max_tentative_tokens = max_tentative_tokens(self.spec)
+        self._log_views = LogViews(self.pools)  # what a tentative step's undo log reaches, found once
 
     # --- lifecycle ------------------------------------------------------------------------------
     def admit(self, tokens=None) -> int | None:
@@ -453,7 +454,7 @@ class CacheManager:
             step = tentative.step = TentativeStep(
                 self._step + 1, [TentativeRequest(r, b, int(starts[b]), n, h) for b, (r, n, h)
                                  in enumerate(zip(requests, counts, held))],
-                self.pools, host, fresh, poison=self.poison)
+                self._log_views, host, fresh, poison=self.poison)
         capture_rows = 0
         if self._publisher is not None:
             if step is not None:

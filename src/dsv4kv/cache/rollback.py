@@ -46,7 +46,7 @@ from .spec import CacheSpec
 if TYPE_CHECKING:
     from .manager import _Request
 
-__all__ = ["TentativeRequest", "TentativeStep", "max_tentative_tokens"]
+__all__ = ["LogViews", "TentativeRequest", "TentativeStep", "max_tentative_tokens"]
 
 _STATE_FIELDS = ("state_kv", "state_score", "index_state_kv", "index_state_score")
 _PAGED_FIELDS = ("entries", "index_keys")
@@ -86,13 +86,41 @@ def _row_views(tensor: torch.Tensor, layout, entries: int) -> list[torch.Tensor]
     return views
 
 
+class LogViews:
+    """The views of `pools` that a tentative step logs, by addressing: the window ring's, each compressor ring's (by
+    its rows R) and each ratio's entry slots' (data and scale rows of every stack of layers that has them), and the
+    whole paged and snapshot tensors. They depend on the pools alone: the manager makes them once."""
+
+    def __init__(self, pools: CachePools):
+        self.pools = pools
+        spec0 = pools.layers[0].spec
+        self.window, self.page_tokens = spec0.window, spec0.page_tokens
+        self.window_views = [v for _, t in pools.stacks("window") for v in _row_views(t, spec0.main, self.window)]
+        self.state_views = {
+            rows: [t for name in _STATE_FIELDS for _, t in pools.stacks(name) if t.shape[2] == rows]
+            for rows in sorted({layer.spec.state_rows for layer in pools.layers if layer.spec.state_rows})}
+        self.entry_views = {}
+        for ratio in sorted({layer.spec.layer.ratio for layer in pools.layers if layer.spec.entries_per_page}):
+            views = []
+            for name in _PAGED_FIELDS:
+                for layers, t in pools.stacks(name):
+                    spec = pools.layers[layers[0]].spec
+                    if spec.layer.ratio == ratio:
+                        views += _row_views(t, spec.main if name == "entries" else spec.index,
+                                            self.page_tokens // ratio)
+            self.entry_views[ratio] = views
+        self.paged = [tensor for name in _PAGED_FIELDS for _, tensor in pools.stacks(name)]
+        self.snapshots = [tensor for name in _SNAPSHOT_FIELDS for _, tensor in pools.stacks(name)]
+        self.device = pools.layers[0].window.device
+
+
 @dataclass
 class _Rows:
     """The rows of one addressing that a step writes: the window ring (slot, pos % window), a compressor ring of R rows
     (slot, pos % R) or the entry slots of ratio m (block, offset), in every layer that has them. views: [layers, A, B, k]
-    over the pools; a, b: the rows' indices; position: the token whose write each row is (for an entry, the token that
-    completes it); row: its request's batch row; block: its block (entries) or -1; saved: the log's copies [layers, K, k]
-    of each view, taken before the layers ran."""
+    over the pools; a, b: the rows' indices (on the host, and their device copies a_d, b_d); position: the token whose
+    write each row is (for an entry, the token that completes it); row: its request's batch row; block: its block
+    (entries) or -1; saved: the log's copies [layers, K, k] of each view, taken before the layers ran."""
 
     views: list[torch.Tensor]
     a: np.ndarray
@@ -101,6 +129,9 @@ class _Rows:
     row: np.ndarray
     block: np.ndarray
     saved: list[torch.Tensor] | None = None
+    a_d: torch.Tensor | None = None
+    b_d: torch.Tensor | None = None
+    mapped: np.ndarray | None = None  # whether each row is in a block the step mapped
 
 
 class TentativeStep:
@@ -109,20 +140,20 @@ class TentativeStep:
     Args:
         step: the plan's step number.
         requests: the step's requests, in batch order.
-        pools: the cache's tensors.
+        views: the cache's tensors, as the log reaches them (`LogViews`).
         host: the plan's host index fields (`plan.host_fields`), the step's blocks mapped.
         mapped: the blocks the step maps and has not taken (in mapping order).
         poison: the cache poisons the blocks it takes: log the mapped blocks whole, then poison them.
     """
 
-    def __init__(self, step: int, requests: list[TentativeRequest], pools: CachePools, host: dict[str, np.ndarray],
+    def __init__(self, step: int, requests: list[TentativeRequest], views: LogViews, host: dict[str, np.ndarray],
                  mapped: list[int], *, poison: bool):
         self.step = step
         self.requests = {entry.request.rid: entry for entry in requests}
-        self.pools = pools
+        self.views = views
         self.mapped = list(mapped)
         self.poison = poison
-        self.device = pools.layers[0].window.device
+        self.device = views.device
         self.snapshot_takes: list[tuple[int, object]] = []  # (id, node detached or None), in take order
         self.publications: list[Publication] = []  # what the plan queued, as if every token were kept
         self.publishing: list[tuple[_Request, bool]] = []  # each request's publishing flag before the plan queued
@@ -137,7 +168,7 @@ class TentativeStep:
         self._sites = self._record(host, requests)
         if poison and self.mapped:
             blocks = self._upload(np.asarray(self.mapped))[0]
-            tensors = self._whole(_PAGED_FIELDS)
+            tensors = self.views.paged
             self._block_log = [tensor[:, blocks] for tensor in tensors]  # every copy before the first write
             try:
                 for tensor in tensors:
@@ -148,9 +179,8 @@ class TentativeStep:
 
     # --- the log ---------------------------------------------------------------------------------------
     def _record(self, host: dict[str, np.ndarray], requests: list[TentativeRequest]) -> list[_Rows]:
-        pools = self.pools
-        spec0 = pools.layers[0].spec
-        window, page = spec0.window, spec0.page_tokens
+        log = self.views
+        window = log.window
         slots = host["request_slots"]
         ends = host["seq_lens"]
         positions, token_row = host["positions"], host["token_request"]
@@ -159,29 +189,26 @@ class TentativeStep:
         # the window ring: the tokens with a ring slot (each request's last `window` tokens of the step)
         keep = host["window_slots"] >= 0
         ring = host["window_slots"][keep]
-        views = [v for _, t in pools.stacks("window") for v in _row_views(t, spec0.main, window)]
-        sites.append(_Rows(views, ring // window, ring % window, positions[keep], token_row[keep], none[keep]))
+        sites.append(_Rows(log.window_views, ring // window, ring % window, positions[keep], token_row[keep],
+                           none[keep]))
         # compressor rings: each request's last R tokens of the step, at pos % R
-        for rows in sorted({layer.spec.state_rows for layer in pools.layers if layer.spec.state_rows}):
+        for rows, views in log.state_views.items():
             keep = positions >= ends[token_row] - rows
-            views = [t for name in _STATE_FIELDS for _, t in pools.stacks(name) if t.shape[2] == rows]
             sites.append(_Rows(views, slots[token_row[keep]], positions[keep] % rows, positions[keep], token_row[keep],
                                none[keep]))
         # the entry (and indexer key) slots of the entries the step completes
-        for ratio in sorted({layer.spec.layer.ratio for layer in pools.layers if layer.spec.entries_per_page}):
-            per_page = page // ratio
+        for ratio, views in log.entry_views.items():
+            per_page = log.page_tokens // ratio
             entry_slots = host[f"slots{ratio}"]
-            views = []
-            for name in _PAGED_FIELDS:
-                for layers, t in pools.stacks(name):
-                    spec = pools.layers[layers[0]].spec
-                    if spec.layer.ratio == ratio:
-                        views += _row_views(t, spec.main if name == "entries" else spec.index, per_page)
             sites.append(_Rows(views, entry_slots // per_page, entry_slots % per_page,
                                (host[f"index{ratio}"] + 1) * ratio - 1, host[f"request{ratio}"], entry_slots // per_page))
         sites = [site for site in sites if len(site.a) and site.views]
+        mapped = np.asarray(self.mapped, dtype=np.int64)
+        for site in sites:
+            site.mapped = np.isin(site.block, mapped)
         index = self._upload(*[x for site in sites for x in (site.a, site.b)])
         for site, a, b in zip(sites, index[0::2], index[1::2]):
+            site.a_d, site.b_d = a, b  # kept: a settle that puts back every row of the site reuses them
             site.saved = [view[:, a, b] for view in site.views]
         return sites
 
@@ -191,10 +218,7 @@ class TentativeStep:
             return
         self._snapshots = list(ids)
         index = self._upload(np.asarray(ids))[0]
-        self._snapshot_log = [tensor[:, index] for tensor in self._whole(_SNAPSHOT_FIELDS)]
-
-    def _whole(self, names) -> list[torch.Tensor]:
-        return [tensor for name in names for _, tensor in self.pools.stacks(name)]
+        self._snapshot_log = [tensor.index_select(1, index) for tensor in self.views.snapshots]
 
     def _upload(self, *arrays: np.ndarray) -> list[torch.Tensor]:
         """int64 host arrays -> device tensors, in one copy (on CUDA from pinned memory, without waiting for the
@@ -277,7 +301,7 @@ class TentativeStep:
             self.undo_queue(prefix, publisher)
         if self._snapshot_log:
             ids = self._upload(np.asarray(self._snapshots))[0]
-            for tensor, saved in zip(self._whole(_SNAPSHOT_FIELDS), self._snapshot_log):
+            for tensor, saved in zip(self.views.snapshots, self._snapshot_log):
                 tensor[:, ids] = saved
         self._put_back_blocks()
 
@@ -285,7 +309,7 @@ class TentativeStep:
         """The mapped blocks' logged bytes back (with poison=True; nothing otherwise)."""
         if self._block_log:
             blocks = self._upload(np.asarray(self.mapped))[0]
-            for tensor, saved in zip(self._whole(_PAGED_FIELDS), self._block_log):
+            for tensor, saved in zip(self.views.paged, self._block_log):
                 tensor[:, blocks] = saved
 
     # --- settling ----------------------------------------------------------------------------------------
@@ -294,20 +318,20 @@ class TentativeStep:
         (per site: batch rows, positions, values) and the snapshots of kept boundaries ((request id, depth) -> row of
         the values, the values of each snapshot tensor)."""
         ends = self._ends()
-        mapped = np.asarray(self.mapped, dtype=np.int64)
-        entries = []
+        moved = []
         for site in self._sites:
-            keep = (site.position < ends[site.row]) & np.isin(site.block, mapped)
+            keep = (site.position < ends[site.row]) & site.mapped
             if keep.any():
-                a, b = self._upload(site.a[keep], site.b[keep])
-                entries.append((site, site.row[keep], site.position[keep], [view[:, a, b] for view in site.views]))
-        page = self.pools.layers[0].spec.page_tokens
+                moved.append((site, keep))
+        page = self.views.page_tokens
         kept = [p for p in self.publications
                 if p.snapshot is not None and (p.depth + 1) * page <= ends[self.requests[p.rid].row]]
-        values = []
-        if kept:
-            index = self._upload(np.asarray([p.snapshot for p in kept]))[0]
-            values = [t[:, index] for t in self._whole(_SNAPSHOT_FIELDS)]
+        # one copy of every index
+        index = self._upload(*[x for site, keep in moved for x in (site.a[keep], site.b[keep])],
+                             *([np.asarray([p.snapshot for p in kept])] if kept else []))
+        entries = [(site, site.row[keep], site.position[keep], [view[:, a, b] for view in site.views])
+                   for (site, keep), a, b in zip(moved, index[0::2], index[1::2])]
+        values = [t.index_select(1, index[-1]) for t in self.views.snapshots] if kept else []
         return entries, ({(p.rid, p.depth): i for i, p in enumerate(kept)}, values)
 
     def restore(self, host_table: np.ndarray, block_table: torch.Tensor) -> None:
@@ -320,18 +344,28 @@ class TentativeStep:
                 block_table[request.slot, entry.held:request.num_blocks] = -1
                 request.num_blocks = entry.held
         ends = self._ends()
-        mapped = np.asarray(self.mapped, dtype=np.int64)
-        masks = [(site.position >= ends[site.row]) | np.isin(site.block, mapped) for site in self._sites]
+        masks = [(site.position >= ends[site.row]) | site.mapped for site in self._sites]
         sites = [(site, m) for site, m in zip(self._sites, masks) if m.any()]  # none when every token is kept
-        index = self._upload(*[x for site, m in sites for x in (site.a[m], site.b[m], np.flatnonzero(m))])
-        for (site, _), a, b, i in zip(sites, index[0::3], index[1::3], index[2::3]):
-            for view, saved in zip(site.views, site.saved):
-                view[:, a, b] = saved[:, i]
+        # rows put back from some row to the last (every site of a one-request step: its rejected tokens, then its
+        # mapped blocks, are its last) reuse the log's index and copies, sliced; other sites upload their rows
+        first = {id(site): int(m.argmax()) for site, m in sites}
+        part = [(site, m) for site, m in sites if not m[first[id(site)]:].all()]
+        index = self._upload(*[x for site, m in part for x in (site.a[m], site.b[m], np.flatnonzero(m))])
+        parts = {id(site): (a, b, i) for (site, _), a, b, i in zip(part, index[0::3], index[1::3], index[2::3])}
+        for site, _ in sites:
+            if id(site) in parts:
+                a, b, i = parts[id(site)]
+                for view, saved in zip(site.views, site.saved):
+                    view[:, a, b] = saved.index_select(1, i)
+            else:
+                lo = first[id(site)]
+                for view, saved in zip(site.views, site.saved):
+                    view[:, site.a_d[lo:], site.b_d[lo:]] = saved[:, lo:]
         self._put_back_blocks()
         if self._snapshot_log:
             ids = self._upload(np.asarray(self._snapshots))[0]
-            for tensor, saved in zip(self._whole(_SNAPSHOT_FIELDS), self._snapshot_log):
-                tensor[:, ids] = saved
+            for tensor, saved in zip(self.views.snapshots, self._snapshot_log):
+                tensor.index_copy_(1, ids, saved)
 
     def place(self, entries: list, snapshots: tuple[dict, list], host_table: np.ndarray, kept: list[Publication]
               ) -> list[Publication]:
@@ -339,22 +373,27 @@ class TentativeStep:
         of the blocks now mapped (host_table), snapshots at the ids of the publications `kept` queued. Returns the
         publications with a snapshot id but no bytes (a boundary the plan could not capture for want of snapshots:
         the caller gives their ids back)."""
-        page = self.pools.layers[0].spec.page_tokens
+        page = self.views.page_tokens
         slot = {entry.row: entry.request.slot for entry in self.requests.values()}
-        for site, row, position, values in entries:
+        where = []
+        for site, row, position, _ in entries:
             ratio = page // site.views[0].shape[2]
             first = position + 1 - ratio  # the entry's first token
             block = host_table[np.array([slot[r] for r in row], dtype=np.int64), first // page]
-            a, b = self._upload(block, (first % page) // ratio)
-            for view, value in zip(site.views, values):
-                view[:, a, b] = value
+            where += [block, (first % page) // ratio]
         rows, values = snapshots
         found = [(p, rows.get((p.rid, p.depth))) for p in kept if p.snapshot is not None]
         pairs = [(p.snapshot, i) for p, i in found if i is not None]
         if pairs:
-            dst, src = self._upload(np.asarray([d for d, _ in pairs]), np.asarray([i for _, i in pairs]))
-            for tensor, value in zip(self._whole(_SNAPSHOT_FIELDS), values):
-                tensor[:, dst] = value[:, src]
+            where += [np.asarray([d for d, _ in pairs]), np.asarray([i for _, i in pairs])]
+        index = self._upload(*where)  # one copy of every index
+        for (site, _, _, moved), a, b in zip(entries, index[0::2], index[1::2]):
+            for view, value in zip(site.views, moved):
+                view[:, a, b] = value
+        if pairs:
+            dst, src = index[-2:]
+            for tensor, value in zip(self.views.snapshots, values):
+                tensor.index_copy_(1, dst, value.index_select(1, src))
         return [p for p, i in found if i is None]
 
     def _ends(self) -> np.ndarray:

@@ -201,6 +201,8 @@ class Engine:
         self.runner = ModelRunner(model, self.cache, graph_sizes=sizes, capture=capture and bool(sizes),
                                   max_seq_len=self.max_seq_len, verify_width=1 + draft_tokens if drafter else 0,
                                   streams=drafter is not None and drafter.needs_streams)
+        if capture and sizes:  # every decode and verify graph captured now: no served step compiles or captures
+            self.runner.warm_up()
         self.backend = "Triton kernels" if kernels else "PyTorch reference"
         self.stats = EngineStats()
         self._requests: dict[int, Request] = {}
@@ -398,8 +400,13 @@ class Engine:
             first += w.rows
         if not picked:
             return None
-        # read now: the logits may be a decode graph's buffer, which the next step overwrites
-        sampled = sample_with_logprobs(logits[picked], params, generators, uniforms)
+        # read now: the logits may be a decode graph's buffer, which the next step overwrites. A decode or verify step
+        # samples every row it asked for, in order (no gather); else the rows' index is copied without waiting for
+        # the device (indexing by a list would copy it blocking, waiting for the step's kernels)
+        if len(picked) != logits.shape[0] or picked[-1] != len(picked) - 1:
+            index = torch.from_numpy(np.asarray(picked, dtype=np.int64))
+            logits = logits[index.to(logits.device, non_blocking=True)]
+        sampled = sample_with_logprobs(logits, params, generators, uniforms)
         for w in work:
             if w.ready:
                 accepted = accepted_prefix(sampled.tokens[w.row:w.row + w.rows], w.drafts) if w.drafts else 0

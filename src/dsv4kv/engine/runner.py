@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 from typing import NamedTuple, Sequence
 
+import numpy as np
 import torch
 
 from ..cache.manager import CacheManager
@@ -108,6 +109,7 @@ class DecodeStepGraph:
         self._host_ids = torch.zeros(rows, dtype=torch.long, pin_memory=pinned)
         self._copied = torch.cuda.Event() if pinned else None
         self._expert_configs = _expert_configs(model)
+        self._layer_indices = [layer.layer_index for layer in model.attention_layers]
         self.captured = CapturedStep(capture)
 
     @property
@@ -129,30 +131,53 @@ class DecodeStepGraph:
             raise RuntimeError(f"{'decode' if self.width == 1 else 'verify'} step: {plan} (the scheduler counted "
                                "them free)")
         total = sum(counts)
+        self._stage([token for _, tokens in batch for token in tokens])
+        if self.capture and self.captured.graph is None and any(n != self.width for n in counts):
+            # the kernels take their paths from the plan's shape when captured (the indexer stacks the rows of a
+            # request that brings several): a verify graph is captured over a full step only, every request feeding
+            # `width` tokens (`warm_up` runs one before the first served step), and serves every verify step after
+            logits, streams = self._forward(plan)
+        else:
+            logits, streams = self.captured.run(lambda: self._forward(plan), plan, self._layer_indices)
+        return logits[:total], (streams[:total] if streams is not None else None)
+
+    def warm_up(self, rids: Sequence[int]) -> None:
+        """Compile this step's kernels and capture its graph (capture=True; else run it eagerly) before any served
+        step: `rids` are `batch` live requests the cache holds nothing for and no other plan awaits; each feeds
+        `width` tokens of id 0 as a tentative step, accepted with none kept, twice (the eager step, then the capture),
+        which leaves every byte, block and table of the cache as it was (cache/rollback.py)."""
+        if len(rids) != self.batch:
+            raise ValueError(f"warm_up: {len(rids)} requests for a graph of {self.batch}")
+        while self.captured.graph is None and self.captured.steps < 2:
+            plan = self.cache.plan_step([(rid, self.width) for rid in rids], buffers=self.buffers, tentative=True)
+            if isinstance(plan, OutOfBlocks):
+                return  # too few blocks for a full step: the graph is captured over the first full served step
+            try:
+                self._stage([0] * (self.batch * self.width))
+                self.captured.run(lambda: self._forward(plan), plan, self._layer_indices)
+            finally:
+                for rid in rids:
+                    self.cache.accept(rid, 0)
+            if not self.capture:
+                return
+
+    def _stage(self, tokens: list[int]) -> None:
+        """The step's token ids into the graph's input (padding rows 0), staged in pinned memory on CUDA."""
         if self._copied is not None:
             self._copied.synchronize()  # the previous step's copy may still read the staging buffer
         host = self._host_ids.numpy()
-        host[:total] = [token for _, tokens in batch for token in tokens]
-        host[total:] = 0
+        host[:len(tokens)] = tokens
+        host[len(tokens):] = 0
         self.input_ids.copy_(self._host_ids, non_blocking=self._copied is not None)
         if self._copied is not None:
             self._copied.record()
-        with _experts_implementation(self._expert_configs, "batched_mm"):
-            if self.capture and self.captured.graph is None and any(n != self.width for n in counts):
-                # the kernels take their paths from the plan's shape when captured (the indexer stacks the rows of a
-                # request that brings several): a verify graph is warmed up and captured on full steps only, every
-                # request feeding `width` tokens, and serves every verify step after
-                logits, streams = self._forward(plan)
-            else:
-                logits, streams = self.captured.run(lambda: self._forward(plan), plan,
-                                                    [layer.layer_index for layer in self.model.attention_layers])
-        return logits[:total], (streams[:total] if streams is not None else None)
 
     def _forward(self, plan) -> tuple[torch.Tensor, torch.Tensor | None]:
-        if not self.streams:
-            return self.model.logits(self.model(self.input_ids, plan, self.cache)), None
-        streams = final_streams(self.model, self.input_ids, plan, self.cache)
-        return self.model.logits(head(self.model, streams)), streams
+        with _experts_implementation(self._expert_configs, "batched_mm"):  # set only where Python runs: not a replay
+            if not self.streams:
+                return self.model.logits(self.model(self.input_ids, plan, self.cache)), None
+            streams = final_streams(self.model, self.input_ids, plan, self.cache)
+            return self.model.logits(head(self.model, streams)), streams
 
 
 class ModelRunner:
@@ -183,6 +208,26 @@ class ModelRunner:
                                                  width=verify_width, streams=streams)
                               for b in (sizes if verify_width > 1 else ())}
 
+    def warm_up(self) -> None:
+        """Compile every graph's kernels and capture its CUDA graph (capture=False: run each once, eagerly) before
+        any served step, so that no served step compiles or captures: each graph runs full steps over scratch
+        requests (`DecodeStepGraph.warm_up`), admitted into every free slot and then released in the same order, so
+        the cache is left as it was (its request ids go on past the scratch ones). A graph larger than the free slots,
+        or than the free blocks take, is left to be captured over its first full served step."""
+        graphs = [*self.graphs.values(), *self.verify_graphs.values()]
+        if not graphs:
+            return
+        rids = []
+        try:
+            while (rid := self.cache.admit()) is not None:
+                rids.append(rid)
+            for graph in graphs:
+                if graph.batch <= len(rids):
+                    graph.warm_up(rids[:graph.batch])
+        finally:
+            for rid in rids:
+                self.cache.release(rid)
+
     def graph_for(self, num_requests: int, width: int = 1) -> DecodeStepGraph | None:
         """The graph serving a decode step (width 1) or a verify step whose requests feed at most `width` tokens."""
         graphs = self.graphs if width == 1 else self.verify_graphs
@@ -201,24 +246,25 @@ class ModelRunner:
         self.last_graph = graph is not None
         if graph is not None:
             logits, streams = graph.run(batch)
-            if width == 1:
-                return StepLogits(logits, streams)
-            return StepLogits(logits[self._last_rows(counts, rows, logits.device)], streams)
+            # a decode or verify step asks for every row it feeds (a verify's drafts and a plain decode's one token)
+            return StepLogits(logits if rows == counts else logits[self._last_rows(counts, rows, logits.device)],
+                              streams)
         plan = self.cache.plan_step([(rid, n) for (rid, _), n in zip(batch, counts)], tentative=tentative)
         if isinstance(plan, OutOfBlocks):
             raise RuntimeError(f"step: {plan} (the scheduler counted them free)")
         flat = [token for _, tokens in batch for token in tokens]
-        input_ids = torch.tensor(flat, dtype=torch.long).to(self.cache.device)
-        index = self._last_rows(counts, rows, self.cache.device)
+        input_ids = torch.tensor(flat, dtype=torch.long).to(self.cache.device, non_blocking=True)
+        index = None if rows == counts else self._last_rows(counts, rows, self.cache.device)
         if not self.streams:
             hidden = self.model(input_ids, plan, self.cache)  # [N, hidden]
-            return StepLogits(self.model.logits(hidden[index]), None)
+            return StepLogits(self.model.logits(hidden if index is None else hidden[index]), None)
         streams = final_streams(self.model, input_ids, plan, self.cache)  # [N, hc, hidden]
-        return StepLogits(self.model.logits(head(self.model, streams[index])), streams)
+        return StepLogits(self.model.logits(head(self.model, streams if index is None else streams[index])), streams)
 
     @staticmethod
     def _last_rows(counts: Sequence[int], rows: Sequence[int], device) -> torch.Tensor:
-        """The indices of each request's last rows[b] token rows (requests' rows contiguous, in order)."""
-        ends = torch.tensor(counts).cumsum(0)
-        index = torch.cat([torch.arange(end - r, end) for end, r in zip(ends.tolist(), rows)])
-        return index.to(device)
+        """The indices of each request's last rows[b] token rows (requests' rows contiguous, in order), built on the
+        host and copied without waiting for the device (a blocking copy would wait for the step's kernels)."""
+        ends = np.cumsum(counts)
+        index = np.concatenate([np.arange(end - r, end) for end, r in zip(ends.tolist(), rows)])
+        return torch.from_numpy(index).to(device, non_blocking=True)
