@@ -102,8 +102,8 @@ def _no_room(rank: int, init_file: str, out: str) -> None:
         cache.admit()  # its only slot is taken
         before = (cache.request_ids(), cache.num_free_blocks)
         answers = []
-        for receiver in (RequestReceiver(cache, peer=0, group=groups.transfer),
-                         RoomAtHeader(cache, peer=0, group=groups.transfer)):
+        for receiver in (RequestReceiver(cache, peer=0, group=groups.transfer, control_group=groups.control),
+                         RoomAtHeader(cache, peer=0, group=groups.transfer, control_group=groups.control)):
             words = torch.zeros(8, dtype=torch.int64)
             dist.recv(words, 0, group=groups.control)
             kind, _, prompt_len, params_len = words.tolist()[:4]

@@ -136,7 +136,22 @@ def test_a_message_gathered_by_chunks_or_by_layers_holds_the_exported_bytes(coun
                 assert torch.equal(got.view(torch.uint8), state.tensors[part.name].view(torch.uint8)), part.name
 
 
-# --- the two sides -------------------------------------------------------------------------------
+# --- the two sides ----------------------------------------------------------------------------------
+CONTROL: dict = {}  # this process's control group: gloo beside NCCL, else none (the default group carries all)
+
+
+def new_sender(*args, **kw) -> RequestSender:
+    return RequestSender(*args, control_group=CONTROL.get("group"), **kw)
+
+
+def new_receiver(*args, **kw) -> RequestReceiver:
+    return RequestReceiver(*args, control_group=CONTROL.get("group"), **kw)
+
+
+def send_whole(*args, **kw):
+    return send_request(*args, control_group=CONTROL.get("group"), **kw)
+
+
 def _sender(device: str, out: str, dead_peer: bool) -> None:
     results = {}
     cache = make(device)
@@ -144,16 +159,16 @@ def _sender(device: str, out: str, dead_peer: bool) -> None:
     before = snapshot(cache)
     # refused (another spec there), no room there: nothing sent
     with pytest.raises(ValueError, match="refused the request's state: .*kv_format: fp8 in the state, bf16 here"):
-        RequestSender(cache, rid, peer=1, timeout=TIMEOUT).start()
-    answer = send_request(cache, rid, peer=1, timeout=TIMEOUT)
+        new_sender(cache, rid, peer=1, timeout=TIMEOUT).start()
+    answer = send_whole(cache, rid, peer=1, timeout=TIMEOUT)
     assert isinstance(answer, NoRoom) and answer.resource == "request slots"
     # an explicit abort after two of four layers (one message each); then a malformed message 1
-    sender = RequestSender(cache, rid, peer=1, message_bytes=0, timeout=TIMEOUT)
+    sender = new_sender(cache, rid, peer=1, message_bytes=0, timeout=TIMEOUT)
     assert sender.start() == 0
     sender.send_layer(0)
     sender.send_layer(1)
     sender.abort()
-    sender = RequestSender(cache, rid, peer=1, message_bytes=0, timeout=TIMEOUT)
+    sender = new_sender(cache, rid, peer=1, message_bytes=0, timeout=TIMEOUT)
     sender.start()
     sender._trailers[1, 2] = 7  # message 1's trailer says message 7
     sender.send_all()
@@ -161,7 +176,7 @@ def _sender(device: str, out: str, dead_peer: bool) -> None:
         sender.finish()
     assert_unchanged(cache, before)  # a sender only reads its cache
     # the pair is still in step: the whole request moves; both continue
-    assert send_request(cache, rid, peer=1, timeout=TIMEOUT) == 1  # the receiver's 2nd (its 1st is busy)
+    assert send_whole(cache, rid, peer=1, timeout=TIMEOUT) == 1  # the receiver's 2nd (its 1st is busy)
     results["moved"] = continued(cache, rid, seed=71)
     results["moved_state"] = state_bytes(cache, rid)
 
@@ -170,7 +185,7 @@ def _sender(device: str, out: str, dead_peer: bool) -> None:
     senders = []
 
     def last_chunk(rid: int):  # one message: each layer's parts go into their runs as the layer runs
-        sender = RequestSender(cached, rid, peer=1, tokens=TOKENS, timeout=TIMEOUT)
+        sender = new_sender(cached, rid, peer=1, tokens=TOKENS, timeout=TIMEOUT)
         assert sender.start() == 256  # the header carries the length after this chunk
         senders.append(sender)
         return sender.send_layer
@@ -186,7 +201,7 @@ def _sender(device: str, out: str, dead_peer: bool) -> None:
     if not dead_peer:
         return
     # the sender leaves after the header and one layer
-    sender = RequestSender(cache, 0, peer=1, message_bytes=0, timeout=TIMEOUT)
+    sender = new_sender(cache, 0, peer=1, message_bytes=0, timeout=TIMEOUT)
     sender.start()
     sender.send_layer(0)
     sender._works[0][1].wait()  # layer 0 arrived whole
@@ -198,18 +213,18 @@ def _receiver(device: str, out: str, dead_peer: bool) -> None:
     other = make(device, kv_format="bf16")
     before = snapshot(other)
     with pytest.raises(ValueError, match="kv_format: fp8 in the state, bf16 here"):
-        RequestReceiver(other, peer=0, timeout=TIMEOUT).recv()
+        new_receiver(other, peer=0, timeout=TIMEOUT).recv()
     assert_unchanged(other, before)
     full = make(device, max_requests=1)
     full.admit()
     before = snapshot(full)
-    assert isinstance(RequestReceiver(full, peer=0, timeout=TIMEOUT).recv(), NoRoom)
+    assert isinstance(new_receiver(full, peer=0, timeout=TIMEOUT).recv(), NoRoom)
     assert_unchanged(full, before)
 
     cache = make(device)
     busy = cache.admit()
     assert cache.plan_step([(busy, 150)])  # slot 0 and the first blocks are taken: other ids than the sender's
-    receiver = RequestReceiver(cache, peer=0, timeout=TIMEOUT)
+    receiver = new_receiver(cache, peer=0, timeout=TIMEOUT)
     before = snapshot(cache)
     with pytest.raises(TransferError, match="the sender aborted the transfer after 2 of 4 layers"):
         receiver.recv()
@@ -225,7 +240,7 @@ def _receiver(device: str, out: str, dead_peer: bool) -> None:
     cached = make(device, prefix_caching=True, max_requests=3)
     cached.release(prefill(cached, 300, seed=60, tokens=TOKENS[:300]))
     free = cached.num_free_blocks
-    got = RequestReceiver(cached, peer=0, timeout=TIMEOUT).recv()
+    got = new_receiver(cached, peer=0, timeout=TIMEOUT).recv()
     assert cached.length(got) == 330 and cached.num_free_blocks == free - 3  # 2 cached blocks taken, 1 fresh
     results["dedup"] = continued(cached, got, seed=72)
     results["dedup_state"] = state_bytes(cached, got)
@@ -245,6 +260,8 @@ def _init(rank: int, backend: str, init_file: str) -> str:
     if backend == "nccl":
         torch.cuda.set_device(rank)
     dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=2, timeout=TIMEOUT)
+    if backend == "nccl":  # control messages over gloo beside NCCL's bytes, as PrefillRouter sends them
+        CONTROL["group"] = dist.new_group([0, 1], backend="gloo")
     return "cpu" if backend == "gloo" else f"cuda:{rank}"
 
 
@@ -295,14 +312,14 @@ def _receiver_leaves(rank: int, backend: str, init_file: str, out: str) -> None:
     """The receiver accepts, then leaves before any layer arrives: the sender's request stays live and servable."""
     device = _init(rank, backend, init_file)
     if rank == 1:
-        channel = RequestReceiver(make(device), peer=0, timeout=TIMEOUT).channel
+        channel = new_receiver(make(device), peer=0, timeout=TIMEOUT).control
         words, _ = channel.recv_message(1, "header")  # HEADER
         channel.send_message([words[0], 2, 0, 0, 0, words[4]], b"", "reply")  # REPLY: ACCEPT, skip 0
         os._exit(0)
     cache = make(device)
     rid = prefill(cache, 203, seed=70)
     before = snapshot(cache)
-    sender = RequestSender(cache, rid, peer=1, timeout=TIMEOUT)
+    sender = new_sender(cache, rid, peer=1, timeout=TIMEOUT)
     assert sender.start() == 0
     with pytest.raises(TransferError):
         sender.send_all()
@@ -349,7 +366,7 @@ def _guarded(rank: int, backend: str, init_file: str, out: str) -> None:
         cache = make(device)
         busy = cache.admit()
         assert cache.plan_step([(busy, 150)])
-        receiver = RequestReceiver(cache, peer=0, timeout=TIMEOUT)
+        receiver = new_receiver(cache, peer=0, timeout=TIMEOUT)
         before = snapshot(cache)
         for match in ("aborted the transfer after 1 of 4 layers", "aborted the transfer after 0 of 4 layers",
                       r"a malformed header: AttributeError"):
@@ -366,28 +383,28 @@ def _guarded(rank: int, backend: str, init_file: str, out: str) -> None:
     plan = cache.plan_step([(rid, 3)], tentative=True)
     run(cache, plan, hidden(5, 3, cache.device))
     with pytest.raises(RequestError, match=r"start: a tentative step awaits accept\(\) of requests \[0\]"):
-        RequestSender(cache, rid, peer=1, timeout=TIMEOUT).start()
+        new_sender(cache, rid, peer=1, timeout=TIMEOUT).start()
     cache.accept(rid, 1)  # settled: 204 tokens
-    sender = RequestSender(cache, rid, peer=1, message_bytes=0, timeout=TIMEOUT)
+    sender = new_sender(cache, rid, peer=1, message_bytes=0, timeout=TIMEOUT)
     assert sender.start() == 0 and sender.length == 204
     sender.send_layer(0)
     run(cache, cache.plan_step([(rid, 1)]), hidden(6, 1, cache.device))  # a decode step: 205 tokens, new bytes
     with pytest.raises(TransferError, match=r"a step was planned after start\(\) \(steps_planned 4 then 5\)"):
         sender.send_layer(1)
     other = prefill(cache, 131, seed=71)
-    sender = RequestSender(cache, other, peer=1, timeout=TIMEOUT)  # one message: aborted before any layer
+    sender = new_sender(cache, other, peer=1, timeout=TIMEOUT)  # one message: aborted before any layer
     assert sender.start() == 0
     cache.release(other)
     with pytest.raises(TransferError, match=f"request {other} was released or swapped out after start"):
         sender.send_layer(0)
     # a well-formed JSON header whose spec is a list, longer than a control message's frame
-    channel = sender.channel
+    channel = sender.control
     data = json.dumps({"format": FORMAT, "spec": [], "pad": "x" * 40000}).encode()  # longer than one frame
     channel.send_message([0x3476_7364_6B76, 1, 0, 0, 12345], data, "header")  # MAGIC, HEADER
     words, reason = channel.recv_message(2, "reply")  # REPLY
     assert words[2] == 1 and words[5] == 12345  # REFUSED, this transfer
     assert "AttributeError" in reason.decode()
-    assert send_request(cache, rid, peer=1, timeout=TIMEOUT) == 1
+    assert send_whole(cache, rid, peer=1, timeout=TIMEOUT) == 1
     torch.save({"state": state_bytes(cache, rid)}, os.path.join(out, "sender.pt"))
     dist.destroy_process_group()
 

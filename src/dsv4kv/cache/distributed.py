@@ -69,6 +69,7 @@ MAGIC = 0x3476_7364_6B76  # "kvdsv4"
 HEADER, REPLY, LAYER, ABORT, FINAL = 1, 2, 3, 4, 5
 ACCEPT, REFUSED, NO_ROOM, DONE, FAILED = 0, 1, 2, 3, 4
 TRAILER = 64  # bytes: int64 [8]
+CONTROL_TAG = 0x4B56  # the control messages' tag ("KV")
 FRAME = 32 << 10  # bytes of a control message (header, replies): its words and, mostly, all its text
 ALIGN = 16
 MESSAGE_BYTES = 1 << 30  # a sender's default message size: a request's state is mostly one message (fewest gathers)
@@ -213,26 +214,36 @@ def _comm_device(cache: CacheManager, group) -> torch.device:
     return cache.device if dist.get_backend(group) == "nccl" else torch.device("cpu")
 
 
-class _Channel:
-    """Point-to-point messages with one peer, each wait bounded by `timeout`; a failed one raises TransferError."""
+def _channels(cache: CacheManager, peer: int, group, control_group, timeout) -> tuple["_Channel", "_Channel"]:
+    """The bulk channel (token ids, the layers' messages) on `group` and the control channel (header, replies) on
+    `control_group` (default: `group`), under its own tag so other traffic on a shared group cannot be mistaken for
+    it."""
+    control_group = group if control_group is None else control_group
+    return (_Channel(peer, group, _comm_device(cache, group), timeout),
+            _Channel(peer, control_group, _comm_device(cache, control_group), timeout, tag=CONTROL_TAG))
 
-    def __init__(self, peer: int, group, device: torch.device, timeout: timedelta | None):
+
+class _Channel:
+    """Point-to-point messages with one peer under one tag, each wait bounded by `timeout`; a failed one raises
+    TransferError."""
+
+    def __init__(self, peer: int, group, device: torch.device, timeout: timedelta | None, tag: int = 0):
         if isinstance(peer, bool) or not isinstance(peer, int) or peer < 0:
             raise ValueError(f"peer: expected a rank >= 0, got {peer!r}")
         if not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialized: call init_process_group first")
-        self.peer, self.group, self.device = peer, group, device
+        self.peer, self.group, self.device, self.tag = peer, group, device, tag
         self.timeout = timeout if timeout is not None else timedelta(0)  # 0: the group's own timeout
 
     def post_send(self, tensor: torch.Tensor):
         try:
-            return dist.isend(tensor, self.peer, group=self.group)
+            return dist.isend(tensor, self.peer, group=self.group, tag=self.tag)
         except Exception as e:  # a pair already closed fails at once
             raise TransferError(f"send to rank {self.peer}: {type(e).__name__}: {e}") from e
 
     def post_recv(self, tensor: torch.Tensor):
         try:
-            return dist.irecv(tensor, self.peer, group=self.group)
+            return dist.irecv(tensor, self.peer, group=self.group, tag=self.tag)
         except Exception as e:
             raise TransferError(f"receive from rank {self.peer}: {type(e).__name__}: {e}") from e
 
@@ -293,14 +304,18 @@ class RequestSender:
 
     tokens: the request's token ids (at least `cache.length(rid)` of them; the receiver's prefix cache finds the
         pages it holds by them and the imported request carries them), or None (every page is sent).
-    message_bytes: consecutive layers share a message until it holds this many bytes (default 64 MiB: few sends,
-        each large enough for the link's full rate); 0 sends each layer as soon as it is gathered (overlapping a
-        prefill layer by layer).
+    group: the process group of the bulk bytes (token ids, the layers; default: the world's).
+    control_group: the group of the small control messages (header, replies), default `group`. With NCCL bulk, a gloo
+        group here keeps the round trips on the hosts (no kernel launch or device sync per message): the transfer
+        starts sooner. The receiver must pass the same pair.
+    message_bytes: consecutive layers share a message until it holds this many bytes (default 1 GiB: a request's
+        state is mostly one message, sent in CHUNK_BYTES sends); 0 sends each layer as soon as it is gathered
+        (overlapping a prefill layer by layer).
     timeout: bound on each wait (default: the process group's timeout). On NCCL a wait with a timeout polls on the
         host until the operation is done; leave it None where the transfer's speed matters.
     """
 
-    def __init__(self, cache: CacheManager, rid: int, *, peer: int, group=None, tokens=None,
+    def __init__(self, cache: CacheManager, rid: int, *, peer: int, group=None, control_group=None, tokens=None,
                  message_bytes: int = MESSAGE_BYTES, timeout: timedelta | None = None):
         if not isinstance(cache, CacheManager):
             raise TypeError(f"cache: expected a CacheManager, got {type(cache).__name__}")
@@ -317,7 +332,7 @@ class RequestSender:
         if isinstance(message_bytes, bool) or not isinstance(message_bytes, int) or message_bytes < 0:
             raise ValueError(f"message_bytes: expected an int >= 0, got {message_bytes!r}")
         self.message_bytes = message_bytes
-        self.channel = _Channel(peer, group, _comm_device(cache, group), timeout)
+        self.channel, self.control = _channels(cache, peer, group, control_group, timeout)
         self.transfer_id = secrets.randbits(62)
         self.skip_tokens: int | None = None  # from the receiver's reply
         self.bytes_sent = 0
@@ -351,10 +366,10 @@ class RequestSender:
                              "names": _names(spec), "layer_bytes": list(layer_bytes), "messages": counts})
         data = header.encode()
         n = self.tokens.numel() if self.tokens is not None else 0
-        ch = self.channel
+        ch = self.control
         ch.send_message([MAGIC, HEADER, 0, n, self.transfer_id], data, "header")
         if n:
-            ch.send(self.tokens.to(ch.device), "token ids")
+            self.channel.send(self.tokens.to(self.channel.device), "token ids")
         reply = ch.post_message()
         if self.tokens is None:  # nothing can be skipped: the messages' index is made while the header travels
             self._prepare(blocks, 0, counts)
@@ -479,11 +494,10 @@ class RequestSender:
 
     def _final(self) -> tuple[int, int, str]:
         """Wait for the messages in flight and the receiver's final reply: (status, value, reason)."""
-        ch = self.channel
         for m, work, _ in self._works:
-            ch.wait(work, f"message {m}")
+            self.channel.wait(work, f"message {m}")
         self._works.clear()
-        words, reason = ch.recv_message(FINAL, "final reply")
+        words, reason = self.control.recv_message(FINAL, "final reply")
         reason = reason.decode(errors="replace")
         if words[5] != self.transfer_id or words[2] not in (DONE, NO_ROOM, FAILED):
             raise TransferError(f"final reply: a malformed message (control words {words[:6]})")
@@ -571,15 +585,17 @@ def _trailer(kind: int, message: _Message, transfer_id: int) -> list[int]:
 class RequestReceiver:
     """Receives requests' cache states from rank `peer` into `cache`, one `recv()` per request.
 
+    group, control_group: as the sender's (the same pair on both sides).
     timeout: bound on each wait (default: the process group's timeout; see `RequestSender`). A receive that failed
         keeps its posted buffers here (the backend may still write them) until the receiver is dropped.
     """
 
-    def __init__(self, cache: CacheManager, *, peer: int, group=None, timeout: timedelta | None = None):
+    def __init__(self, cache: CacheManager, *, peer: int, group=None, control_group=None,
+                 timeout: timedelta | None = None):
         if not isinstance(cache, CacheManager):
             raise TypeError(f"cache: expected a CacheManager, got {type(cache).__name__}")
         self.cache = cache
-        self.channel = _Channel(peer, group, _comm_device(cache, group), timeout)
+        self.channel, self.control = _channels(cache, peer, group, control_group, timeout)
         self.bytes_received = 0
         self._stale: list = []
 
@@ -598,7 +614,7 @@ class RequestReceiver:
 
     def _recv(self, *, import_now: bool) -> int | NoRoom | RequestState:
         ch, cache = self.channel, self.cache
-        words, data = ch.recv_message(HEADER, "header")
+        words, data = self.control.recv_message(HEADER, "header")
         transfer_id, n = words[4], words[3]
         tokens = ch.recv(torch.empty(n, dtype=torch.int64, device=ch.device), "token ids").cpu() if n else None
         try:
@@ -719,15 +735,15 @@ class RequestReceiver:
         return None
 
     def _reply(self, kind: int, status: int, value: int, transfer_id: int, reason: str = "") -> None:
-        self.channel.send_message([MAGIC, kind, status, value, 0, transfer_id], reason.encode(), "reply")
+        self.control.send_message([MAGIC, kind, status, value, 0, transfer_id], reason.encode(), "reply")
 
 
-def send_request(cache: CacheManager, rid: int, *, peer: int, group=None, tokens=None,
+def send_request(cache: CacheManager, rid: int, *, peer: int, group=None, control_group=None, tokens=None,
                  message_bytes: int = MESSAGE_BYTES, timeout: timedelta | None = None) -> int | NoRoom:
     """Send live request `rid` whole (`RequestSender`: start, every layer, finish): the receiver's request id, or
     NoRoom. The request stays live here."""
-    sender = RequestSender(cache, rid, peer=peer, group=group, tokens=tokens, message_bytes=message_bytes,
-                           timeout=timeout)
+    sender = RequestSender(cache, rid, peer=peer, group=group, control_group=control_group, tokens=tokens,
+                           message_bytes=message_bytes, timeout=timeout)
     answer = sender.start()
     if isinstance(answer, NoRoom):
         return answer

@@ -254,7 +254,7 @@ class PrefillRouter:
         ch.send_bytes(data)
         ch.send(torch.tensor(route.prompt, dtype=torch.int64))
         sender = RequestSender(self.engine.cache, cache_id, peer=self.groups.decode_rank, group=self.groups.transfer,
-                               tokens=route.prompt, timeout=self.timeout)
+                               control_group=self.groups.control, tokens=route.prompt, timeout=self.timeout)
         try:
             answer = sender.start()
             if not isinstance(answer, NoRoom):
@@ -313,7 +313,7 @@ class DecodeWorker:
         self.engine = engine
         self.control = _Control(groups.prefill_rank, groups.control)
         self.receiver = RequestReceiver(engine.cache, peer=groups.prefill_rank, group=groups.transfer,
-                                        timeout=timeout)
+                                        control_group=groups.control, timeout=timeout)
         self.received = 0  # requests taken
         self.failed = 0  # transfers that failed (the router keeps those requests)
         self._keys: dict[int, int] = {}  # decode engine id -> router id

@@ -125,7 +125,8 @@ def _bandwidth(rank: int, device: torch.device, sizes: TransferSizes, barrier) -
     out["state_bytes"] = int(state_bytes)
     buffer = torch.empty(int(state_bytes), dtype=torch.uint8, device=device)
     times = {"nccl": [], "transfer": [], "move": []}
-    receiver = RequestReceiver(cache, peer=0) if rank == 1 else None
+    # the control messages over the gloo group, the bytes over NCCL (as engine/disaggregated.py's roles send them)
+    receiver = RequestReceiver(cache, peer=0, control_group=barrier) if rank == 1 else None
     for run in range(sizes.runs + 1):  # run 0 warms up (the NCCL communicator, the caching allocator)
         for kind in ("nccl", "transfer", "move"):
             dist.barrier(group=barrier)
@@ -134,7 +135,7 @@ def _bandwidth(rank: int, device: torch.device, sizes: TransferSizes, barrier) -
                 if kind == "nccl":
                     dist.send(buffer, 1)
                 else:
-                    sender = RequestSender(cache, rid, peer=1)
+                    sender = RequestSender(cache, rid, peer=1, control_group=barrier)
                     sender.start()
                     sender.send_all()
                     sender.finish()
