@@ -40,6 +40,10 @@ M = TINY.layers[1].ratio
 FORMATS = ("mxfp4", "fp8", "bf16")
 # |kernel - reference| relative to the row's max |score| and to the score's own terms (measured: see report)
 ROW_TOL, TERM_TOL = 1e-4, 2e-6  # row-max measure: 1.6e-5 seen on the H200 where a score nearly cancels
+# MXFP4 keys on the per-key-scale FP8 path (`IndexerTuning.fp8_key_scale`, the default) on a GPU: ops/indexer/
+# kernel.py's tolerance, 2^-10 of the terms (the FP8 MMA's ~13-bit accumulation) and of the row's largest |score|.
+# Under the interpreter that path's sums are fp32, and ROW_TOL / TERM_TOL hold (where no key value is rounded)
+KEY_SCALE_TOL = 2.0 ** -10
 # Stacked kernel tiles small enough that interpreter-sized cases cross every boundary: 4-row blocks, 16-entry tiles,
 # 32-entry chunks, 16-column -inf stores (fill_elems // block_t)
 SMALL_STACK = Tiles(block_t=4, block_j=16, max_iters=2, num_warps=4, num_stages=1)
@@ -142,20 +146,28 @@ def score_error(got, reference_and_size):
     return float(by_row), float(by_terms)
 
 
-def assert_close_scores(got, reference_and_size):
+def tolerance(key_scale=False):
+    """(row, terms) tolerance of a case: KEY_SCALE_TOL where MXFP4 keys take the per-key-scale FP8 path on a GPU
+    (key_scale: the case's keys are MXFP4 and its tuning leaves `fp8_key_scale` on), else ROW_TOL, TERM_TOL."""
+    return (KEY_SCALE_TOL, KEY_SCALE_TOL) if key_scale and DEVICE.type == "cuda" else (ROW_TOL, TERM_TOL)
+
+
+def assert_close_scores(got, reference_and_size, key_scale=False):
     by_row, by_terms = score_error(got, reference_and_size)
-    assert by_row <= ROW_TOL and by_terms <= TERM_TOL, (by_row, by_terms)
+    row_tol, term_tol = tolerance(key_scale)
+    assert by_row <= row_tol and by_terms <= term_tol, (by_row, by_terms)
 
 
-def assert_paths_agree(got, other, reference_and_size):
+def assert_paths_agree(got, other, reference_and_size, key_scale=False):
     """Two kernels' scores: the same -inf and NaN positions, and within TERM_TOL of each score's terms of each
-    other (they differ only in fp32 summation order). -> the largest difference relative to the terms."""
+    other (they differ only in fp32 summation order; key_scale: twice `tolerance`'s, each within it of the reference).
+    -> the largest difference relative to the terms."""
     _, size = reference_and_size
     assert torch.equal(torch.isneginf(got), torch.isneginf(other)) and torch.equal(torch.isnan(got), torch.isnan(other))
     finite = torch.isfinite(got)
     diff = torch.where(finite, (got - other).abs(), 0.0)
     by_terms = float(torch.where(finite & (diff > 0), diff / size, 0.0).max()) if got.numel() else 0.0
-    assert by_terms <= TERM_TOL, by_terms
+    assert by_terms <= (2 * tolerance(True)[1] if key_scale else TERM_TOL), by_terms
     return by_terms
 
 
@@ -237,7 +249,8 @@ def test_scores_over_random_chunked_schedule(indexer_format, fp8):
         want = reference(plan, pool, layout, q, w, got.shape[1], ratio=M, page_tokens=PAGE)
         worst = tuple(map(max, worst, score_error(got, want)))
         assert torch.isneginf(got[plan.num_tokens:]).all()
-    assert worst[0] <= ROW_TOL and worst[1] <= TERM_TOL, worst
+    row_tol, term_tol = tolerance(indexer_format == "mxfp4" and fp8)
+    assert worst[0] <= row_tol and worst[1] <= term_tol, worst
 
 
 @pytest.mark.parametrize("stack_rows", [False, True], ids=["row", "stacked"])
@@ -257,7 +270,8 @@ def test_chunk_boundaries(indexer_format, stack_rows):
     out = torch.full((plan.positions.shape[0], 45), float("nan"), device=DEVICE)
     indexer_scores_paged(q, w, plan, pool, layout, ratio=M, page_tokens=PAGE, out=out, stack_rows=stack_rows, fill=True,
                          tuning=tuning)
-    assert_close_scores(out, reference(plan, pool, layout, q, w, 45, ratio=M, page_tokens=PAGE))
+    assert_close_scores(out, reference(plan, pool, layout, q, w, 45, ratio=M, page_tokens=PAGE),
+                        key_scale=indexer_format == "mxfp4")
 
 
 @pytest.mark.parametrize("indexer_format", FORMATS)
@@ -289,7 +303,8 @@ def test_stacked_rows_over_random_chunked_schedule(indexer_format):
         worst = tuple(map(max, worst, score_error(out, reference(plan, pool, layout, q, w, width, ratio=M,
                                                                  page_tokens=PAGE))))
         assert torch.isneginf(out[plan.num_tokens:]).all()
-    assert worst[0] <= ROW_TOL and worst[1] <= TERM_TOL, worst
+    row_tol, term_tol = tolerance(indexer_format == "mxfp4")
+    assert worst[0] <= row_tol and worst[1] <= term_tol, worst
 
 
 def check_unfilled(got, filled, plan, ratio, poison):
@@ -374,7 +389,8 @@ def test_row_kernel_counts_topk_first_digit(indexer_format, fp8, scratch):
     visible = torch.clamp((plan.positions + 1) // M, min=0).to(torch.int32)
     assert visible.tolist() == [62, 12, 1, 0, 0]
     assert_close_scores(torch.where(torch.arange(entries, device=DEVICE) < visible[:, None], got, float("-inf")),
-                        reference(plan, pool, layout, q, w, entries, ratio=M, page_tokens=PAGE))
+                        reference(plan, pool, layout, q, w, entries, ratio=M, page_tokens=PAGE),
+                        key_scale=indexer_format == "mxfp4" and fp8)
     want = first_digit_histograms(got, visible)
     assert want.sum(1).tolist() == visible.tolist() and torch.equal(counts, want)
     indexer_scores_paged(q, w, plan, pool, layout, ratio=M, page_tokens=PAGE, out=got, digit_counts=counts,
@@ -411,8 +427,8 @@ def test_stacked_rows_in_any_order():
                                    token_request=plan.token_request[perm].contiguous())
     got = indexer_scores_paged(q[perm].contiguous(), w[perm].contiguous(), shuffled, pool, layout, ratio=M,
                                page_tokens=PAGE, max_entries=41, stack_rows=True, fill=True, tuning=tuning)
-    assert_close_scores(got, (want[perm], size[perm]))
-    assert_paths_agree(got, by_row[perm], (want[perm], size[perm]))
+    assert_close_scores(got, (want[perm], size[perm]), key_scale=True)
+    assert_paths_agree(got, by_row[perm], (want[perm], size[perm]), key_scale=True)
 
 
 def test_kernel_choice(monkeypatch):
@@ -446,7 +462,9 @@ def test_hand_written_key_bytes(indexer_format, stack_rows, page_tokens):
     """Every e2m1 / e4m3 code and extreme scales written straight into the pages: ue8m0 0x00 (2^-127) and
     0xFF (NaN), fp32 scales 2^-100 .. 2^40 and NaN. The error relative to each score's own terms checks tiny
     scales as closely as large ones; a key with a NaN scale scores NaN, and only in its own column. Both
-    kernels (they share the key decode); at 256-token pages the FP8 path addresses its tiles by page."""
+    kernels (they share the key decode); at 256-token pages the FP8 path addresses its tiles by page. MXFP4 keys on
+    the exact per-block FP8 path (`fp8_key_scale=False`): these keys' blocks lie up to 255 binades apart, which the
+    per-key path rounds (`test_key_scale_wide_block_spreads`)."""
     cache, layout, pool = make_cache(TINY, indexer_format, page_tokens=page_tokens, max_requests=2, max_tokens=256)
     rid = cache.admit()
     plan = cache.plan_step([(rid, 200)])
@@ -471,7 +489,7 @@ def test_hand_written_key_bytes(indexer_format, stack_rows, page_tokens):
     q, w = make_query(layout, plan.positions.shape[0], TINY.index_n_heads, seed=32)
     q = q * 2.0 ** 60  # still bf16 values; keeps the products of 2^-127-scaled keys normal fp32 numbers
     got = indexer_scores_paged(q, w, plan, pool, layout, ratio=M, page_tokens=page_tokens, stack_rows=stack_rows,
-                               fill=True)
+                               fill=True, tuning=tuned(fp8_key_scale=False))
     assert_close_scores(got, reference(plan, pool, layout, q, w, got.shape[1], ratio=M, page_tokens=page_tokens))
     visible = (plan.positions.long() + 1) // M
     assert torch.isnan(got[:, 3]).sum() == (visible > 3).sum()  # the NaN-scale key, only where it is visible
@@ -479,13 +497,15 @@ def test_hand_written_key_bytes(indexer_format, stack_rows, page_tokens):
         assert torch.isnan(got[visible > 5, 5]).all()
 
 
-@pytest.mark.parametrize("fp8_path", [True, False], ids=["fp8", "bf16"])
-def test_large_key_scales_with_a_small_query(fp8_path):
+@pytest.mark.parametrize("fp8_path,key_scale", [(True, False), (True, True), (False, False)],
+                         ids=["fp8-exact", "fp8-key-scale", "bf16"])
+def test_large_key_scales_with_a_small_query(fp8_path, key_scale):
     """Random keys at ue8m0 codes 0xE0 .. 0xEC (block scales 2^97 .. 2^109) against a query of ~2^-100: scores of up
-    to ~2^10, finite and the reference's on both paths. The FP8 path's block sums are the reference's times 2^-c
-    (~2^8 / |q|), which bounds it (the edge in ops/indexer/kernel.py). Its worst case, keys of 6.0 and a query of
+    to ~2^10, finite and the reference's on every path. The exact FP8 path's block sums are the reference's times
+    2^-c (~2^8 / |q|), which bounds it (the edge in ops/indexer/kernel.py). Its worst case, keys of 6.0 and a query of
     6 * 2^-110 in every value (one block sums to 32 * 384 * 6 = 2^16.2 of its scale), is exact at code 0xED and
-    overflows at 0xEE (2^111, D = 64), where the bf16 path and the reference stay finite."""
+    overflows at 0xEE (2^111, D = 64), where the bf16 path, the per-key-scale path (its sums at the keys' own scale)
+    and the reference stay finite."""
     if fp8_path:
         skip_unless_fp8_path()
     cache, layout, pool = make_cache(TINY, "mxfp4", page_tokens=PAGE, max_requests=2, max_tokens=256)
@@ -495,7 +515,7 @@ def test_large_key_scales_with_a_small_query(fp8_path):
     g = gen(33)
     data_rows, scale_rows, page, off = entry_rows(cache, rid, layout, pool, count, PAGE)
     q, w = make_query(layout, plan.positions.shape[0], TINY.index_n_heads, seed=34)
-    tuning = tuned(fp8_mma=fp8_path)
+    tuning = tuned(fp8_mma=fp8_path, fp8_key_scale=key_scale)
     visible = torch.arange(count, device=DEVICE) < ((plan.positions.long() + 1) // M)[:, None]
 
     def run(data, codes, q_small):
@@ -512,15 +532,15 @@ def test_large_key_scales_with_a_small_query(fp8_path):
                     torch.randint(0xE0, 0xED, (count, layout.scale_bytes), generator=g, dtype=torch.uint8),
                     q * 2.0 ** -100)
     assert want[0][visible].abs().max() > 2.0 ** 6
-    assert_close_scores(got, want)
+    assert_close_scores(got, want, key_scale)
     sixes = torch.full((count, layout.data_bytes), 0x77, dtype=torch.uint8)
     q_sixes = torch.full_like(q, 6.0 * 2.0 ** -110)
     for code in (0xED, 0xEE):
         got, want = run(sixes, torch.full((count, layout.scale_bytes), code, dtype=torch.uint8), q_sixes)
-        if fp8_path and code == 0xEE:  # every head's sum overflows to +inf, and the signed weights make NaN
+        if fp8_path and not key_scale and code == 0xEE:  # each head's sum overflows to +inf; signed weights make NaN
             assert not torch.isfinite(got[visible]).any()
         else:
-            assert_close_scores(got, want)
+            assert_close_scores(got, want, key_scale)
 
 
 @triton.jit
@@ -742,7 +762,8 @@ def test_fp8_path_tiles_within_pages(dim, block_j, page):
         assert bool((indexer_query_fp8(q)[1] > 0).all())  # every row takes the FP8 path
         got = scores(plan, q, w, True)
         assert torch.equal(got, scores(plan, q, w, False))
-        assert_close_scores(got, reference(plan, pool, layout, q, w, entries, ratio=M, page_tokens=page))
+        assert_close_scores(got, reference(plan, pool, layout, q, w, entries, ratio=M, page_tokens=page),
+                            key_scale=True)
     # request 0 (the first row's) with its second page unallocated: its visible entries score 0, the rest as before
     slot = int(plan.request_slots[plan.token_request[0]])
     kept = plan.block_table[slot, 1].item()
@@ -757,16 +778,17 @@ def test_fp8_path_tiles_within_pages(dim, block_j, page):
     plan.block_table[slot, 1] = kept
 
 
-def test_stacked_kernel_fp8_segments_and_fallback(monkeypatch):
+@pytest.mark.parametrize("key_scale", [False, True], ids=["exact", "key-scale"])
+def test_stacked_kernel_fp8_segments_and_fallback(monkeypatch, key_scale):
     """The stacked kernel's FP8 path (`IndexerTuning.fp8_mma`) over three requests prefilling and decoding at odd
     lengths, blocks of 4 rows holding two requests' segments, each (row, head) of q at its own power of two (so each has
-    its own shift 2^c): the scores equal the bf16 path's bit for bit (MXFP4 dot products sum exactly in fp32 at these
-    sizes) and the reference's within tolerance. A request whose query has a head beyond the FP8 check (a block 2^-22
+    its own shift 2^c): the scores equal the bf16 path's bit for bit on the exact path (MXFP4 dot products sum exactly
+    in fp32 at these sizes), within the per-key path's tolerance on that path, and the reference's within tolerance. A request whose query has a head beyond the FP8 check (a block 2^-22
     below its head's largest) takes the bf16 path for its segments while the others stay on FP8 MMAs. Which path ran is
     observed on every device: given an operand of e4m3 NaN codes, the FP8 segments score NaN (the interpreter decodes
     those bytes as +-480: wrong, not NaN) and the bf16 ones the reference's scores."""
     skip_unless_fp8_path()
-    tuning = tuned(**SMALL_STACKED, stacked_fp8=SMALL_STACK)
+    tuning = tuned(**SMALL_STACKED, stacked_fp8=SMALL_STACK, stacked_key_scale=SMALL_STACK, fp8_key_scale=key_scale)
     cache, layout, pool = make_cache(TINY, "mxfp4", page_tokens=PAGE, max_requests=4, max_tokens=1200)
     rids = admit(cache, 3)
     g = gen(97)
@@ -774,7 +796,7 @@ def test_stacked_kernel_fp8_segments_and_fallback(monkeypatch):
         cache.plan_step([(rid, n)])
     bank = [torch.randn(320 // M, layout.dim, generator=g) * 2.0 ** torch.randint(-8, 9, (320 // M, 1), generator=g)
             for _ in rids]
-    calls = count_calls(monkeypatch, "_mxfp4_block_mma")
+    calls = count_calls(monkeypatch, "_shifted_block" if key_scale else "_mxfp4_block_mma")
 
     def scores(plan, q, w, fp8, q_fp8=None):
         return indexer_scores_paged(q, w, plan, pool, layout, ratio=M, page_tokens=PAGE, max_entries=80,
@@ -788,8 +810,12 @@ def test_stacked_kernel_fp8_segments_and_fallback(monkeypatch):
     q = q * 2.0 ** torch.randint(-20, 21, q.shape[:2], generator=gen(99)).to(DEVICE)[:, :, None]
     got = scores(plan, q, w, True)
     assert not interpreted() or len(calls) > 0
-    assert_close_scores(got, reference(plan, pool, layout, q, w, 80, ratio=M, page_tokens=PAGE))
-    assert torch.equal(got, scores(plan, q, w, False))
+    want = reference(plan, pool, layout, q, w, 80, ratio=M, page_tokens=PAGE)
+    assert_close_scores(got, want, key_scale)
+    if key_scale:
+        assert_paths_agree(got, scores(plan, q, w, False), want, key_scale=True)
+    else:
+        assert torch.equal(got, scores(plan, q, w, False))
 
     odd = q.clone()
     failing = plan.token_request == plan.token_request[3]  # the second request's rows
@@ -798,7 +824,7 @@ def test_stacked_kernel_fp8_segments_and_fallback(monkeypatch):
     assert bool((scales[failing] == 0).any(dim=1).all()) and bool((scales[~failing] > 0).all())
     want = reference(plan, pool, layout, odd, w, 80, ratio=M, page_tokens=PAGE)
     got = scores(plan, odd, w, True)
-    assert_close_scores(got, want)
+    assert_close_scores(got, want, key_scale)
     poisoned = scores(plan, odd, w, True, nan_operand(odd, scales))
     assert torch.equal(poisoned[failing], got[failing])  # bf16 segments: the operand is never read
     seen = torch.isfinite(want[0]) & ~failing[:, None]
@@ -808,15 +834,17 @@ def test_stacked_kernel_fp8_segments_and_fallback(monkeypatch):
         assert bool(torch.isnan(poisoned[seen]).all())
 
 
-def test_fp8_mma_path_and_its_fallback(monkeypatch):
-    """MXFP4 keys take the FP8 MMA path when every head of the row's query passes `fp8_query_operand`'s check, and
-    the bf16 path when one does not (two blocks of a head 2^22 apart): both give the reference's scores. Under the
-    interpreter the path is observed by counting calls of the per-block MMA; on the GPU through the check's verdict."""
+@pytest.mark.parametrize("key_scale", [False, True], ids=["exact", "key-scale"])
+def test_fp8_mma_path_and_its_fallback(monkeypatch, key_scale):
+    """MXFP4 keys take the FP8 MMA path (exact per block, or one scale per key) when every head of the row's query
+    passes `fp8_query_operand`'s check, and the bf16 path when one does not (two blocks of a head 2^22 apart): both
+    give the reference's scores. Under the interpreter the path is observed by counting calls of the per-block MMA or
+    the per-key decode; on the GPU through the check's verdict."""
     cache, layout, pool = make_cache(TINY, "mxfp4", page_tokens=PAGE, max_requests=2, max_tokens=256)
     rid = cache.admit()
     plan = cache.plan_step([(rid, 150)])
     write_all_keys(cache, rid, layout, pool, torch.randn(40, layout.dim, generator=gen(61)).to(DEVICE), M, PAGE)
-    calls = count_calls(monkeypatch, "_mxfp4_block_mma")
+    calls = count_calls(monkeypatch, "_shifted_block" if key_scale else "_mxfp4_block_mma")
     q, w = make_query(layout, 150, TINY.index_n_heads, seed=62)
     for tiny_head, path_calls in ((False, lambda n: n > 0), (True, lambda n: n == 0)):
         calls.clear()
@@ -824,17 +852,20 @@ def test_fp8_mma_path_and_its_fallback(monkeypatch):
             q = q.clone()
             q[:, 1, 32:] *= 2.0 ** -22  # a block 2^-22 and more below its head's largest: beyond e4m3's 2^-17
         assert bool((indexer_query_fp8(q)[1] > 0).all(dim=1).all()) != tiny_head
-        got = indexer_scores_paged(q, w, plan, pool, layout, ratio=M, page_tokens=PAGE, stack_rows=False, fill=True)
-        assert_close_scores(got, reference(plan, pool, layout, q, w, got.shape[1], ratio=M, page_tokens=PAGE))
+        got = indexer_scores_paged(q, w, plan, pool, layout, ratio=M, page_tokens=PAGE, stack_rows=False, fill=True,
+                                   tuning=tuned(fp8_key_scale=key_scale))
+        assert_close_scores(got, reference(plan, pool, layout, q, w, got.shape[1], ratio=M, page_tokens=PAGE),
+                            key_scale)
         if interpreted():
             assert path_calls(len(calls)), (tiny_head, len(calls))
 
 
-@pytest.mark.parametrize("fp8_path", [True, False], ids=["fp8", "bf16"])
-def test_a_block_sum_of_13_significant_bits_is_exact(fp8_path):
-    """The FP8 path's exactness rests on a scale block's 32 products summing within the ~14 significant bits of
-    Hopper's FP8 accumulation. The worst case, 31 products of 6 x 6 and one of 0.5 x 0.5 = 1116.25 (13 bits, from
-    2^10 to 2^-2), must come out exact on both paths: every score is 1116.25 * D^-0.5, bit for bit."""
+@pytest.mark.parametrize("fp8_path,key_scale", [(True, False), (True, True), (False, False)],
+                         ids=["fp8-exact", "fp8-key-scale", "bf16"])
+def test_a_block_sum_of_13_significant_bits_is_exact(fp8_path, key_scale):
+    """The FP8 paths rest on a scale block's 32 products summing within the ~14 significant bits of Hopper's FP8
+    accumulation. The worst case, 31 products of 6 x 6 and one of 0.5 x 0.5 = 1116.25 (13 bits, from 2^10 to 2^-2),
+    must come out exact on every path: every score is 1116.25 * D^-0.5, bit for bit."""
     cache, layout, pool = make_cache(TINY, "mxfp4", page_tokens=PAGE, max_requests=2, max_tokens=256)
     rid = cache.admit()
     plan = cache.plan_step([(rid, 200)])
@@ -851,7 +882,7 @@ def test_a_block_sum_of_13_significant_bits_is_exact(fp8_path):
     w = torch.zeros(200, TINY.index_n_heads, device=DEVICE)
     w[:, 0] = 1.0
     got = indexer_scores_paged(q, w, plan, pool, layout, ratio=M, page_tokens=PAGE, stack_rows=False, fill=True,
-                               tuning=tuned(fp8_mma=fp8_path))
+                               tuning=tuned(fp8_mma=fp8_path, fp8_key_scale=key_scale))
     visible = (plan.positions.long() + 1) // M
     seen = torch.arange(got.shape[1], device=DEVICE) < visible[:, None]
     assert seen.any() and torch.equal(got[seen], torch.full_like(got[seen], 1116.25 * layout.dim ** -0.5))
@@ -998,7 +1029,8 @@ def v4_case(geometry_name, indexer_format, history, step, *, max_tokens, buffer_
     return cache, layout, pool, plan, buffers, rids, geometry.index_n_heads
 
 
-def replay_over_new_inputs(graph, plan, cache, rids, layout, pool, q, w, out, entries, *, seed, padding_from):
+def replay_over_new_inputs(graph, plan, cache, rids, layout, pool, q, w, out, entries, *, seed, padding_from,
+                           key_scale=False):
     """Rewrite every key in place and load a new query into the captured q / w, then replay: the scores must be the
     reference's for the pool and inputs as they are now (keys from `gen(seed)`, the query from seed + 1)."""
     g = gen(seed, DEVICE)
@@ -1010,26 +1042,28 @@ def replay_over_new_inputs(graph, plan, cache, rids, layout, pool, q, w, out, en
     w.copy_(w2)
     out.fill_(float("nan"))
     graph.replay()
-    assert_close_scores(out, reference(plan, pool, layout, q, w, entries, ratio=4, page_tokens=V4_PAGE))
+    assert_close_scores(out, reference(plan, pool, layout, q, w, entries, ratio=4, page_tokens=V4_PAGE), key_scale)
 
 
 @needs_cuda
 @pytest.mark.parametrize("indexer_format", FORMATS)
 def test_v4_decode_one_request_65536_entries(indexer_format):
-    """Also both MXFP4 paths of the row kernel, FP8 MMAs and bf16."""
+    """Also every MXFP4 path of the row kernel: FP8 MMAs with one scale per key (the default), exact per block, and
+    bf16; the exact ones agree within fp32 summation order, the per-key one within its tolerance."""
     _, layout, pool, plan, _, _, heads = v4_case("flash", indexer_format, [262143], [(0, 1)],
                                                  max_tokens=262144 + 512, buffer_tokens=1, seed=1)
     assert (heads, layout.dim) == (64, 128) and int(plan.positions[0]) == 262143
     q, w = make_query(layout, 1, heads, seed=1)
     want = reference(plan, pool, layout, q, w, 65536, ratio=4, page_tokens=V4_PAGE)
     outs = []
-    for fp8 in (True, False):  # the FP8 path where the keys allow it / the bf16 path
+    for fp8, key_scale in ((True, False), (False, False), (True, True)):
         got = indexer_scores_paged(q, w, plan, pool, layout, ratio=4, page_tokens=V4_PAGE, fill=True,
-                                   tuning=tuned(fp8_mma=fp8))
+                                   tuning=tuned(fp8_mma=fp8, fp8_key_scale=key_scale))
         assert got.shape == (1, 65536) and torch.isfinite(got).all()
-        assert_close_scores(got, want)
+        assert_close_scores(got, want, key_scale and indexer_format == "mxfp4")
         outs.append(got)
     assert_paths_agree(outs[0], outs[1], want)
+    assert_paths_agree(outs[2], outs[1], want, key_scale=indexer_format == "mxfp4")
 
 
 @needs_cuda
@@ -1046,13 +1080,15 @@ def test_v4_decode_mixed_lengths_and_graph_replay(geometry_name, indexer_format)
     q, w = make_query(layout, 11, heads, seed=2, padding_from=8)
     out = torch.full((11, entries), float("nan"), device=DEVICE)
     indexer_scores_paged(q, w, plan, pool, layout, ratio=4, page_tokens=V4_PAGE, out=out, fill=True)
-    assert_close_scores(out, reference(plan, pool, layout, q, w, entries, ratio=4, page_tokens=V4_PAGE))
+    key_scale = indexer_format == "mxfp4"
+    assert_close_scores(out, reference(plan, pool, layout, q, w, entries, ratio=4, page_tokens=V4_PAGE), key_scale)
 
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         indexer_scores_paged(q, w, plan, pool, layout, ratio=4, page_tokens=V4_PAGE, out=out, fill=True)
     plan = cache.plan_step([(rids[i], n) for i, n in step], buffers=buffers)
-    replay_over_new_inputs(graph, plan, cache, rids, layout, pool, q, w, out, entries, seed=3, padding_from=8)
+    replay_over_new_inputs(graph, plan, cache, rids, layout, pool, q, w, out, entries, seed=3, padding_from=8,
+                           key_scale=key_scale)
 
 
 @needs_cuda
@@ -1088,7 +1124,8 @@ def test_v4_prefill_512_rows(indexer_format):
     entries = cache.block_table.shape[1] * V4_PAGE // 4
     out = torch.full((520, entries), float("nan"), device=DEVICE)
     indexer_scores_paged(q, w, plan, pool, layout, ratio=4, page_tokens=V4_PAGE, out=out, fill=True)
-    assert_close_scores(out, reference(plan, pool, layout, q, w, entries, ratio=4, page_tokens=V4_PAGE))
+    assert_close_scores(out, reference(plan, pool, layout, q, w, entries, ratio=4, page_tokens=V4_PAGE),
+                        indexer_format == "mxfp4")
 
 
 @needs_cuda
@@ -1107,10 +1144,11 @@ def test_v4_prefill_2048_rows_after_6k_stacked(indexer_format, monkeypatch):
     indexer_scores_paged(q, w, plan, pool, layout, ratio=4, page_tokens=V4_PAGE, out=out, fill=True)
     assert (row.launches, stacked.launches) == (0, 1)
     want = reference(plan, pool, layout, q, w, entries, ratio=4, page_tokens=V4_PAGE)
-    assert_close_scores(out, want)
+    key_scale = indexer_format == "mxfp4"
+    assert_close_scores(out, want, key_scale)
     by_row = indexer_scores_paged(q, w, plan, pool, layout, ratio=4, page_tokens=V4_PAGE, max_entries=entries,
                                   stack_rows=False, fill=True)
-    assert_paths_agree(out, by_row, want)
+    assert_paths_agree(out, by_row, want, key_scale)
 
 
 @needs_cuda
@@ -1127,11 +1165,13 @@ def test_v4_prefill_graph_replay_stacked(indexer_format, monkeypatch):
     out = torch.full((1100, entries), float("nan"), device=DEVICE)
     row, stacked = spy_kernels(monkeypatch)
     indexer_scores_paged(q, w, plan, pool, layout, ratio=4, page_tokens=V4_PAGE, out=out, fill=True)
-    assert_close_scores(out, reference(plan, pool, layout, q, w, entries, ratio=4, page_tokens=V4_PAGE))
+    key_scale = indexer_format == "mxfp4"
+    assert_close_scores(out, reference(plan, pool, layout, q, w, entries, ratio=4, page_tokens=V4_PAGE), key_scale)
 
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         indexer_scores_paged(q, w, plan, pool, layout, ratio=4, page_tokens=V4_PAGE, out=out, fill=True)
     assert (row.launches, stacked.launches) == (0, 2)
     plan = cache.plan_step([(rids[0], 1), (rids[1], 777), (rids[2], 250), (rids[3], 64)], buffers=buffers)
-    replay_over_new_inputs(graph, plan, cache, rids, layout, pool, q, w, out, entries, seed=9, padding_from=1092)
+    replay_over_new_inputs(graph, plan, cache, rids, layout, pool, q, w, out, entries, seed=9, padding_from=1092,
+                           key_scale=key_scale)

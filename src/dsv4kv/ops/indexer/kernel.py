@@ -36,10 +36,11 @@ loads q[t] ([H, D] = [64, 128] for V4, as bf16 q^T) and the head weights once, t
 [BLOCK_J, D] keys in registers and runs a [BLOCK_J, D] x [D, H] MMA (the keys are the A operand so the
 decoded registers feed it directly). Decode (R small, J up to 2^18) gets its parallelism from the chunks.
 
-MXFP4 keys on FP8 MMAs (row kernel and, below, stacked kernel; D <= 128; `IndexerTuning.fp8_mma`).
-A packed byte becomes two e4m3 bytes by moving bits (`_e2m1_e4m3`: e2m1 * 2^-6 exactly, five ALU ops per eight
-values instead of ~6 per value). The query's operand is made once per row, not per program (`fp8_query_operand`:
-by the layer's query kernel, or by `indexer_query_fp8` here): each head of q is shifted by its own power of two 2^-c
+MXFP4 keys on FP8 MMAs, exact per-block path (row kernel and, below, stacked kernel; D <= 128;
+`IndexerTuning.fp8_mma`, with `fp8_key_scale=False`). A packed byte becomes two e4m3 bytes by moving bits
+(`_e2m1_e4m3`: e2m1 * 2^-6 exactly, five ALU ops per eight values instead of ~6 per value). The query's operand is
+made once per row, not per program (`fp8_query_operand`: by the layer's query kernel, or by `indexer_query_fp8`
+here): each head of q is shifted by its own power of two 2^-c
 into e4m3, and 2^c goes into that head's weight (ReLU commutes with a positive power of two, and the products
 are exact, so this moves no rounding). Each 32-value scale block is one K = 32 FP8 MMA from a zero accumulator: its
 32 products of e2m1 pairs are multiples of 1/4 and sum below 2^11 (times the scales and shifts), so the sum needs
@@ -57,6 +58,35 @@ scaled to ~2^8): up to 32 * 384 * 6 = 2^16.2 times its key scale, and D / 32 suc
 range only under the shifts rounds differently. The quantizers write keys that large only for inputs near fp32's
 limits.
 
+MXFP4 keys under one scale per key (the default FP8 path on Hopper; `IndexerTuning.fp8_key_scale`, False = the
+exact per-block path above). The per-block path pays D/32 MMAs and D/32 scaled fp32 adds per (key, row, head) on
+the CUDA cores, which bound it. This path re-expresses each key under its largest block scale S = 2^(smax - 127):
+a block d = smax - s_b binades below holds its e2m1 values v as e4m3 codes of v * 2^(6 - d), by a table lookup per
+nibble (`keys.mxfp4_key_scale_keys`: one PRMT per four values, the table per (key, block) from d). A tile is then
+one K = D FP8 MMA against q's operand (the same per-head shifts), ReLU and the head weights, and one multiply per
+(key, row) by S * 2^-6 after the sum over heads (ReLU commutes with a positive power of two). Scores are not bit for
+bit the reference's. Their error, for a score with terms of size T = sum_h |w_h| sum_d |q_hd K_jd| / sqrt(D):
+- key values: exact while d <= 14 (two significant bits of v * 2^(6 - d) stay on e4m3's grid, whose subnormal step
+  is 2^-9); further down rounded to nearest even, so a value moves by at most 2^-10 * 2^-6 * S = 2^-16 S (all zero
+  from d = 19), and the score by at most 2^-16 S sum_h |w_h| sum_{d in those blocks} |q_hd| / sqrt(D). Quantized
+  Hadamard-rotated keys have their block scales within a binade or two of each other; d >= 15 needs hand-made bytes
+  or a block 2^14 below its key's largest.
+- accumulation: the products are exact (e4m3 x e4m3), and each 32-value k step of the MMA sums exactly (one block
+  of one key against one q block: a common quantum, under 2^13 of them, as on the exact path). Hopper adds each
+  step into an accumulator of ~13 significant bits (DeepSeek-V3's report: ~14 bits; SageAttention2: FP22, 13
+  mantissa bits), so each of the D/32 - 1 adds errs by under 2^-12 of a partial sum (<= sum_d |q_hd K_jd|):
+  |error| < (D/32 - 1) 2^-12 T, under 2^-10 T at D = 128. Under the interpreter the sums are fp32 (~1e-7 T).
+- the epilogue: fp32, as on the exact path (~1e-7 T).
+Tolerance: 2^-10 T, plus the key bound where d >= 15. Against the row's largest |score| (the measure top-k is judged
+by): V4's rotated MXFP4 queries and keys keep the partial sums within 13 significant bits, so their scores come out
+as the exact path's but for fp32 rounding; unrotated data with blocks up to 8 binades apart, under a model of the
+accumulator that truncates to 13 bits, errs by 2^-10.8 of the row max at most (2^-12.8 T). The tests hold both paths
+to 2^-10 of the row's largest |score| at V4 shapes; a pick that differs from the reference's is then a near tie,
+within 2^-9 of the row's largest |score| by the reference's scores. Edges: the sum over heads runs before the key's
+scale, so it can overflow where |w_h| 2^c_h (q's magnitude, `fp8_query_operand`) reaches ~2^103, and a score whose
+key scale is below 2^-126 (ue8m0 codes < 7) is rounded once more as a subnormal product; the large-key edge of the
+exact path (block sums near 2^128) does not arise (the sum is taken at the keys' own scale, <= 384 a value).
+
 Stacked kernel (prefill: many consecutive rows of a request). Grid (block of BLOCK_T consecutive rows,
 chunk of entries). A block's rows of one request (a segment) share every decoded key tile: q of the
 segment's rows is stacked in the MMA's N dimension, [BLOCK_J, D] x [D, BLOCK_T * H] (other rows' columns
@@ -70,6 +100,9 @@ up to summation order: bit-identical in most scores under the interpreter). MXFP
 (per segment whose rows' queries all pass `fp8_query_operand`'s check, else bf16): the row kernel's per-block MMAs
 and scalings (`mxfp4_fp8_dot`) over q's operands stacked in N, 2 rows of 64 heads. Each (key, row, head) then costs
 four scaled fp32 adds on the CUDA cores where the bf16 path has none, a little less than the halved MMA time saves.
+With one scale per key (the default) a tile is one K = D MMA over 4 rows of 64 heads (N = 256, one accumulator, as the
+bf16 path; `IndexerTuning.stacked_key_scale`): a speculative verify step (2-8 rows a request, which the automatic
+choice sends here) decodes each key tile once for all its request's rows and pays no per-block work per row.
 
 Top-k's first digit (`digit_counts`, decode). After its tiles a row-kernel program reads back the scores it stored
 (after a CTA barrier, 1024 a tile so no lane is replicated) and counts their top-k digit 1 by warp into the row's
@@ -96,8 +129,8 @@ from ..shared.common import check_pool, hopper_or_later, interpreted, padded_row
 from ..shared.encode import round_bf16
 from ..shared.launch import launch_options, wait_for_prior_grids
 from ..topk.keys import count_first_digits
-from .keys import (KEYS_BF16, KEYS_MXFP4, fp8_query_operand, key_dot, key_format, mxfp4_fp8_dot,
-                   mxfp4_fp8_scores, mxfp4_tile, q8_blocks, q_dims, relu)
+from .keys import (KEYS_BF16, KEYS_MXFP4, fp8_dot, fp8_query_operand, key_dot, key_format, mxfp4_fp8_dot,
+                   mxfp4_fp8_scores, mxfp4_key_scale_keys, mxfp4_tile, q8_blocks, q8_operand, q_dims, relu)
 from .tuning import IndexerTuning, Tiles, tuning_for
 
 __all__ = ["indexer_scores_paged", "indexer_query_fp8", "fp8_query_wanted", "counts_digits"]
@@ -133,11 +166,12 @@ def _indexer_scores_kernel(
     DATA_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_J: tl.constexpr, FILL_J: tl.constexpr, DOT: tl.constexpr,
     FILL: tl.constexpr, MMA8: tl.constexpr, ASM: tl.constexpr, BITS: tl.constexpr, PAGE_TILES: tl.constexpr,
-    COUNT: tl.constexpr, SCRATCH: tl.constexpr, COUNT_BLOCK: tl.constexpr,
+    COUNT: tl.constexpr, SCRATCH: tl.constexpr, COUNT_BLOCK: tl.constexpr, KEY_SCALE: tl.constexpr = False,
 ):
     """The row kernel: one token row, one chunk of `chunk` entries (a multiple of BLOCK_J). MMA8: MXFP4 keys on FP8
-    MMAs (`mxfp4_fp8_scores`) when every head of the row's query passed `fp8_query_operand`'s check, else the bf16
-    path. COUNT: then the top-k's digit 1 of the chunk's scores into the row's histogram (`count_first_digits`)."""
+    MMAs (`mxfp4_fp8_scores`; KEY_SCALE: one scale per key) when every head of the row's query passed
+    `fp8_query_operand`'s check, else the bf16 path. COUNT: then the top-k's digit 1 of the chunk's scores into the
+    row's histogram (`count_first_digits`)."""
     wait_for_prior_grids()
     i_t, i_c = tl.program_id(0), tl.program_id(1)
     t = i_t.to(tl.int64)
@@ -164,10 +198,15 @@ def _indexer_scores_kernel(
             q_scale = tl.load(q8_scale_ptr + t * num_heads + o_h, mask=m_h, other=1.0)
             exact = tl.min(q_scale, axis=0) > 0
             if exact:
-                b_q8_0, b_q8_1, b_q8_2, b_q8_3 = q8_blocks(q8_ptr + t * num_heads * D + o_h[None, :] * D, m_h, D)
+                p_q8 = q8_ptr + t * num_heads * D + o_h[None, :] * D
+                if KEY_SCALE:
+                    b_q8_0 = q8_operand(p_q8, m_h, D)
+                    b_q8_1, b_q8_2, b_q8_3 = b_q8_0, b_q8_0, b_q8_0  # unread
+                else:
+                    b_q8_0, b_q8_1, b_q8_2, b_q8_3 = q8_blocks(p_q8, m_h, D)
                 mxfp4_fp8_scores(pool_ptr, p_table, p_out, chunk_lo, tl.minimum(chunk_hi, visible), visible,
                                   num_entries, b_w * q_scale, b_q8_0, b_q8_1, b_q8_2, b_q8_3, D, P, PAGE_BYTES,
-                                  DATA_BYTES, SCALE_BYTES, BLOCK_J, BLOCK_H, ASM, PAGE_TILES)
+                                  DATA_BYTES, SCALE_BYTES, BLOCK_J, BLOCK_H, ASM, PAGE_TILES, KEY_SCALE)
         if not exact:
             o_d0, o_d1 = q_dims(FORMAT, D)
             # [D/2, BLOCK_H]
@@ -194,12 +233,14 @@ def _indexer_scores_kernel(
 
 @triton.jit
 def _store_stacked(b_dot, b_w, o_j, visible, p_out, seg, num_entries, BLOCK_J: tl.constexpr, BLOCK_T: tl.constexpr,
-                   BLOCK_H: tl.constexpr):
+                   BLOCK_H: tl.constexpr, b_ks=None):
     """The stacked kernel's epilogue: ReLU of the dots [BLOCK_J, BLOCK_T * BLOCK_H], the head weights b_w
-    [BLOCK_T, BLOCK_H] (D^-0.5 folded in), the sum over heads, -inf past each row's visible count; stored for the
-    segment's rows."""
+    [BLOCK_T, BLOCK_H] (D^-0.5 folded in), the sum over heads, times the keys' scales b_ks [BLOCK_J] where given (the
+    per-key-scale path), -inf past each row's visible count; stored for the segment's rows."""
     b_dot = tl.reshape(relu(b_dot), (BLOCK_J, BLOCK_T, BLOCK_H))
     b_s = tl.sum(b_dot * b_w[None, :, :], axis=2)  # [BLOCK_J, BLOCK_T]
+    if b_ks is not None:
+        b_s = b_s * b_ks[:, None]
     b_s = tl.where(o_j[:, None] < visible[None, :], b_s, float("-inf"))
     tl.store(p_out[None, :] + o_j[:, None], b_s, mask=seg[None, :] & (o_j < num_entries)[:, None])
 
@@ -217,11 +258,12 @@ def _indexer_scores_stacked_kernel(
     FORMAT: tl.constexpr, RATIO: tl.constexpr, D: tl.constexpr, P: tl.constexpr, PAGE_BYTES: tl.constexpr,
     DATA_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr, BLOCK_T: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_J: tl.constexpr, FILL_J: tl.constexpr, DOT: tl.constexpr,
-    FILL: tl.constexpr, MMA8: tl.constexpr = False, ASM: tl.constexpr = False,
+    FILL: tl.constexpr, MMA8: tl.constexpr = False, ASM: tl.constexpr = False, KEY_SCALE: tl.constexpr = False,
 ):
     """The stacked kernel: BLOCK_T consecutive token rows, one chunk of `chunk` entries (a multiple of BLOCK_J).
     MMA8: a segment whose rows' queries all passed `fp8_query_operand`'s check runs MXFP4 keys on FP8 MMAs
-    (`_mxfp4_block_mma`, q's operand stacked in N as on the bf16 path); any other segment takes the bf16 path."""
+    (`mxfp4_fp8_dot`, or with KEY_SCALE one scale per key, `mxfp4_key_scale_keys`; q's operand stacked in N as on the
+    bf16 path); any other segment takes the bf16 path."""
     wait_for_prior_grids()
     i_b, i_c = tl.program_id(0), tl.program_id(1)
     o_t = i_b * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -266,15 +308,28 @@ def _indexer_scores_stacked_kernel(
             if exact:
                 o_n = tl.reshape(o_t.to(tl.int64)[:, None] * (num_heads * D) + o_h[None, :] * D,
                                  (1, BLOCK_T * BLOCK_H))
-                b_q8_0, b_q8_1, b_q8_2, b_q8_3 = q8_blocks(q8_ptr + o_n, tl.reshape(m_w, (BLOCK_T * BLOCK_H,)), D)
-                for j0 in range(chunk_lo, seg_hi, BLOCK_J):
-                    o_j = j0 + tl.arange(0, BLOCK_J)
-                    k0, k1, k2, k3, s0, s1, s2, s3 = mxfp4_tile(pool_ptr, p_table, o_j, o_j < seg_hi, D, P,
-                                                                 PAGE_BYTES, DATA_BYTES, SCALE_BYTES)
-                    acc = mxfp4_fp8_dot(k0, k1, k2, k3, s0, s1, s2, s3, b_q8_0, b_q8_1, b_q8_2, b_q8_3,
-                                         BLOCK_T * BLOCK_H, D, BLOCK_J, ASM)
-                    b_w = tl.load(p_w, mask=m_w, other=0.0) * score_scale * tl.load(p_q8s, mask=m_w, other=0.0)
-                    _store_stacked(acc, b_w, o_j, visible, p_out, seg, num_entries, BLOCK_J, BLOCK_T, BLOCK_H)
+                m_n = tl.reshape(m_w, (BLOCK_T * BLOCK_H,))
+                if KEY_SCALE:
+                    b_q8 = q8_operand(q8_ptr + o_n, m_n, D)  # [D, BLOCK_T * BLOCK_H]
+                    for j0 in range(chunk_lo, seg_hi, BLOCK_J):
+                        o_j = j0 + tl.arange(0, BLOCK_J)
+                        k0, k1, k2, k3, s0, s1, s2, s3 = mxfp4_tile(pool_ptr, p_table, o_j, o_j < seg_hi, D, P,
+                                                                     PAGE_BYTES, DATA_BYTES, SCALE_BYTES)
+                        b_k, b_ks = mxfp4_key_scale_keys(k0, k1, k2, k3, s0, s1, s2, s3, D, BLOCK_J, ASM)
+                        acc = fp8_dot(b_k, b_q8, ASM)
+                        b_w = tl.load(p_w, mask=m_w, other=0.0) * score_scale * tl.load(p_q8s, mask=m_w, other=0.0)
+                        _store_stacked(acc, b_w, o_j, visible, p_out, seg, num_entries, BLOCK_J, BLOCK_T, BLOCK_H,
+                                       b_ks)
+                else:
+                    b_q8_0, b_q8_1, b_q8_2, b_q8_3 = q8_blocks(q8_ptr + o_n, m_n, D)
+                    for j0 in range(chunk_lo, seg_hi, BLOCK_J):
+                        o_j = j0 + tl.arange(0, BLOCK_J)
+                        k0, k1, k2, k3, s0, s1, s2, s3 = mxfp4_tile(pool_ptr, p_table, o_j, o_j < seg_hi, D, P,
+                                                                     PAGE_BYTES, DATA_BYTES, SCALE_BYTES)
+                        acc = mxfp4_fp8_dot(k0, k1, k2, k3, s0, s1, s2, s3, b_q8_0, b_q8_1, b_q8_2, b_q8_3,
+                                             BLOCK_T * BLOCK_H, D, BLOCK_J, ASM)
+                        b_w = tl.load(p_w, mask=m_w, other=0.0) * score_scale * tl.load(p_q8s, mask=m_w, other=0.0)
+                        _store_stacked(acc, b_w, o_j, visible, p_out, seg, num_entries, BLOCK_J, BLOCK_T, BLOCK_H)
         if not exact:
             # q^T of the segment's rows stacked in N: column t * BLOCK_H + h; other rows and padded heads are zero
             m_q = seg[None, :, None] & m_h[None, None, :]
@@ -530,16 +585,18 @@ def _launch_stacked(args: tuple, meta: dict, q_fp8, plan: StepPlan, tuning: Inde
     q, out = args[0], args[-1]
     (rows, entries), heads, device = out.shape, q.shape[1], out.device
     mma8 = _stack_takes_fp8(meta["FORMAT"], meta["D"], device, tuning)
-    block_t, block_j, iters, num_warps, num_stages = _stack_config(
-        rows, entries, meta["BLOCK_H"], device, tuning.stacked_fp8 if mma8 else tuning.stacked, tuning.grid_waves)
+    key_scale = mma8 and tuning.fp8_key_scale
+    tiles = tuning.stacked_key_scale if key_scale else tuning.stacked_fp8 if mma8 else tuning.stacked
+    block_t, block_j, iters, num_warps, num_stages = _stack_config(rows, entries, meta["BLOCK_H"], device, tiles,
+                                                                   tuning.grid_waves)
     chunk = block_j * iters  # a runtime int (a multiple of 16 for Triton): no compilation per chunk size
     grid = (triton.cdiv(rows, block_t), triton.cdiv(entries, chunk))
     q8, q8_scale = _q8_args(q, q_fp8, mma8)
     fill_j = min(chunk, max(block_j, tuning.fill_elems // block_t)) if meta["FILL"] else block_j
     _indexer_scores_stacked_kernel[grid](
         *args, q8, q8_scale, rows, heads, entries, plan.block_table.stride(0), meta["D"] ** -0.5, chunk, **meta,
-        BLOCK_T=block_t, BLOCK_J=block_j, FILL_J=fill_j, MMA8=mma8, ASM=not interpreted(), num_warps=num_warps,
-        num_stages=num_stages, **launch_options(device))
+        BLOCK_T=block_t, BLOCK_J=block_j, FILL_J=fill_j, MMA8=mma8, ASM=not interpreted(), KEY_SCALE=key_scale,
+        num_warps=num_warps, num_stages=num_stages, **launch_options(device))
 
 
 def _launch_row(args: tuple, meta: dict, q_fp8, plan: StepPlan, digit_counts, tuning: IndexerTuning) -> None:
@@ -565,5 +622,5 @@ def _launch_row(args: tuple, meta: dict, q_fp8, plan: StepPlan, digit_counts, tu
         *args, q8, q8_scale, *counts, heads, entries, plan.block_table.stride(0), meta["D"] ** -0.5, chunk, **meta,
         BLOCK_J=block_j, FILL_J=chunk if meta["FILL"] else block_j, MMA8=mma8, ASM=not interpreted(), BITS=bits,
         PAGE_TILES=mma8 and tuning.page_tiles and meta["P"] % block_j == 0, COUNT=count, SCRATCH=scratch,
-        COUNT_BLOCK=tuning.count_block, num_warps=num_warps, num_stages=tuning.row.num_stages, **cap,
-        **launch_options(device))
+        COUNT_BLOCK=tuning.count_block, KEY_SCALE=mma8 and tuning.fp8_key_scale, num_warps=num_warps,
+        num_stages=tuning.row.num_stages, **cap, **launch_options(device))

@@ -13,8 +13,9 @@ from ...cache.layout import EntryLayout, IndexerFP8Layout, IndexerMXFP4Layout
 from ...checks import require
 from ..shared.encode import e4m3_grid_code, e4m3_round
 
-__all__ = ["KEYS_BF16", "KEYS_FP8", "KEYS_MXFP4", "key_format", "fp8_query_operand", "q8_blocks", "mxfp4_tile",
-           "mxfp4_fp8_dot", "mxfp4_fp8_scores", "key_dot", "q_dims", "relu"]
+__all__ = ["KEYS_BF16", "KEYS_FP8", "KEYS_MXFP4", "key_format", "fp8_query_operand", "q8_blocks", "q8_operand",
+           "mxfp4_tile", "mxfp4_fp8_dot", "mxfp4_key_scale_keys", "fp8_dot", "mxfp4_fp8_scores", "key_dot", "q_dims",
+           "relu"]
 
 KEYS_BF16, KEYS_FP8, KEYS_MXFP4 = 0, 1, 2
 _SIGN = tl.constexpr(-(2 ** 31))  # fp32 sign bit as an int32 constant
@@ -282,13 +283,165 @@ def mxfp4_fp8_dot(k0, k1, k2, k3, s0, s1, s2, s3, b_q0, b_q1, b_q2, b_q3, N: tl.
     return acc
 
 
+# `_e2m1_e4m3_shifted`'s PTX, four packed bytes per 32-bit register (two per key block's table, see the docstring):
+# the magnitudes (3 bits a nibble) select table bytes (PRMT: 8 bytes of two registers, 4 selectors a call), two more
+# PRMTs sort the results into low and high nibbles, and the signs (bit 3 -> 7) are or-ed in
+_E2M1_E4M3_SHIFTED_ASM = tl.constexpr("""{
+            .reg .b32 u, v, r0, r1, t;
+            and.b32 u, $2, 0x77777777;
+            shr.b32 v, u, 16;
+            prmt.b32 r0, $3, $7, u;
+            prmt.b32 r1, $5, $9, v;
+            prmt.b32 u, r0, r1, 0x6420;
+            prmt.b32 v, r0, r1, 0x7531;
+            shl.b32 t, $2, 4;
+            and.b32 t, t, 0x80808080;
+            or.b32 $0, u, t;
+            and.b32 t, $2, 0x80808080;
+            or.b32 $1, v, t;
+            }""")
+# e4m3 codes of the e2m1 magnitudes 0, 0.5, 1, 1.5 (low word) and 2, 3, 4, 6 (high word) times 2^6, byte c = code c
+_SHIFT_LO = tl.constexpr(0x6C686000)
+_SHIFT_HI = tl.constexpr(0x7C787470)
+
+
+@triton.jit
+def _shift_tables(d):
+    """Block shifts d (int32 >= 0: the key's largest scale code minus the block's) -> (low, high) int32 tables: byte c
+    of (low, high) the e4m3 code of e2m1 magnitude c (0..3, 4..7) times 2^(6 - d). Exact for d <= 11 (every nonzero
+    entry a normal e4m3 number: its exponent field lowered by d, no byte borrowing from the next); `_shift_tables_exact`
+    beyond."""
+    return d * -0x08080800 + _SHIFT_LO, d * -0x08080808 + _SHIFT_HI  # (tensor first: a constexpr's - gives constexpr)
+
+
+@triton.jit
+def _table_byte(p, VALUE: tl.constexpr):
+    """The e4m3 code of VALUE * p (fp32 p a power of two <= 2^6), rounded to nearest even: subnormal below 2^-6, 0 from
+    2^-10 down."""
+    return e4m3_grid_code(e4m3_round(p * VALUE))
+
+
+@triton.jit
+def _shift_tables_exact(d):
+    """`_shift_tables` for any d >= 0: each entry rounded to the e4m3 grid (nearest even) where it falls below the
+    normal range (d >= 12; exact to d = 14, all zero from d = 19)."""
+    p = ((133 - tl.minimum(d, 40)) << 23).to(tl.float32, bitcast=True)  # 2^(6 - d), a normal fp32 number
+    lo = (_table_byte(p, 0.5) << 8) | (_table_byte(p, 1.0) << 16) | (_table_byte(p, 1.5) << 24)
+    hi = _table_byte(p, 2.0) | (_table_byte(p, 3.0) << 8) | (_table_byte(p, 4.0) << 16) | (_table_byte(p, 6.0) << 24)
+    return lo, hi
+
+
+@triton.jit
+def _e2m1_e4m3_shifted(byte, t_lo, t_hi, ASM: tl.constexpr):
+    """Packed MXFP4 bytes (uint8) and their block's tables (`_shift_tables`, int32, broadcast to the bytes' shape) ->
+    (low nibble, high nibble) as e4m3 bytes (uint8) of value * 2^(6 - d): a table lookup by magnitude, the sign
+    or-ed in (-0 for code 8, as `_e2m1_e4m3`). ASM: four bytes per 32-bit register, 11 ALU ops per 8 values; the
+    table of the first of each two bytes serves both, so two neighbouring bytes of a register must be of one key
+    block (they are: a block's 16 bytes are contiguous, and a thread's registers hold runs of 4 of them, the row's
+    16-byte loads and the MMA operand's 4-byte k groups alike). Else the same lookup per element (the interpreter)."""
+    if ASM:
+        return tl.inline_asm_elementwise(asm=_E2M1_E4M3_SHIFTED_ASM, constraints="=r,=r,r,r,r,r,r,r,r,r,r",
+                                         args=[byte, t_lo, t_hi], dtype=(tl.uint8, tl.uint8), is_pure=True, pack=4)
+    else:
+        b = byte.to(tl.int32)
+        lo_mag, hi_mag = b & 7, (b >> 4) & 7
+        lo = (tl.where(lo_mag < 4, t_lo, t_hi) >> ((lo_mag & 3) * 8)) & 0xFF
+        hi = (tl.where(hi_mag < 4, t_lo, t_hi) >> ((hi_mag & 3) * 8)) & 0xFF
+        return (lo | ((b & 0x08) << 4)).to(tl.uint8), (hi | (b & 0x80)).to(tl.uint8)
+
+
+@triton.jit
+def _key_scale(code):
+    """The key's largest ue8m0 code (int32) -> fp32 2^(code - 127) * 2^-6, the scale of its e4m3 values (`_ue8m0`'s
+    2^-127 for code 0: 2^-133, a subnormal; 0xFF -> NaN), from bits (no subnormal multiply)."""
+    bits = tl.where(code >= 7, (code - 6) << 23, 1 << (tl.minimum(code, 6) + 16))
+    return tl.where(code == 0xFF, 0x7FC00000, bits).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _shifted_block(byte, t_lo, t_hi, BLOCK_J: tl.constexpr, ASM: tl.constexpr):
+    """One scale block's bytes [BLOCK_J, 16] and tables [BLOCK_J] -> e4m3 [BLOCK_J, 32] in `q8_operand`'s order
+    (the block's low nibbles, then its high nibbles)."""
+    b_lo, b_hi = _e2m1_e4m3_shifted(byte, tl.broadcast_to(t_lo[:, None], (BLOCK_J, 16)),
+                                    tl.broadcast_to(t_hi[:, None], (BLOCK_J, 16)), ASM)
+    return tl.reshape(tl.permute(tl.join(b_lo, b_hi), (0, 2, 1)), (BLOCK_J, 32))
+
+
+@triton.jit
+def _cat_k(a, b, BLOCK_J: tl.constexpr, K: tl.constexpr):
+    """[BLOCK_J, K] and [BLOCK_J, K] -> [BLOCK_J, 2K], a's columns first."""
+    return tl.reshape(tl.permute(tl.join(a, b), (0, 2, 1)), (BLOCK_J, 2 * K))
+
+
+@triton.jit
+def mxfp4_key_scale_keys(k0, k1, k2, k3, s0, s1, s2, s3, D: tl.constexpr, BLOCK_J: tl.constexpr, ASM: tl.constexpr):
+    """A tile's MXFP4 keys (`mxfp4_tile`'s bytes and codes per scale block) under one scale per key -> (e4m3 [BLOCK_J,
+    D] in `q8_operand`'s order, holding each value times 2^6 / 2^(smax - 127), smax the key's largest code; fp32
+    [BLOCK_J] 2^(smax - 127) * 2^-6, `_key_scale`). A block d = smax - s_b below shifts its values by 2^-d: exact to
+    d = 14, rounded to the e4m3 grid beyond (`_shift_tables_exact`, taken by a whole tile when one of its keys needs
+    it)."""
+    smax = s0
+    if D >= 64:
+        smax = tl.maximum(smax, s1)
+    if D >= 128:
+        smax = tl.maximum(tl.maximum(smax, s2), s3)
+    lo0, hi0 = _shift_tables(smax - s0)
+    lo1, hi1, lo2, hi2, lo3, hi3 = lo0, hi0, lo0, hi0, lo0, hi0
+    if D >= 64:
+        lo1, hi1 = _shift_tables(smax - s1)
+    if D >= 128:
+        lo2, hi2 = _shift_tables(smax - s2)
+        lo3, hi3 = _shift_tables(smax - s3)
+    spread = smax - s0
+    if D >= 64:
+        spread = tl.maximum(spread, smax - s1)
+    if D >= 128:
+        spread = tl.maximum(spread, tl.maximum(smax - s2, smax - s3))
+    if tl.max(spread, axis=0) > 11:  # a block 2^-12 or further below its key's largest: subnormal or flushed values
+        lo0, hi0 = _shift_tables_exact(smax - s0)
+        if D >= 64:
+            lo1, hi1 = _shift_tables_exact(smax - s1)
+        if D >= 128:
+            lo2, hi2 = _shift_tables_exact(smax - s2)
+            lo3, hi3 = _shift_tables_exact(smax - s3)
+    b_k = _shifted_block(k0, lo0, hi0, BLOCK_J, ASM)
+    if D >= 64:
+        b_k = _cat_k(b_k, _shifted_block(k1, lo1, hi1, BLOCK_J, ASM), BLOCK_J, 32)
+    if D >= 128:
+        b_k = _cat_k(b_k, _cat_k(_shifted_block(k2, lo2, hi2, BLOCK_J, ASM), _shifted_block(k3, lo3, hi3, BLOCK_J, ASM),
+                                 BLOCK_J, 32), BLOCK_J, 64)
+    return b_k.to(tl.float8e4nv, bitcast=True), _key_scale(smax)
+
+
+@triton.jit
+def q8_operand(p_q8, m_n, D: tl.constexpr):
+    """q's FP8 MMA operand (`fp8_query_operand`'s codes at p_q8 [1, N] column pointers, m_n [N] the columns read) as
+    one [D, N] e4m3 tile in the per-key path's order: per 32-dim scale block, its even dims, then its odd dims."""
+    o_k = tl.arange(0, D)
+    o_d = (o_k // 32) * 32 + (o_k % 16) * 2 + (o_k % 32) // 16
+    return tl.load(p_q8 + o_d[:, None], mask=m_n[None, :], other=0).to(tl.float8e4nv, bitcast=True)
+
+
+@triton.jit
+def fp8_dot(b_k, b_q8, ASM: tl.constexpr):
+    """e4m3 [M, K] x e4m3 [K, N] -> fp32 [M, N] on an FP8 MMA; under the interpreter the same products through an fp32
+    dot."""
+    if ASM:
+        return tl.dot(b_k, b_q8)
+    else:
+        return tl.dot(b_k.to(tl.float32), b_q8.to(tl.float32))
+
+
 @triton.jit
 def mxfp4_fp8_scores(pool_ptr, p_table, p_out, chunk_lo, hi, visible, num_entries, b_w, b_q0, b_q1, b_q2, b_q3,
                       D: tl.constexpr, P: tl.constexpr, PAGE_BYTES: tl.constexpr, DATA_BYTES: tl.constexpr,
                       SCALE_BYTES: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_H: tl.constexpr, ASM: tl.constexpr,
-                      PAGE_TILES: tl.constexpr):
+                      PAGE_TILES: tl.constexpr, KEY_SCALE: tl.constexpr = False):
     """Scores of entries chunk_lo..hi-1 of one row against MXFP4 keys on FP8 MMAs: per tile, the sum over scale
-    blocks, in block order, of exact per-block MMAs (`_mxfp4_block_mma`), then ReLU and the head weights.
+    blocks, in block order, of exact per-block MMAs (`_mxfp4_block_mma`; b_q0..b_q3 `q8_blocks`'s), then ReLU and the
+    head weights. KEY_SCALE: one scale per key instead (`mxfp4_key_scale_keys`; b_q0 `q8_operand`'s [D, BLOCK_H], the
+    others unread): one K = D MMA a tile, ReLU and the head weights, then the key's scale once per key (ReLU commutes
+    with a positive power of two).
     PAGE_TILES (every tile within one page, P % BLOCK_J == 0): a tile is addressed from its page, its block id read
     one tile before its bytes and its scale words one tile before their use (a scalar and a word per key row a thread
     holds). Its values are loaded in their own iteration: held a tile ahead in registers they would spill under the
@@ -312,8 +465,12 @@ def mxfp4_fp8_scores(pool_ptr, p_table, p_out, chunk_lo, hi, visible, num_entrie
         else:
             k0, k1, k2, k3, s0, s1, s2, s3 = mxfp4_tile(pool_ptr, p_table, o_j, o_j < hi, D, P, PAGE_BYTES,
                                                          DATA_BYTES, SCALE_BYTES)
-        acc = mxfp4_fp8_dot(k0, k1, k2, k3, s0, s1, s2, s3, b_q0, b_q1, b_q2, b_q3, BLOCK_H, D, BLOCK_J, ASM)
-        b_s = tl.sum(relu(acc) * b_w[None, :], axis=1)
+        if KEY_SCALE:
+            b_k, b_ks = mxfp4_key_scale_keys(k0, k1, k2, k3, s0, s1, s2, s3, D, BLOCK_J, ASM)
+            b_s = tl.sum(relu(fp8_dot(b_k, b_q0, ASM)) * b_w[None, :], axis=1) * b_ks
+        else:
+            acc = mxfp4_fp8_dot(k0, k1, k2, k3, s0, s1, s2, s3, b_q0, b_q1, b_q2, b_q3, BLOCK_H, D, BLOCK_J, ASM)
+            b_s = tl.sum(relu(acc) * b_w[None, :], axis=1)
         tl.store(p_out + o_j, tl.where(o_j < visible, b_s, float("-inf")), mask=o_j < num_entries)
 
 

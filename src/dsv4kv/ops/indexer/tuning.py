@@ -36,12 +36,20 @@ class IndexerTuning:
     # 4 rows of 64 heads make N = 256, the widest wgmma, so a key's decode (~6 CUDA-core ops a value) is shared by
     # 256 MMA columns; 128-key tiles over 8 warps the fastest (H200); 32 tiles amortise the 4 rows' 128 KB of q
     stacked: Tiles = Tiles(block_j=128, max_iters=32, num_warps=8, num_stages=3, block_t=4)
-    # the FP8 path's block result and running sum are both [BLOCK_J, BLOCK_T * 64] fp32: 2 rows over 4 warps (255
-    # registers; 4 rows over 8 warps and 128-key tiles were slower)
+    # the exact FP8 path's block result and running sum are both [BLOCK_J, BLOCK_T * 64] fp32: 2 rows over 4 warps
+    # (255 registers; 4 rows over 8 warps and 128-key tiles were slower)
     stacked_fp8: Tiles = Tiles(block_j=64, max_iters=64, num_warps=4, num_stages=2, block_t=2)
+    # the per-key-scale FP8 path has one accumulator, as the bf16 path: its N = 256 tiles (4 rows of 64 heads: a
+    # verify step's rows of one request share each decoded key tile)
+    stacked_key_scale: Tiles = Tiles(block_j=128, max_iters=32, num_warps=8, num_stages=2, block_t=4)
     # MXFP4 keys on FP8 MMAs where the query allows, in both kernels: faster than the bf16 MMAs at every grid timed
-    # (docs/performance.md), bit-equal scores; False takes the bf16 MMAs, as GPUs before sm_90 do
+    # (docs/performance.md); False takes the bf16 MMAs, as GPUs before sm_90 do
     fp8_mma: bool = True
+    # the FP8 path's MXFP4 keys under one power-of-two scale per key (their largest block scale; `keys.
+    # mxfp4_key_scale_keys`): one K = D MMA and one multiply per key where the exact path pays D/32 MMAs from zero and
+    # D/32 scaled adds per (key, row, head). Scores within the tolerance of ops/indexer/kernel.py's docstring, not bit
+    # for bit; False: the exact per-block path (scores the bf16 path's up to fp32 summation order)
+    fp8_key_scale: bool = True
     # the row kernel's FP8 build takes 167 registers uncapped (sm_90a): 3 programs an SM; capped, no spills and 4
     fp8_max_registers: int = 128
     # where a page holds whole tiles, the FP8 path addresses a tile from its page and reads its block id and scale
