@@ -359,8 +359,9 @@ class TentativeStep:
                     view[:, a, b] = saved.index_select(1, i)
             else:
                 lo = first[id(site)]
+                a, b = site.a_d[lo:], site.b_d[lo:]
                 for view, saved in zip(site.views, site.saved):
-                    view[:, site.a_d[lo:], site.b_d[lo:]] = saved[:, lo:]
+                    view[:, a, b] = saved[:, lo:]
         self._put_back_blocks()
         if self._snapshot_log:
             ids = self._upload(np.asarray(self._snapshots))[0]
