@@ -8,7 +8,9 @@ picks them). Both kernels (row: decode; stacked: rows of a request share key til
 Small cases run under Triton's interpreter on the CPU (or on the GPU where there is one); the V4-Flash /
 V4-Pro shaped cases need a CUDA device. q and the keys are bf16 values, so the MMA's products are exact and
 only the fp32 summation order differs: scores must agree within ROW_TOL of the row's largest |score| and
-within TERM_TOL of the size of their own terms (sum_h |w_h| sum_d |q_hd K_jd| / sqrt(D)).
+within TERM_TOL of the size of their own terms (sum_h |w_h| sum_d |q_hd K_jd| / sqrt(D)). MXFP4 keys on the
+per-key-scale FP8 path (the default on Hopper) are held to that path's stated tolerance on a GPU (KEY_SCALE_TOL,
+`tolerance`); under the interpreter its sums are fp32 and the tight bounds hold but where key values are rounded.
 """
 
 import dataclasses
@@ -783,8 +785,9 @@ def test_stacked_kernel_fp8_segments_and_fallback(monkeypatch, key_scale):
     """The stacked kernel's FP8 path (`IndexerTuning.fp8_mma`) over three requests prefilling and decoding at odd
     lengths, blocks of 4 rows holding two requests' segments, each (row, head) of q at its own power of two (so each has
     its own shift 2^c): the scores equal the bf16 path's bit for bit on the exact path (MXFP4 dot products sum exactly
-    in fp32 at these sizes), within the per-key path's tolerance on that path, and the reference's within tolerance. A request whose query has a head beyond the FP8 check (a block 2^-22
-    below its head's largest) takes the bf16 path for its segments while the others stay on FP8 MMAs. Which path ran is
+    in fp32 at these sizes), within the per-key path's tolerance on that path, and the reference's within tolerance.
+    A request whose query has a head beyond the FP8 check (a block 2^-22 below its head's largest) takes the bf16 path
+    for its segments while the others stay on FP8 MMAs. Which path ran is
     observed on every device: given an operand of e4m3 NaN codes, the FP8 segments score NaN (the interpreter decodes
     those bytes as +-480: wrong, not NaN) and the bf16 ones the reference's scores."""
     skip_unless_fp8_path()
@@ -886,6 +889,220 @@ def test_a_block_sum_of_13_significant_bits_is_exact(fp8_path, key_scale):
     visible = (plan.positions.long() + 1) // M
     seen = torch.arange(got.shape[1], device=DEVICE) < visible[:, None]
     assert seen.any() and torch.equal(got[seen], torch.full_like(got[seen], 1116.25 * layout.dim ** -0.5))
+
+
+# --- the per-key-scale FP8 path ---------------------------------------------------------------------------------
+E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+# block shifts d: the fast tables' range (0 .. 11), the exact ones' subnormal and flushed range, and far beyond
+SHIFTS = list(range(48)) + [60, 100, 126, 127, 128, 200, 250, 251, 252, 253, 254, 255, 40, 41, 42, 43]
+
+
+@triton.jit
+def _shifted_of_bytes(byte_ptr, d_ptr, lo_ptr, hi_ptr, table_ptr, N: tl.constexpr, ASM: tl.constexpr):
+    """Every byte (columns) under every shift d (rows): the exact and the fast tables, and `_e2m1_e4m3_shifted`."""
+    o_s, o_b = tl.arange(0, N), tl.arange(0, 256)
+    d = tl.load(d_ptr + o_s)
+    t_lo, t_hi = keys_mod._shift_tables_exact(d)
+    f_lo, f_hi = keys_mod._shift_tables(d)
+    tl.store(table_ptr + o_s * 4, t_lo)
+    tl.store(table_ptr + o_s * 4 + 1, t_hi)
+    tl.store(table_ptr + o_s * 4 + 2, f_lo)
+    tl.store(table_ptr + o_s * 4 + 3, f_hi)
+    byte = tl.broadcast_to(tl.load(byte_ptr + o_b)[None, :], (N, 256))
+    lo, hi = keys_mod._e2m1_e4m3_shifted(byte, tl.broadcast_to(t_lo[:, None], (N, 256)),
+                                         tl.broadcast_to(t_hi[:, None], (N, 256)), ASM)
+    offs = o_s[:, None] * 256 + o_b[None, :]
+    tl.store(lo_ptr + offs, lo)
+    tl.store(hi_ptr + offs, hi)
+
+
+def check_shifted_bytes(asm):
+    d = torch.tensor(SHIFTS, dtype=torch.int32)
+    byte = torch.arange(256, dtype=torch.uint8, device=DEVICE)
+    lo = torch.empty(len(SHIFTS), 256, dtype=torch.uint8, device=DEVICE)
+    hi, tables = torch.empty_like(lo), torch.empty(len(SHIFTS), 4, dtype=torch.int32, device=DEVICE)
+    _shifted_of_bytes[(1,)](byte, d.to(DEVICE), lo, hi, tables, N=len(SHIFTS), ASM=asm)
+    # each magnitude times 2^(6 - d), rounded by torch's cast (nearest even, subnormals included)
+    want = (E2M1[None, :].double() * 2.0 ** (6 - d.double())[:, None]).float().to(torch.float8_e4m3fn)
+    want = want.view(torch.uint8).int()  # [shifts, 8]
+    words = tables.cpu().view(torch.uint8).view(len(SHIFTS), 4, 4).int()  # little-endian: byte c of a word = code c
+    assert torch.equal(torch.cat([words[:, 0], words[:, 1]], 1), want)
+    fast = d <= 11
+    assert torch.equal(words[fast, 2:], words[fast, :2])
+    assert (want[d <= 14] != 0)[:, 1:].all() and (want[d >= 19] == 0).all()  # exact to 14, all flushed from 19
+    for got, nibble in ((lo, byte.cpu().int() & 15), (hi, byte.cpu().int() >> 4)):
+        code = want[:, nibble & 7] | ((nibble & 8) << 4)[None, :]  # the sign bit moved to e4m3's, -0 included
+        assert torch.equal(got.cpu().int(), code)
+
+
+def test_key_scale_tables_every_shift_and_byte():
+    """The per-key path's key decode: for block shifts d = 0 .. 47 and far beyond (up to 255, a NaN scale's), the
+    exact tables hold e4m3 codes of each e2m1 magnitude times 2^(6 - d) as torch's cast rounds them (nearest even:
+    exact to d = 14, subnormal and rounded to 18, zero from 19); the fast tables equal them for d <= 11; and the
+    lookup gives every one of the 256 packed bytes' two nibbles their code, sign included (the plain form, which the
+    interpreter runs)."""
+    check_shifted_bytes(asm=False)
+
+
+@needs_cuda
+def test_key_scale_tables_every_shift_and_byte_inline_ptx():
+    """The same for the inline-PTX lookup (PRMT) the GPU runs."""
+    check_shifted_bytes(asm=True)
+
+
+def spread_keys(cache, rid, layout, pool, count, page_tokens, shifts, g):
+    """Random bytes for request rid's first `count` entries, each key's block codes its largest code (100 .. 150) less
+    a shift drawn from `shifts` (block 0 or another at shift 0) -> the per-key path's bound on each key's rounding:
+    fp32 [count, D] 2^-16 S on the dims of blocks 15 or more binades below the key's largest (S = its scale), else 0."""
+    data_rows, scale_rows, page, off = entry_rows(cache, rid, layout, pool, count, page_tokens)
+    blocks = layout.dim // 32
+    smax = torch.randint(100, 151, (count, 1), generator=g)
+    d = torch.tensor(shifts)[torch.randint(0, len(shifts), (count, blocks), generator=g)]
+    d[torch.arange(count), torch.randint(0, blocks, (count,), generator=g)] = 0
+    data_rows[page, off] = torch.randint(0, 256, (count, layout.data_bytes), generator=g, dtype=torch.uint8).to(DEVICE)
+    scale_rows[page, off] = (smax - d).to(torch.uint8).to(DEVICE)
+    moved = (d >= 15).float().repeat_interleave(32, dim=1)
+    return (moved * 2.0 ** (smax.double() - 127 - 16)).float().to(DEVICE)
+
+
+@pytest.mark.parametrize("stack_rows", [False, True], ids=["row", "stacked"])
+def test_key_scale_wide_block_spreads(stack_rows):
+    """Keys of random bytes whose blocks lie 0 .. 60 binades below their key's largest (D = 128, four blocks), on
+    the per-key path of either kernel: the scores stay within the stated bound, |error| <= tol * T + sum_h |w_h|
+    sum_d |q_hd| bound_d / sqrt(D) (bound_d = 2^-16 S on blocks 15 or more binades down, `spread_keys`), T the size of
+    the score's terms; keys no block of which is that far down keep the plain tolerance. The bound is met and used:
+    the rounded values move some scores beyond the plain tolerance, and within it as written."""
+    geometry = dataclasses.replace(TINY, index_head_dim=128)
+    cache, layout, pool = make_cache(geometry, "mxfp4", page_tokens=PAGE, max_requests=2, max_tokens=512)
+    rid = cache.admit()
+    cache.plan_step([(rid, 301)])
+    buffers = cache.step_buffers(max_tokens=8, max_requests=2)
+    plan = cache.plan_step([(rid, 5)], buffers=buffers)  # 3 padding rows
+    count = 306 // M
+    bound = spread_keys(cache, rid, layout, pool, count, PAGE, [0, 1, 3, 11, 12, 13, 14, 15, 16, 17, 18, 19, 25, 60],
+                        gen(101))
+    rows, heads = plan.positions.shape[0], geometry.index_n_heads
+    q, w = make_query(layout, rows, heads, seed=102, padding_from=plan.num_tokens)
+    tuning = tuned(**SMALL_ROW, **SMALL_STACKED, stacked_key_scale=SMALL_STACK)
+    got = indexer_scores_paged(q, w, plan, pool, layout, ratio=M, page_tokens=PAGE, max_entries=80,
+                               stack_rows=stack_rows, fill=True, tuning=tuning)
+    want, size = reference(plan, pool, layout, q, w, 80, ratio=M, page_tokens=PAGE)
+    score_error(got, (want, size))  # the same -inf, NaN and finite positions
+    n = plan.num_tokens
+    rounding = torch.zeros_like(want)
+    rounding[:n, :count] = torch.einsum("rhd,jd,rh->rj", q[:n].abs(), bound, w[:n].abs()) * layout.dim ** -0.5
+    finite = torch.isfinite(want)
+    err = torch.where(finite, (got - want).abs(), 0.0)
+    _, term_tol = tolerance(True)
+    assert bool((err <= term_tol * size + rounding).all()), float(((err - term_tol * size) / rounding).max())
+    moved = finite & (rounding > 0)
+    assert moved.any() and bool((err[~moved] <= term_tol * size[~moved]).all())
+    assert bool((err > TERM_TOL * size).any())
+
+
+class KwargSpy:
+    """Stands in for a jitted kernel and records each launch's keyword arguments."""
+
+    def __init__(self, kernel):
+        self.kernel, self.launches = kernel, []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.launches.append(kwargs)
+            return self.kernel[grid](*args, **kwargs)
+        return launch
+
+
+def test_verify_step_takes_the_stacked_key_scale_path(monkeypatch):
+    """A speculative verify step (five requests of 4 rows and one of 3, at odd lengths, padding rows after) goes to
+    the stacked kernel by host facts, on its per-key-scale FP8 path over 4 rows a program (each block of rows one
+    request's, so its rows share each decoded key tile): the scores are the reference's within tolerance, and the
+    top-k picks, where they differ from the reference's, are near ties of the reference's scores."""
+    from dsv4kv.ops.topk.kernel import topk_indices
+    from dsv4kv.tools.bench.picks import pick_gaps
+
+    cache, layout, pool = make_cache(TINY, "mxfp4", page_tokens=PAGE, max_requests=7, max_tokens=1600)
+    rids = admit(cache, 6)
+    g = gen(111)
+    for rid, n in zip(rids, (17, 130, 201, 64, 333, 90)):
+        cache.plan_step([(rid, n)])
+    buffers = cache.step_buffers(max_tokens=28, max_requests=7)
+    plan = cache.plan_step([(rid, 4) for rid in rids[:5]] + [(rids[5], 3)], buffers=buffers)
+    for rid in rids:
+        write_all_keys(cache, rid, layout, pool, torch.randn(90, layout.dim, generator=g).to(DEVICE), M, PAGE)
+    assert not kernel_mod.counts_digits(plan)  # the stacked kernel, by the automatic choice
+    spy = KwargSpy(kernel_mod._indexer_scores_stacked_kernel)
+    monkeypatch.setattr(kernel_mod, "_indexer_scores_stacked_kernel", spy)
+    rows = plan.positions.shape[0]
+    q, w = make_query(layout, rows, TINY.index_n_heads, seed=112, padding_from=plan.num_tokens)
+    got = indexer_scores_paged(q, w, plan, pool, layout, ratio=M, page_tokens=PAGE, max_entries=96, fill=True)
+    (launch,) = spy.launches
+    on_gpu_or_interpreter = DEVICE.type != "cuda" or hopper_or_later(DEVICE)
+    assert launch["KEY_SCALE"] is on_gpu_or_interpreter and launch["MMA8"] is on_gpu_or_interpreter
+    assert launch["BLOCK_T"] == tuning_for(DEVICE).stacked_key_scale.block_t == 4
+    want = reference(plan, pool, layout, q, w, 96, ratio=M, page_tokens=PAGE)
+    assert_close_scores(got, want, key_scale=True)
+    visible = torch.clamp((plan.positions + 1) // M, min=0).to(torch.int32)
+    visible[plan.num_tokens:] = 0
+    picks = topk_indices(got, visible, 16)
+    gaps = pick_gaps(picks[:plan.num_tokens], want[0][:plan.num_tokens])
+    assert float(gaps.max()) <= 2 * tolerance(True)[0], gaps
+
+
+def compile_for_sm90a():
+    """Compile the row and the stacked kernel's per-key-scale FP8 variants (inline PTX, FP8 wgmma) for sm_90a with
+    Triton's own ptxas, at V4 shapes; print each cubin's resource use. Run without TRITON_INTERPRET (no GPU needed)."""
+    import os
+    import subprocess
+    import tempfile
+
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    pointers = dict(q_ptr="*fp32", w_ptr="*fp32", positions_ptr="*i32", token_request_ptr="*i32",
+                    request_slots_ptr="*i32", block_table_ptr="*i32", pool_ptr="*u8", out_ptr="*fp32", q8_ptr="*u8",
+                    q8_scale_ptr="*fp32", counts_ptr="*i32", scratch_ptr="*i32", num_rows="i32", num_heads="i32",
+                    num_entries="i32", table_stride="i32", score_scale="fp32", chunk="i32", counts_stride="i32")
+    shared = dict(FORMAT=keys_mod.KEYS_MXFP4, RATIO=4, D=128, P=256, PAGE_BYTES=256 * 68, DATA_BYTES=64, SCALE_BYTES=4,
+                  BLOCK_H=64, DOT=tl.bfloat16, FILL=False, MMA8=True, ASM=True, KEY_SCALE=True)
+    row = dict(shared, BLOCK_J=64, FILL_J=64, BITS=True, PAGE_TILES=True, COUNT=True, SCRATCH=False, COUNT_BLOCK=1024)
+    t = TUNING["sm90"]
+    stacked = dict(shared, BLOCK_T=4, BLOCK_J=t.stacked_key_scale.block_j, FILL_J=t.stacked_key_scale.block_j)
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    for name, kernel, constants, options in (
+            ("row", kernel_mod._indexer_scores_kernel, row,
+             dict(num_warps=t.row.num_warps, num_stages=t.row.num_stages, maxnreg=t.fp8_max_registers)),
+            ("stacked", kernel_mod._indexer_scores_stacked_kernel, stacked,
+             dict(num_warps=t.stacked_key_scale.num_warps, num_stages=t.stacked_key_scale.num_stages))):
+        signature = {a: pointers[a] if a in pointers else "constexpr" for a in kernel.arg_names}
+        compiled = triton.compile(ASTSource(fn=kernel, signature=signature,
+                                            constexprs={a: constants[a] for a in kernel.arg_names if a in constants}),
+                                  target=GPUTarget("cuda", 90, 32), options=options)
+        ptx = compiled.asm["ptx"]
+        assert "wgmma.mma_async" in ptx and ".e4m3.e4m3" in ptx and "prmt.b32" in ptx, name
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(compiled.asm["cubin"])
+            f.flush()
+            usage = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True,
+                                   check=True).stdout
+        print(name, usage.strip().splitlines()[-1].strip())
+
+
+def test_key_scale_kernels_compile_for_sm90a():
+    """The per-key path's GPU-only parts (its PTX lookup, FP8 wgmma from a K = 128 tile, the 4-row stacked variant) are
+    compiled for sm_90a by Triton's own ptxas in a fresh process without the interpreter, so CI without a GPU
+    catches a compile error: FP8 wgmma and PRMT in the PTX, and no local-memory spills in either cubin."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    here = os.path.dirname(os.path.abspath(__file__))
+    done = subprocess.run([sys.executable, "-c", "import test_kernel_indexer as t; t.compile_for_sm90a()"], cwd=here,
+                          env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-4000:]
+    lines = [line for line in done.stdout.splitlines() if line.startswith(("row", "stacked"))]
+    assert len(lines) == 2 and all("LOCAL:0" in line for line in lines), done.stdout
 
 
 @pytest.mark.parametrize("indexer_format", ["mxfp4", "fp8"])
@@ -1175,3 +1392,39 @@ def test_v4_prefill_graph_replay_stacked(indexer_format, monkeypatch):
     plan = cache.plan_step([(rids[0], 1), (rids[1], 777), (rids[2], 250), (rids[3], 64)], buffers=buffers)
     replay_over_new_inputs(graph, plan, cache, rids, layout, pool, q, w, out, entries, seed=9, padding_from=1092,
                            key_scale=key_scale)
+
+
+@needs_cuda
+def test_v4_verify_step_16_requests_4_rows():
+    """V4-Flash, MXFP4 keys: a speculative verify step, 16 requests of 4 rows at lengths 1 .. ~40K in a padded plan,
+    on the automatic choice (the stacked kernel's per-key-scale path, 4 rows a program): within the per-key tolerance
+    of the reference and of the exact row kernel; its top-512 picks differ from the reference's only at near ties of
+    the reference's scores; a CUDA graph captured over it replays the next verify step with new keys and query."""
+    from dsv4kv.ops.topk.kernel import topk_indices
+    from dsv4kv.tools.bench.picks import pick_gaps
+
+    history = [1, 3, 130, 1021, 4097, 9000, 12345, 17000, 20001, 23456, 27000, 30001, 33333, 36000, 38000, 40001]
+    step = [(i, 4) for i in range(16)]
+    cache, layout, pool, plan, buffers, rids, heads = v4_case("flash", "mxfp4", history, step, max_tokens=420_000,
+                                                              buffer_tokens=70, seed=12)
+    assert not kernel_mod.counts_digits(plan)
+    entries = cache.block_table.shape[1] * V4_PAGE // 4
+    q, w = make_query(layout, 70, heads, seed=12, padding_from=64)
+    out = torch.full((70, entries), float("nan"), device=DEVICE)
+    indexer_scores_paged(q, w, plan, pool, layout, ratio=4, page_tokens=V4_PAGE, out=out, fill=True)
+    want = reference(plan, pool, layout, q, w, entries, ratio=4, page_tokens=V4_PAGE)
+    assert_close_scores(out, want, key_scale=True)
+    exact = indexer_scores_paged(q, w, plan, pool, layout, ratio=4, page_tokens=V4_PAGE, max_entries=entries,
+                                 stack_rows=False, fill=True, tuning=tuned(fp8_key_scale=False))
+    assert_paths_agree(out, exact, want, key_scale=True)
+    visible = torch.clamp((plan.positions + 1) // 4, min=0).to(torch.int32)
+    visible[64:] = 0
+    gaps = pick_gaps(topk_indices(out, visible, 512)[:64], want[0][:64])
+    assert float(gaps.max()) <= 2 * KEY_SCALE_TOL, gaps
+
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        indexer_scores_paged(q, w, plan, pool, layout, ratio=4, page_tokens=V4_PAGE, out=out, fill=True)
+    plan = cache.plan_step([(rids[i], 4) for i in range(16)], buffers=buffers)
+    replay_over_new_inputs(graph, plan, cache, rids, layout, pool, q, w, out, entries, seed=13, padding_from=64,
+                           key_scale=True)

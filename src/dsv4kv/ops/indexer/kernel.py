@@ -497,8 +497,10 @@ def indexer_scores_paged(q: torch.Tensor, weights: torch.Tensor, plan, key_pool:
         tuning: tiles and path choices (default: the device's, `tuning_for`).
 
     MXFP4 keys run on FP8 MMAs (`IndexerTuning.fp8_mma`) in the row kernel when every head of the row's q is
-    MXFP4-valued (`fp8_query_operand`), and in the stacked kernel for each segment whose rows all are; the scores are
-    those of the bf16 path up to summation order.
+    MXFP4-valued (`fp8_query_operand`), and in the stacked kernel for each segment whose rows all are: by default
+    under one scale per key (`IndexerTuning.fp8_key_scale`), within the tolerance the module docstring derives (2^-10
+    of the size of a score's terms); with `fp8_key_scale=False` exact per scale block, the bf16 path's scores up to
+    summation order.
 
     Returns `out`: scores for j < visible(t); -inf elsewhere with fill=True, else unspecified there.
     """
