@@ -29,11 +29,13 @@ def scores_tuning(**changes):
 geometry = ModelGeometry.preset("flash")
 layers = [init_random_weights(DSV4Attention(geometry, i, device="cuda", backend="triton"), i) for i in (0, 2, 3)]
 gen = torch.Generator(device="cuda").manual_seed(0)
-# MXFP4 twice: the indexer's row and stacked kernels on their FP8 MMA paths (the defaults), then both on their bf16
-# paths (`IndexerTuning.fp8_mma`)
-for kv_format, indexer_format, fp8 in (("fp8", "mxfp4", True), ("fp8", "mxfp4", False), ("fp8", "fp8", True),
-                                       ("bf16", "bf16", True)):
-    path = f" (FP8 MMAs {fp8})" if indexer_format == "mxfp4" else ""
+# MXFP4 three times: the indexer's row and stacked kernels on their FP8 MMA paths with one scale per key (the
+# defaults), with the exact per-block scaling (`IndexerTuning.fp8_key_scale`), then on their bf16 paths
+# (`IndexerTuning.fp8_mma`)
+for kv_format, indexer_format, fp8, key_scale in (("fp8", "mxfp4", True, True), ("fp8", "mxfp4", True, False),
+                                                  ("fp8", "mxfp4", False, True), ("fp8", "fp8", True, True),
+                                                  ("bf16", "bf16", True, True)):
+    path = f" (FP8 MMAs {fp8}, key scale {key_scale})" if indexer_format == "mxfp4" else ""
     cache = CacheManager(geometry, max_requests=3, max_tokens=3 * 2560, kv_format=kv_format,
                          indexer_format=indexer_format, page_tokens=256, poison=True, device="cuda",
                          max_seq_len=2560)
@@ -43,7 +45,7 @@ for kv_format, indexer_format, fp8 in (("fp8", "mxfp4", True), ("fp8", "mxfp4", 
         plan = cache.plan_step(step, buffers=buffers)
         x = torch.randn(plan.num_tokens, geometry.hidden_size, generator=gen, device="cuda").to(torch.bfloat16)
         for layer in layers:
-            with scores_tuning(fp8_mma=fp8):
+            with scores_tuning(fp8_mma=fp8, fp8_key_scale=key_scale):
                 out = layer(x, plan, cache)
             torch.cuda.synchronize()
             print(f"{kv_format}/{indexer_format}{path} layer {layer.layer_index} ({layer.spec.kind.short}) step {step}: "
@@ -53,7 +55,7 @@ for kv_format, indexer_format, fp8 in (("fp8", "mxfp4", True), ("fp8", "mxfp4", 
         plan = cache.plan_step(step)
         x = torch.randn(len(step), geometry.hidden_size, generator=gen, device="cuda").to(torch.bfloat16)
         for layer in layers:
-            with scores_tuning(fp8_mma=fp8):
+            with scores_tuning(fp8_mma=fp8, fp8_key_scale=key_scale):
                 out = layer(x, plan, cache)
             torch.cuda.synchronize()
             print(f"{kv_format}/{indexer_format}{path} layer {layer.layer_index} {what}: "
