@@ -17,15 +17,16 @@ The messages, in order, between one sender and one receiver (a pair's point-to-p
 2. reply (receiver -> sender), a control message: ACCEPT with `skip_tokens` (the whole blocks its prefix cache
    holds: their pages are not sent, as in `export_request(rid, skip_tokens=...)`), or REFUSED / NO_ROOM with the
    reason. Nothing else follows a refusal.
-3. the layers, in order, in messages of consecutive layers (`message_bytes`: 64 MiB by default, or one layer per
-   message), then a 64-byte trailer (magic, LAYER or ABORT, message index, payload bytes, transfer id, first and
-   end layer). Inside a message the request's tensors (pages from block skip_tokens / page_tokens on) go field by
-   field, and within a field the layers stored together (`CachePools.stacks`) back to back: a *run*, which one
-   `index_select` over the group's rows (`CachePools.stack_rows`) fills, moving 8-byte elements where the rows
-   allow. The receiver posts every message's receive at once into staging buffers (on the cache's device for
-   NCCL), so the link never waits on the host. The sender gathers a whole message at once (`send_all`), or each
-   layer when it is ready (`send_layer(i)`, any time after layer i ran over the request's last plan: a prefill can
-   send layer i while layers > i compute, a launch per part), and posts a message's send once its last layer is
+3. the layers, in order, in messages of consecutive layers (`message_bytes`: 1 GiB by default, so a request's state
+   is mostly one message; or one layer per message), each sent in CHUNK_BYTES sends and ending in a 64-byte trailer
+   (magic, LAYER or ABORT, message index, payload bytes, transfer id, first and end layer). Inside a message the
+   request's tensors (pages from block skip_tokens / page_tokens on) go field by field, and within a field the
+   layers stored together (`CachePools.stacks`) back to back: a *run*, which one `index_select` over the group's
+   rows (`CachePools.stack_rows`) fills, moving 8-byte elements where the rows allow. The receiver posts every
+   chunk's receive at once into staging buffers (on the cache's device for NCCL), so the link never waits on the
+   host. The sender gathers each chunk right before its send (`send_all`: a select per run the chunk overlaps), or
+   each layer when it is ready (`send_layer(i)`, any time after layer i ran over the request's last plan: a prefill
+   can send layer i while layers > i compute, a launch per part), and posts a message's sends once its last layer is
    in.
 4. final reply (receiver -> sender): DONE with the receiver's request id, NO_ROOM (its prefix blocks were evicted
    or its room taken meanwhile), or FAILED (an ABORT trailer, a malformed message).
