@@ -97,11 +97,13 @@ def skip_unless_fp8_path():
         pytest.skip("the FP8 MMA path is taken on sm_90 and later only")
 
 
-def make_query(layout, rows, heads, seed, padding_from=None):
-    """Indexer queries in the keys' numerics and weights (* H^-0.5); rows >= padding_from are NaN."""
-    g = gen(seed, DEVICE)
-    q = indexer_query(torch.randn(rows, heads, layout.dim, generator=g, device=DEVICE).to(torch.bfloat16), layout)
-    w = torch.randn(rows, heads, generator=g, device=DEVICE) * heads ** -0.5
+def make_query(layout, rows, heads, seed, padding_from=None, host=False):
+    """Indexer queries in the keys' numerics and weights (* H^-0.5); rows >= padding_from are NaN. host: drawn and
+    quantized on the CPU, so every device gets the same values (a CUDA generator draws others)."""
+    device = "cpu" if host else DEVICE
+    g = gen(seed, device)
+    q = indexer_query(torch.randn(rows, heads, layout.dim, generator=g, device=device).to(torch.bfloat16), layout)
+    q, w = q.to(DEVICE), (torch.randn(rows, heads, generator=g, device=device) * heads ** -0.5).to(DEVICE)
     if padding_from is not None:
         q[padding_from:], w[padding_from:] = float("nan"), float("nan")
     return q, w
@@ -952,8 +954,11 @@ def test_key_scale_tables_every_shift_and_byte_inline_ptx():
 
 def spread_keys(cache, rid, layout, pool, count, page_tokens, shifts, g):
     """Random bytes for request rid's first `count` entries, each key's block codes its largest code (100 .. 150) less
-    a shift drawn from `shifts` (block 0 or another at shift 0) -> the per-key path's bound on each key's rounding:
-    fp32 [count, D] 2^-16 S on the dims of blocks 15 or more binades below the key's largest (S = its scale), else 0."""
+    a shift drawn from `shifts` (block 0 or another at shift 0) -> (the per-key path's bound on each key's rounding:
+    fp32 [count, D] 2^-16 S on the dims of blocks 15 or more binades below the key's largest (S = its scale), else 0;
+    on the host, float64 [count, D]: the keys as `layout.read` decodes them, and as the per-key path rounds them, each
+    value under S * 2^-6 cast to e4m3 by torch (nearest even, subnormals kept: the path's tables,
+    `test_key_scale_tables_every_shift_and_byte`))."""
     data_rows, scale_rows, page, off = entry_rows(cache, rid, layout, pool, count, page_tokens)
     blocks = layout.dim // 32
     smax = torch.randint(100, 151, (count, 1), generator=g)
@@ -962,7 +967,10 @@ def spread_keys(cache, rid, layout, pool, count, page_tokens, shifts, g):
     data_rows[page, off] = torch.randint(0, 256, (count, layout.data_bytes), generator=g, dtype=torch.uint8).to(DEVICE)
     scale_rows[page, off] = (smax - d).to(torch.uint8).to(DEVICE)
     moved = (d >= 15).float().repeat_interleave(32, dim=1)
-    return (moved * 2.0 ** (smax.double() - 127 - 16)).float().to(DEVICE)
+    keys = layout.read(pool, page_tokens // M, page * (page_tokens // M) + off).cpu().double()
+    unit = 2.0 ** (smax.double() - 127 - 6)  # S * 2^-6: v / unit is e2m1 v * 2^(6 - d), exact in fp32 here
+    rounded = (keys / unit).float().to(torch.float8_e4m3fn).double() * unit
+    return (moved * 2.0 ** (smax.double() - 127 - 16)).float().to(DEVICE), keys, rounded
 
 
 @pytest.mark.parametrize("stack_rows", [False, True], ids=["row", "stacked"])
@@ -970,8 +978,11 @@ def test_key_scale_wide_block_spreads(stack_rows):
     """Keys of random bytes whose blocks lie 0 .. 60 binades below their key's largest (D = 128, four blocks), on
     the per-key path of either kernel: the scores stay within the stated bound, |error| <= tol * T + sum_h |w_h|
     sum_d |q_hd| bound_d / sqrt(D) (bound_d = 2^-16 S on blocks 15 or more binades down, `spread_keys`), T the size of
-    the score's terms; keys no block of which is that far down keep the plain tolerance. The bound is met and used:
-    the rounded values move some scores beyond the plain tolerance, and within it as written."""
+    the score's terms; keys no block of which is that far down keep the plain tolerance. The data use the rounding:
+    the keys as the per-key path rounds them score (float64, on the host) beyond the plain tolerance of the exact
+    keys' scores somewhere, and the kernel's scores lie within tol of those rounded keys' scores. q and w are drawn on
+    the host, so both platforms score the same data (how far the rounding moves a score depends on the query: 1.3 to
+    3.5e-6 of T over five query seeds)."""
     geometry = dataclasses.replace(TINY, index_head_dim=128)
     cache, layout, pool = make_cache(geometry, "mxfp4", page_tokens=PAGE, max_requests=2, max_tokens=512)
     rid = cache.admit()
@@ -979,10 +990,10 @@ def test_key_scale_wide_block_spreads(stack_rows):
     buffers = cache.step_buffers(max_tokens=8, max_requests=2)
     plan = cache.plan_step([(rid, 5)], buffers=buffers)  # 3 padding rows
     count = 306 // M
-    bound = spread_keys(cache, rid, layout, pool, count, PAGE, [0, 1, 3, 11, 12, 13, 14, 15, 16, 17, 18, 19, 25, 60],
-                        gen(101))
+    bound, keys, rounded = spread_keys(cache, rid, layout, pool, count, PAGE,
+                                       [0, 1, 3, 11, 12, 13, 14, 15, 16, 17, 18, 19, 25, 60], gen(101))
     rows, heads = plan.positions.shape[0], geometry.index_n_heads
-    q, w = make_query(layout, rows, heads, seed=102, padding_from=plan.num_tokens)
+    q, w = make_query(layout, rows, heads, seed=102, padding_from=plan.num_tokens, host=True)
     tuning = tuned(**SMALL_ROW, **SMALL_STACKED, stacked_key_scale=SMALL_STACK)
     got = indexer_scores_paged(q, w, plan, pool, layout, ratio=M, page_tokens=PAGE, max_entries=80,
                                stack_rows=stack_rows, fill=True, tuning=tuning)
@@ -997,7 +1008,14 @@ def test_key_scale_wide_block_spreads(stack_rows):
     assert bool((err <= term_tol * size + rounding).all()), float(((err - term_tol * size) / rounding).max())
     moved = finite & (rounding > 0)
     assert moved.any() and bool((err[~moved] <= term_tol * size[~moved]).all())
-    assert bool((err > TERM_TOL * size).any())
+    # the same scores in float64 on the host, of the exact keys and of the keys as the path rounds them
+    q64, w64, seen = q[:n].cpu().double(), w[:n].cpu().double(), finite[:n, :count].cpu()
+    exact, by_path = indexer_scores(q64, w64, keys), indexer_scores(q64, w64, rounded)
+    exact_size, path_size = (indexer_scores(q64.abs(), w64.abs(), k.abs()) for k in (keys, rounded))
+    assert bool(((by_path - exact).abs() > TERM_TOL * exact_size)[seen].any())
+    kernel = got[:n, :count].cpu().double()
+    assert bool(((kernel - by_path).abs() <= term_tol * path_size)[seen].all()), \
+        float(((kernel - by_path).abs() / path_size)[seen].max())
 
 
 class KwargSpy:
