@@ -565,10 +565,10 @@ def _chunks(nbytes: int) -> list[tuple[int, int]]:
     return [(a, b) for a, b in zip(starts, starts[1:] + [nbytes])]
 
 
-def _bytes(tensor: torch.Tensor, keep: int = 1) -> torch.Tensor:
-    """`tensor` with its first `keep` dims kept and the rest flattened into bytes (uint8); the last dim is
-    contiguous in every cache tensor, so this is a view."""
-    return tensor.flatten(keep).view(torch.uint8)
+def _bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` [rows, ...] as uint8 [rows, row bytes]; the last dim is contiguous in every cache tensor, so this is
+    a view."""
+    return tensor.flatten(1).view(torch.uint8)
 
 
 def _select(src: torch.Tensor, index: torch.Tensor, out: torch.Tensor) -> None:
