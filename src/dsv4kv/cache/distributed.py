@@ -11,9 +11,10 @@ The messages, in order, between one sender and one receiver (a pair's point-to-p
 
 1. header (sender -> receiver): a control message (one 32 KiB frame: int64 [8] words, here magic, HEADER, token
    count, transfer id and the text's length, then the text: the JSON of the format, the spec fields of
-   `transfer.spec_fields`, length, tensor names, bytes per layer, layers per message; a text longer than the frame
-   sends its rest in a second message), then the token ids (int64, when given). The receiver checks the spec,
-   names, sizes and room *before* it allocates anything, and looks its token ids up in its prefix cache.
+   `transfer.spec_fields`, length, tensor names, bytes per layer, layers per message, the sender's chunk bytes; a
+   text longer than the frame sends its rest in a second message), then the token ids (int64, when given). The
+   receiver checks the spec, names, sizes and room, and allocates its staging, before it answers; it looks its token
+   ids up in its prefix cache. The sender allocates its staging before the header.
 2. reply (receiver -> sender), a control message: ACCEPT with `skip_tokens` (the whole blocks its prefix cache
    holds: their pages are not sent, as in `export_request(rid, skip_tokens=...)`), or REFUSED / NO_ROOM with the
    reason. Nothing else follows a refusal.
@@ -61,7 +62,7 @@ from .manager import CacheManager, RequestError
 from .pools import CachePools, wide_views
 from .spec import CacheSpec
 from .swap import NoRoom
-from .transfer import RequestState, check_spec, first_block, spec_fields, tensor_names
+from .transfer import REQUEST_FIELDS, RequestState, check_spec, first_block, spec_fields, tensor_names
 
 __all__ = ["RequestSender", "RequestReceiver", "TransferError", "send_request", "FORMAT"]
 
@@ -76,8 +77,6 @@ ALIGN = 16
 MESSAGE_BYTES = 1 << 30  # a sender's default message size: a request's state is mostly one message (fewest gathers)
 CHUNK_BYTES = 64 << 20  # a message travels in sends of this many bytes (the last takes the rest), each gathered just
 # before it is posted: the link starts after the first chunk's gather, not the message's
-# the request tensors' fields, in the order a message holds them (`LayerCache.request_tensors` names them)
-_REQUEST_FIELDS = ("entries", "index_keys", "window", "state_kv", "state_score", "index_state_kv", "index_state_score")
 
 
 class TransferError(RuntimeError):
@@ -94,20 +93,20 @@ class _Part:
 
     @property
     def nbytes(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+        return math.prod(self.shape) * self.dtype.itemsize
 
 
 @dataclass(frozen=True)
 class _Run:
     """One stack group's part (`CachePools.stacks(field)[group]`) of a message's layers, back to back from `offset`:
-    one indexing op gathers all of it (pages: the request's blocks of every layer; slot rows: its slot's)."""
+    rows of one tensor (`CachePools.stack_rows`), so one select gathers it, or one per chunk it spans (pages: the
+    request's blocks of every layer; slot rows: its slot's)."""
 
     field: str
     group: int
     positions: tuple[int, ...]  # the layers' positions in the group's stack, in layer order
     paged: bool
     offset: int
-    part_bytes: int
 
 
 @dataclass(frozen=True)
@@ -138,7 +137,7 @@ def _template(spec: CacheSpec) -> tuple[tuple[_Row, ...], ...]:
     cache's tensors."""
     pools = CachePools(spec, num_blocks=1, max_requests=1, device=torch.device("meta"))
     where = {}  # (field, layer) -> (group, position)
-    for field in _REQUEST_FIELDS:
+    for field in REQUEST_FIELDS:
         for g, (indices, _) in enumerate(pools.stacks(field)):
             where.update({(field, i): (g, k) for k, i in enumerate(indices)})
     names = iter(tensor_names(pools))
@@ -167,15 +166,15 @@ def _layer_bytes(spec: CacheSpec, blocks: int) -> tuple[int, ...]:
 @functools.lru_cache(maxsize=64)
 def _layout(spec: CacheSpec, blocks: int, counts: tuple[int, ...]) -> tuple[_Message, ...]:
     """The messages of a state of `blocks` pages, `counts[m]` consecutive layers in message m. Inside a message the
-    parts go field by field (`_REQUEST_FIELDS`), and within a field stack group by stack group, a group's layers
+    parts go field by field (`REQUEST_FIELDS`), and within a field stack group by stack group, a group's layers
     back to back (a `_Run`), each run at an ALIGN offset."""
     template = _template(spec)
     messages, first = [], 0
     for m, count in enumerate(counts):
         layers = range(first, first + count)
         runs, offsets, offset = [], {}, 0
-        for field in _REQUEST_FIELDS:
-            groups: dict[int, list[int]] = {}
+        for field in REQUEST_FIELDS:
+            groups: dict[int, list[tuple[int, int]]] = {}  # stack group -> (layer, its tensor's index)
             for i in layers:
                 for k, row in enumerate(template[i]):
                     if row[1] == field:
@@ -183,7 +182,7 @@ def _layout(spec: CacheSpec, blocks: int, counts: tuple[int, ...]) -> tuple[_Mes
             for g, members in sorted(groups.items()):
                 rows = [template[i][k] for i, k in members]
                 part_bytes = _row_bytes(rows[0], blocks)
-                runs.append(_Run(field, g, tuple(row[6] for row in rows), rows[0][4], offset, part_bytes))
+                runs.append(_Run(field, g, tuple(row[6] for row in rows), rows[0][4], offset))
                 for n, (i, k) in enumerate(members):
                     offsets[i, k] = offset + n * part_bytes
                 offset += -(-part_bytes * len(members) // ALIGN) * ALIGN
@@ -363,8 +362,14 @@ class RequestSender:
         blocks = spec.blocks_for(self.length)
         layer_bytes = _layer_bytes(spec, blocks)
         counts = _group(layer_bytes, self.message_bytes)
+        self._chunk = CHUNK_BYTES
+        # the staging for every page (a state that skips some takes a prefix of it), allocated before anything is
+        # sent: nothing after the header can fail short of memory and leave the receiver waiting
+        self._staging = torch.empty(sum(m.nbytes for m in _layout(spec, blocks, tuple(counts))), dtype=torch.uint8,
+                                    device=self.channel.device)
         header = json.dumps({"format": FORMAT, "spec": spec_fields(spec), "length": self.length,
-                             "names": _names(spec), "layer_bytes": list(layer_bytes), "messages": counts})
+                             "names": _names(spec), "layer_bytes": list(layer_bytes), "messages": counts,
+                             "chunk_bytes": self._chunk})
         data = header.encode()
         n = self.tokens.numel() if self.tokens is not None else 0
         ch = self.control
@@ -372,17 +377,17 @@ class RequestSender:
         if n:
             self.channel.send(self.tokens.to(self.channel.device), "token ids")
         reply = ch.post_message()
-        if self.tokens is None:  # nothing can be skipped: the messages' index is made while the header travels
+        if self.tokens is None:  # nothing can be skipped: the index is made while the header travels
             self._prepare(blocks, 0, counts)
         words, reason = ch.wait_message(reply, REPLY, "reply")
         status, skip, reason = words[2], words[3], reason.decode(errors="replace")
+        if words[5] != self.transfer_id or status not in (ACCEPT, REFUSED, NO_ROOM):
+            raise TransferError(f"reply: a malformed message (control words {words[:6]})")
         if status == REFUSED:
             raise ValueError(f"the receiver (rank {ch.peer}) refused the request's state: {reason}")
         if status == NO_ROOM:
             what, needed, free = json.loads(reason)
             return NoRoom(what, needed, free)
-        if status != ACCEPT or words[5] != self.transfer_id:
-            raise TransferError(f"reply: a malformed message (control words {words[:6]})")
         try:
             k = first_block(skip, self.length, spec.page_tokens)
         except ValueError as e:
@@ -396,7 +401,7 @@ class RequestSender:
         """The messages of the state from block k on, their index and trailers."""
         self._messages = _layout(self.cache.spec, blocks - k, tuple(counts))
         self._num_layers = sum(counts)
-        self._gathers = _Gathers(self.cache, self.rid, k, self._messages, self.channel.device)
+        self._gathers = _Gathers(self.cache, self.rid, k, self._messages, self._staging, self._chunk)
         self._trailers = torch.tensor([_trailer(LAYER, m, self.transfer_id) for m in self._messages],
                                       dtype=torch.int64).to(self.channel.device)
         self._message_of = [m for m in self._messages for _ in range(m.first, m.end)]
@@ -486,7 +491,7 @@ class RequestSender:
         trailer.copy_(self._trailers[message.index])
         if kind != LAYER:
             trailer[1] = kind
-        for (start, end), jobs in zip(_chunks(message.nbytes), self._gathers.jobs[message.index]):
+        for (start, end), jobs in zip(_chunks(message.nbytes, self._chunk), self._gathers.jobs[message.index]):
             if gather:
                 for src, index, out in jobs:
                     _select(src, index, out)
@@ -512,9 +517,10 @@ class _Gathers:
     moves the widest integer elements the rows and addresses allow (`wide_views`)."""
 
     def __init__(self, cache: CacheManager, rid: int, first_block: int, messages: tuple[_Message, ...],
-                 device: torch.device):
-        self.pools, self.slot = cache.pools, cache.slot(rid)
-        self.buffers = [torch.empty(m.nbytes, dtype=torch.uint8, device=device) for m in messages]
+                 staging: torch.Tensor, chunk_bytes: int):
+        self.pools, self.slot, self.chunk_bytes = cache.pools, cache.slot(rid), chunk_bytes
+        ends = np.cumsum([m.nbytes for m in messages]).tolist()
+        self.buffers = [staging[end - m.nbytes:end] for m, end in zip(messages, ends)]
         blocks = np.asarray(cache.blocks(rid)[first_block:], dtype=np.int64)
         host, at = [blocks, np.asarray([self.slot], dtype=np.int64)], blocks.size + 1
         spans = {}  # (message, run) -> its rows' span of the index
@@ -529,7 +535,9 @@ class _Gathers:
         self.index = torch.from_numpy(np.concatenate(host)).to(cache.device)
         self.blocks, self.slot_index = self.index[:blocks.size], self.index[blocks.size:blocks.size + 1]
         self._spans = spans
-        self.jobs = [self._chunk_jobs(m) for m in messages]  # made now: the header's round trip hides the host time
+        # made once, before the first send (with no token ids, while the header travels); a state sent layer by layer
+        # does not use them
+        self.jobs = [self._chunk_jobs(m) for m in messages]
 
     def layer(self, i: int, message: _Message) -> None:
         """Layer i's parts into their places in its message's buffer, a launch per part."""
@@ -542,7 +550,7 @@ class _Gathers:
         """Per chunk of `message` (`_chunks`), the (rows, index, out) selects that fill it: the rows of each run that
         start before the chunk's end and were not in an earlier chunk's (so a row a chunk boundary splits is whole
         before the first chunk holding part of it goes)."""
-        buffer, chunks = self.buffers[message.index], _chunks(message.nbytes)
+        buffer, chunks = self.buffers[message.index], _chunks(message.nbytes, self.chunk_bytes)
         jobs: list[list] = [[] for _ in chunks]
         for r, run in enumerate(message.runs):
             rows, _ = self.pools.stack_rows(run.field)[run.group]
@@ -559,9 +567,10 @@ class _Gathers:
         return jobs
 
 
-def _chunks(nbytes: int) -> list[tuple[int, int]]:
-    """A message's sends: (start, end) byte ranges of CHUNK_BYTES, the last taking the rest (trailer included)."""
-    starts = list(range(0, max(nbytes - TRAILER, 1), CHUNK_BYTES))
+def _chunks(nbytes: int, chunk_bytes: int) -> list[tuple[int, int]]:
+    """A message's sends: (start, end) byte ranges of `chunk_bytes` (the sender's CHUNK_BYTES, in the header), the
+    last taking the rest (trailer included)."""
+    starts = list(range(0, max(nbytes - TRAILER, 1), chunk_bytes))
     return [(a, b) for a, b in zip(starts, starts[1:] + [nbytes])]
 
 
@@ -617,6 +626,9 @@ class RequestReceiver:
         ch, cache = self.channel, self.cache
         words, data = self.control.recv_message(HEADER, "header")
         transfer_id, n = words[4], words[3]
+        if not 0 <= n <= 1 << 40:
+            self._reply(REPLY, REFUSED, 0, transfer_id, f"a malformed header: {n} token ids")
+            raise TransferError(f"header: a malformed message: {n} token ids")
         tokens = ch.recv(torch.empty(n, dtype=torch.int64, device=ch.device), "token ids").cpu() if n else None
         try:
             header = json.loads(data)
@@ -624,8 +636,12 @@ class RequestReceiver:
             self._reply(REPLY, REFUSED, 0, transfer_id, f"a malformed header: {e}")
             raise TransferError(f"header: a malformed message: {e}") from e
         try:  # whatever fails here, the sender is told (it waits for this reply) before this side raises
-            length, skip, counts = self._check(header, tokens, skip_cached=import_now)
+            length, skip, counts, chunk = self._check(header, tokens, skip_cached=import_now)
             room = self._room(length, tokens, skip) if import_now else None
+            if room is None:  # the staging before the answer: nothing after it can fail short of memory
+                k = skip // cache.spec.page_tokens
+                messages = _layout(cache.spec, cache.spec.blocks_for(length) - k, tuple(counts))
+                buffers = [torch.empty(m.nbytes, dtype=torch.uint8, device=ch.device) for m in messages]
         except ValueError as e:
             self._reply(REPLY, REFUSED, 0, transfer_id, str(e))
             raise
@@ -637,14 +653,10 @@ class RequestReceiver:
             self._reply(REPLY, NO_ROOM, 0, transfer_id, json.dumps([room.resource, room.needed, room.free]))
             return room
         self._reply(REPLY, ACCEPT, skip, transfer_id)
-
-        k = skip // cache.spec.page_tokens
-        messages = _layout(cache.spec, cache.spec.blocks_for(length) - k, tuple(counts))
-        buffers = [torch.empty(m.nbytes, dtype=torch.uint8, device=ch.device) for m in messages]
         works = []  # all posted at once: the link never waits on the host
         try:
             for message, buffer in zip(messages, buffers):
-                for start, end in _chunks(message.nbytes):
+                for start, end in _chunks(message.nbytes, chunk):
                     works.append((message.index, ch.post_recv(buffer[start:end])))
         except TransferError:
             self._stale.append((works, buffers))
@@ -681,9 +693,10 @@ class RequestReceiver:
             self._reply(FINAL, DONE, answer, transfer_id)
         return answer
 
-    def _check(self, header: dict, tokens: torch.Tensor | None, *, skip_cached: bool) -> tuple[int, int, list[int]]:
-        """(length, skip_tokens, layers per message) of a header this cache can take; ValueError naming what
-        differs."""
+    def _check(self, header: dict, tokens: torch.Tensor | None, *,
+               skip_cached: bool) -> tuple[int, int, list[int], int]:
+        """(length, skip_tokens, layers per message, the sender's chunk bytes) of a header this cache can take;
+        ValueError naming what differs."""
         cache = self.cache
         if not isinstance(header, dict) or header.get("format") != FORMAT:
             raise ValueError(f"expected a {FORMAT} header, got format {header.get('format')!r}"
@@ -711,7 +724,10 @@ class RequestReceiver:
         if skip_cached and tokens is not None and cache.prefix is not None:
             page = cache.spec.page_tokens
             skip = min(cache.lookup(tokens), length // page * page)
-        return length, skip, counts
+        chunk = header.get("chunk_bytes")
+        if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < ALIGN:
+            raise ValueError(f"chunk_bytes: expected an int >= {ALIGN}, got {chunk!r}")
+        return length, skip, counts, chunk
 
     def _room(self, length: int, tokens: torch.Tensor | None, skip: int) -> NoRoom | None:
         """What `import_request` would say now if short of a slot or blocks (its cached prefix counted as a hit)."""

@@ -204,7 +204,8 @@ class CachePools:
 
     def stack_rows(self, name: str) -> list[tuple[torch.Tensor, int]]:
         """Per group of `stacks(name)`, its storage as one tensor of rows and the rows per layer: row
-        `position * rows_per_layer + r` is row r of the group's layer at `position`."""
+        `position * rows_per_layer + r` is row r of the group's layer at `position`. A layer's rows past its own
+        (padding to a 256-byte boundary, a few MiB over a V4 cache at most) are not part of `nbytes`."""
         return self._stack_rows[name]
 
     @property
@@ -280,7 +281,8 @@ class CachePools:
 
     def load(self, saved: Sequence[torch.Tensor], slot: int, blocks: Sequence[int], copy: Sequence[int]) -> None:
         """Inverse of `save` into `slot` and `blocks` (the request's new block ids, in order), writing only the
-        block rows at indices `copy` (others are shared cached blocks that still hold these bytes)."""
+        block rows at indices `copy` (ascending, each once; the others are shared cached blocks that still hold these
+        bytes)."""
         device = self.layers[0].window.device
         pin = device.type == "cuda"
         copy = list(copy)

@@ -26,11 +26,11 @@ from .pools import CachePools, LayerCache
 from .prefix import CachedBlock, PrefixCache
 from .spec import CacheSpec
 
-__all__ = ["RequestState", "spec_fields", "check_spec", "tensor_names", "check_tensors", "token_array",
-           "check_state", "first_block", "cached_prefix"]
+__all__ = ["RequestState", "REQUEST_FIELDS", "spec_fields", "check_spec", "tensor_names", "check_tensors",
+           "token_array", "check_state", "first_block", "cached_prefix"]
 
-# LayerCache fields a request owns, by name (`LayerCache.request_tensors` gives them in its own order)
-_FIELDS = ("entries", "index_keys", "window", "state_kv", "state_score", "index_state_kv", "index_state_score")
+# LayerCache fields a request owns, by name, in `LayerCache.request_tensors`' order
+REQUEST_FIELDS = ("entries", "index_keys", "window", "state_kv", "state_score", "index_state_kv", "index_state_score")
 _PAGED = ("entries", "index_keys")
 
 
@@ -92,7 +92,7 @@ def check_spec(state_spec: Mapping[str, str], spec: CacheSpec) -> None:
 
 
 def _field(layer: LayerCache, tensor: torch.Tensor) -> str:
-    return next(name for name in _FIELDS if getattr(layer, name) is tensor)
+    return next(name for name in REQUEST_FIELDS if getattr(layer, name) is tensor)
 
 
 def tensor_names(pools: CachePools) -> list[str]:
