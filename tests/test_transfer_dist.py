@@ -20,8 +20,7 @@ import torch.multiprocessing as mp
 
 from dsv4kv import CacheManager, StepPlan
 from dsv4kv.cache import NoRoom
-from dsv4kv.cache.distributed import CHUNK_BYTES, FORMAT, RequestReceiver, RequestSender, TransferError, send_request
-from dsv4kv.cache import distributed
+from dsv4kv.cache.distributed import FORMAT, RequestReceiver, RequestSender, TransferError, send_request
 from dsv4kv.cache.distributed import _chunks, _Gathers, _layout  # the wire layout, checked without a peer
 from dsv4kv.geometry import ModelGeometry
 from dsv4kv.model.layer import DSV4Attention, init_random_weights
@@ -105,8 +104,8 @@ def assert_unchanged(cache: CacheManager, before: tuple) -> None:
 
 # --- a message's bytes, without a peer ------------------------------------------------------------
 @pytest.mark.parametrize("counts", [(4,), (1, 1, 1, 1), (3, 1), (1, 3)])
-def test_a_message_gathered_by_chunks_or_by_layers_holds_the_exported_bytes(counts, monkeypatch):
-    monkeypatch.setattr(distributed, "CHUNK_BYTES", 1000)  # chunk boundaries split rows of every run
+def test_a_message_gathered_by_chunks_or_by_layers_holds_the_exported_bytes(counts):
+    chunk = 1000  # chunk boundaries split rows of every run
     cache = make("cpu")
     other = prefill(cache, 150, seed=80)  # slot 0 and the first blocks: the request's ids are not 0..n
     rid = prefill(cache, 333, seed=81)
@@ -114,7 +113,7 @@ def test_a_message_gathered_by_chunks_or_by_layers_holds_the_exported_bytes(coun
     state, k = cache.export_request(rid, skip_tokens=128), 1
     messages = _layout(cache.spec, cache.spec.blocks_for(333) - k, counts)
     staging = torch.empty(sum(m.nbytes for m in messages), dtype=torch.uint8)
-    gathers = _Gathers(cache, rid, k, messages, staging, distributed.CHUNK_BYTES)
+    gathers = _Gathers(cache, rid, k, messages, staging, chunk)
     for message, buffer in zip(messages, gathers.buffers):
         spans = sorted((part.offset, part.offset + part.nbytes) for parts in message.parts for part in parts)
         assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])) and spans[-1][1] <= message.payload
@@ -123,7 +122,7 @@ def test_a_message_gathered_by_chunks_or_by_layers_holds_the_exported_bytes(coun
             gathers.layer(i, message)
         by_layers = buffer.clone()
         buffer.fill_(0xFF)
-        chunks = _chunks(message.nbytes, distributed.CHUNK_BYTES)
+        chunks = _chunks(message.nbytes, chunk)
         assert chunks[0][0] == 0 and chunks[-1][1] == message.nbytes and len(chunks) > 1
         for (_, end), jobs in zip(chunks, gathers.jobs[message.index]):
             for src, index, out in jobs:
@@ -178,11 +177,7 @@ def _sender(device: str, out: str, dead_peer: bool) -> None:
     assert_unchanged(cache, before)  # a sender only reads its cache
     # the pair is still in step: the whole request moves, in chunks of another size than the receiver's default (the
     # header carries the sender's; 4099 B chunks split rows); both continue
-    distributed.CHUNK_BYTES = 4099
-    try:
-        assert send_whole(cache, rid, peer=1, timeout=TIMEOUT) == 1  # the receiver's 2nd (its 1st is busy)
-    finally:
-        distributed.CHUNK_BYTES = CHUNK_BYTES
+    assert send_whole(cache, rid, peer=1, chunk_bytes=4099, timeout=TIMEOUT) == 1  # the receiver's 2nd (its 1st busy)
     results["moved"] = continued(cache, rid, seed=71)
     results["moved_state"] = state_bytes(cache, rid)
 

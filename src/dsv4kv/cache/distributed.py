@@ -19,7 +19,7 @@ The messages, in order, between one sender and one receiver (a pair's point-to-p
    holds: their pages are not sent, as in `export_request(rid, skip_tokens=...)`), or REFUSED / NO_ROOM with the
    reason. Nothing else follows a refusal.
 3. the layers, in order, in messages of consecutive layers (`message_bytes`: 1 GiB by default, so a request's state
-   is mostly one message; or one layer per message), each sent in CHUNK_BYTES sends and ending in a 64-byte trailer
+   is mostly one message; or one layer per message), each sent in `chunk_bytes` sends and ending in a 64-byte trailer
    (magic, LAYER or ABORT, message index, payload bytes, transfer id, first and end layer). Inside a message the
    request's tensors (pages from block skip_tokens / page_tokens on) go field by field, and within a field the
    layers stored together (`CachePools.stacks`) back to back: a *run*, which one `index_select` over the group's
@@ -75,7 +75,7 @@ CONTROL_TAG = 0x4B56  # the control messages' tag ("KV")
 FRAME = 32 << 10  # bytes of a control message (header, replies): its words and, mostly, all its text
 ALIGN = 16
 MESSAGE_BYTES = 1 << 30  # a sender's default message size: a request's state is mostly one message (fewest gathers)
-CHUNK_BYTES = 64 << 20  # a message travels in sends of this many bytes (the last takes the rest), each gathered just
+CHUNK_BYTES = 64 << 20  # a sender's default send size (the last takes the rest), each send's bytes gathered just
 # before it is posted: the link starts after the first chunk's gather, not the message's
 
 
@@ -309,14 +309,17 @@ class RequestSender:
         group here keeps the round trips on the hosts (no kernel launch or device sync per message): the transfer
         starts sooner. The receiver must pass the same pair.
     message_bytes: consecutive layers share a message until it holds this many bytes (default 1 GiB: a request's
-        state is mostly one message, sent in CHUNK_BYTES sends); 0 sends each layer as soon as it is gathered
-        (overlapping a prefill layer by layer).
+        state is mostly one message); 0 sends each layer as soon as it is gathered (overlapping a prefill layer by
+        layer).
+    chunk_bytes: a message goes in sends of this many bytes (default 64 MiB), each gathered right before it is posted;
+        the header tells the receiver.
     timeout: bound on each wait (default: the process group's timeout). On NCCL a wait with a timeout polls on the
         host until the operation is done; leave it None where the transfer's speed matters.
     """
 
     def __init__(self, cache: CacheManager, rid: int, *, peer: int, group=None, control_group=None, tokens=None,
-                 message_bytes: int = MESSAGE_BYTES, timeout: timedelta | None = None):
+                 message_bytes: int = MESSAGE_BYTES, chunk_bytes: int = CHUNK_BYTES,
+                 timeout: timedelta | None = None):
         if not isinstance(cache, CacheManager):
             raise TypeError(f"cache: expected a CacheManager, got {type(cache).__name__}")
         self.cache, self.rid = cache, rid
@@ -331,7 +334,9 @@ class RequestSender:
                                  f"{list(self.tokens.shape)}")
         if isinstance(message_bytes, bool) or not isinstance(message_bytes, int) or message_bytes < 0:
             raise ValueError(f"message_bytes: expected an int >= 0, got {message_bytes!r}")
-        self.message_bytes = message_bytes
+        if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes < ALIGN:
+            raise ValueError(f"chunk_bytes: expected an int >= {ALIGN}, got {chunk_bytes!r}")
+        self.message_bytes, self.chunk_bytes = message_bytes, chunk_bytes
         self.channel, self.control = _channels(cache, peer, group, control_group, timeout)
         self.transfer_id = secrets.randbits(62)
         self.skip_tokens: int | None = None  # from the receiver's reply
@@ -362,14 +367,13 @@ class RequestSender:
         blocks = spec.blocks_for(self.length)
         layer_bytes = _layer_bytes(spec, blocks)
         counts = _group(layer_bytes, self.message_bytes)
-        self._chunk = CHUNK_BYTES
         # the staging for every page (a state that skips some takes a prefix of it), allocated before anything is
         # sent: nothing after the header can fail short of memory and leave the receiver waiting
         self._staging = torch.empty(sum(m.nbytes for m in _layout(spec, blocks, tuple(counts))), dtype=torch.uint8,
                                     device=self.channel.device)
         header = json.dumps({"format": FORMAT, "spec": spec_fields(spec), "length": self.length,
                              "names": _names(spec), "layer_bytes": list(layer_bytes), "messages": counts,
-                             "chunk_bytes": self._chunk})
+                             "chunk_bytes": self.chunk_bytes})
         data = header.encode()
         n = self.tokens.numel() if self.tokens is not None else 0
         ch = self.control
@@ -401,7 +405,7 @@ class RequestSender:
         """The messages of the state from block k on, their index and trailers."""
         self._messages = _layout(self.cache.spec, blocks - k, tuple(counts))
         self._num_layers = sum(counts)
-        self._gathers = _Gathers(self.cache, self.rid, k, self._messages, self._staging, self._chunk)
+        self._gathers = _Gathers(self.cache, self.rid, k, self._messages, self._staging, self.chunk_bytes)
         self._trailers = torch.tensor([_trailer(LAYER, m, self.transfer_id) for m in self._messages],
                                       dtype=torch.int64).to(self.channel.device)
         self._message_of = [m for m in self._messages for _ in range(m.first, m.end)]
@@ -491,7 +495,7 @@ class RequestSender:
         trailer.copy_(self._trailers[message.index])
         if kind != LAYER:
             trailer[1] = kind
-        for (start, end), jobs in zip(_chunks(message.nbytes, self._chunk), self._gathers.jobs[message.index]):
+        for (start, end), jobs in zip(_chunks(message.nbytes, self.chunk_bytes), self._gathers.jobs[message.index]):
             if gather:
                 for src, index, out in jobs:
                     _select(src, index, out)
@@ -568,8 +572,8 @@ class _Gathers:
 
 
 def _chunks(nbytes: int, chunk_bytes: int) -> list[tuple[int, int]]:
-    """A message's sends: (start, end) byte ranges of `chunk_bytes` (the sender's CHUNK_BYTES, in the header), the
-    last taking the rest (trailer included)."""
+    """A message's sends: (start, end) byte ranges of `chunk_bytes` (the sender's, in the header), the last taking
+    the rest (trailer included)."""
     starts = list(range(0, max(nbytes - TRAILER, 1), chunk_bytes))
     return [(a, b) for a, b in zip(starts, starts[1:] + [nbytes])]
 
@@ -756,11 +760,12 @@ class RequestReceiver:
 
 
 def send_request(cache: CacheManager, rid: int, *, peer: int, group=None, control_group=None, tokens=None,
-                 message_bytes: int = MESSAGE_BYTES, timeout: timedelta | None = None) -> int | NoRoom:
+                 message_bytes: int = MESSAGE_BYTES, chunk_bytes: int = CHUNK_BYTES,
+                 timeout: timedelta | None = None) -> int | NoRoom:
     """Send live request `rid` whole (`RequestSender`: start, every layer, finish): the receiver's request id, or
     NoRoom. The request stays live here."""
     sender = RequestSender(cache, rid, peer=peer, group=group, control_group=control_group, tokens=tokens,
-                           message_bytes=message_bytes, timeout=timeout)
+                           message_bytes=message_bytes, chunk_bytes=chunk_bytes, timeout=timeout)
     answer = sender.start()
     if isinstance(answer, NoRoom):
         return answer
