@@ -314,8 +314,8 @@ def _receiver_leaves(rank: int, backend: str, init_file: str, out: str) -> None:
     device = _init(rank, backend, init_file)
     if rank == 1:
         channel = new_receiver(make(device), peer=0, timeout=TIMEOUT).control
-        words, _ = channel.recv_message(1, "header")  # HEADER
-        channel.send_message([words[0], 2, 0, 0, 0, words[4]], b"", "reply")  # REPLY: ACCEPT, skip 0
+        header = channel.recv_message(1, "header")  # HEADER
+        channel.send_message(2, transfer_id=header.transfer_id, what="reply")  # REPLY: ACCEPT, skip 0
         os._exit(0)
     cache = make(device)
     rid = prefill(cache, 203, seed=70)
@@ -401,10 +401,10 @@ def _guarded(rank: int, backend: str, init_file: str, out: str) -> None:
     # a well-formed JSON header whose spec is a list, longer than a control message's frame
     channel = sender.control
     data = json.dumps({"format": FORMAT, "spec": [], "pad": "x" * 40000}).encode()  # longer than one frame
-    channel.send_message([0x3476_7364_6B76, 1, 0, 0, 12345], data, "header")  # MAGIC, HEADER
-    words, reason = channel.recv_message(2, "reply")  # REPLY
-    assert words[2] == 1 and words[5] == 12345  # REFUSED, this transfer
-    assert "AttributeError" in reason.decode()
+    channel.send_message(1, transfer_id=12345, text=data, what="header")  # HEADER
+    reply = channel.recv_message(2, "reply")  # REPLY
+    assert reply.status == 1 and reply.transfer_id == 12345  # REFUSED, this transfer
+    assert "AttributeError" in reply.text.decode()
     assert send_whole(cache, rid, peer=1, timeout=TIMEOUT) == 1
     torch.save({"state": state_bytes(cache, rid)}, os.path.join(out, "sender.pt"))
     dist.destroy_process_group()

@@ -9,12 +9,13 @@ GPUs, gloo between CPU processes; point-to-point sends and receives only, no soc
 
 The messages, in order, between one sender and one receiver (a pair's point-to-point messages arrive in order):
 
-1. header (sender -> receiver): a control message (one 32 KiB frame: int64 [8] words, here magic, HEADER, token
-   count, transfer id and the text's length, then the text: the JSON of the format, the spec fields of
-   `transfer.spec_fields`, length, tensor names, bytes per layer, layers per message, the sender's chunk bytes; a
-   text longer than the frame sends its rest in a second message), then the token ids (int64, when given). The
-   receiver checks the spec, names, sizes and room, and allocates its staging, before it answers; it looks its token
-   ids up in its prefix cache. The sender allocates its staging before the header.
+1. header (sender -> receiver): a control message (one 32 KiB frame: 8 int64 words, magic, kind, status, value,
+   0, transfer id, 0 and the text's length, then the text; a text longer than the frame sends its rest in a second
+   message). In a header the value is the token count and the text the JSON of the format, the spec fields of
+   `transfer.spec_fields`, length, tensor names, bytes per layer, layers per message and the sender's chunk bytes.
+   The token ids (int64, when given) follow. The receiver checks the spec, names, sizes and room, and allocates its
+   staging, before it answers; it looks its token ids up in its prefix cache. The sender allocates its staging
+   before the header.
 2. reply (receiver -> sender), a control message: ACCEPT with `skip_tokens` (the whole blocks its prefix cache
    holds: their pages are not sent, as in `export_request(rid, skip_tokens=...)`), or REFUSED / NO_ROOM with the
    reason. Nothing else follows a refusal.
@@ -53,6 +54,7 @@ import math
 import secrets
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -262,11 +264,13 @@ class _Channel:
         self.wait(self.post_recv(tensor), what)
         return tensor
 
-    def send_message(self, words: list[int], text: bytes, what: str) -> None:
-        """A control message: one FRAME of 8 int64 words (the text's length in the last) and the text's first
-        FRAME - 64 bytes; a longer text's rest follows in a second message."""
+    def send_message(self, kind: int, *, transfer_id: int, status: int = 0, value: int = 0, text: bytes = b"",
+                     what: str) -> None:
+        """A control message: one FRAME of 8 int64 words (MAGIC, kind, status, value, 0, transfer id, 0, the text's
+        length) and the text's first FRAME - 64 bytes; a longer text's rest follows in a second message."""
         frame = np.zeros(FRAME, dtype=np.uint8)
-        frame[:64] = np.asarray([*words, *[0] * (7 - len(words)), len(text)], dtype=np.int64).view(np.uint8)
+        words = [MAGIC, kind, status, value, 0, transfer_id, 0, len(text)]
+        frame[:64] = np.asarray(words, dtype=np.int64).view(np.uint8)
         head = text[:FRAME - 64]
         frame[64:64 + len(head)] = np.frombuffer(head, dtype=np.uint8)
         self.send(torch.from_numpy(frame).to(self.device), what)
@@ -278,8 +282,8 @@ class _Channel:
         frame = torch.empty(FRAME, dtype=torch.uint8, device=self.device)
         return frame, self.post_recv(frame)
 
-    def wait_message(self, posted: tuple[torch.Tensor, object], kind: int, what: str) -> tuple[list[int], bytes]:
-        """The words and text of a posted control message of `kind`; TransferError if it is not one."""
+    def wait_message(self, posted: tuple[torch.Tensor, object], kind: int, what: str) -> "_Control":
+        """A posted control message of `kind`; TransferError if it is not one."""
         frame, work = posted
         self.wait(work, what)
         host = frame.cpu().numpy()
@@ -291,10 +295,20 @@ class _Channel:
         if n > len(text):
             rest = self.recv(torch.empty(n - len(text), dtype=torch.uint8, device=self.device), what)
             text += rest.cpu().numpy().tobytes()
-        return words, text
+        return _Control(status=words[2], value=words[3], transfer_id=words[5], text=text)
 
-    def recv_message(self, kind: int, what: str) -> tuple[list[int], bytes]:
+    def recv_message(self, kind: int, what: str) -> "_Control":
         return self.wait_message(self.post_message(), kind, what)
+
+
+class _Control(NamedTuple):
+    """A control message's fields: `status` (a reply's ACCEPT / REFUSED / ... ), `value` (the header's token count,
+    a reply's skip_tokens, a final reply's request id), the transfer id and the text (JSON or a reason)."""
+
+    status: int
+    value: int
+    transfer_id: int
+    text: bytes
 
 
 class RequestSender:
@@ -377,16 +391,16 @@ class RequestSender:
         data = header.encode()
         n = self.tokens.numel() if self.tokens is not None else 0
         ch = self.control
-        ch.send_message([MAGIC, HEADER, 0, n, self.transfer_id], data, "header")
+        ch.send_message(HEADER, value=n, transfer_id=self.transfer_id, text=data, what="header")
         if n:
             self.channel.send(self.tokens.to(self.channel.device), "token ids")
         reply = ch.post_message()
         if self.tokens is None:  # nothing can be skipped: the index is made while the header travels
             self._prepare(blocks, 0, counts)
-        words, reason = ch.wait_message(reply, REPLY, "reply")
-        status, skip, reason = words[2], words[3], reason.decode(errors="replace")
-        if words[5] != self.transfer_id or status not in (ACCEPT, REFUSED, NO_ROOM):
-            raise TransferError(f"reply: a malformed message (control words {words[:6]})")
+        answer = ch.wait_message(reply, REPLY, "reply")
+        status, skip, reason = answer.status, answer.value, answer.text.decode(errors="replace")
+        if answer.transfer_id != self.transfer_id or status not in (ACCEPT, REFUSED, NO_ROOM):
+            raise TransferError(f"reply: a malformed message ({answer._replace(text=reason)})")
         if status == REFUSED:
             raise ValueError(f"the receiver (rank {ch.peer}) refused the request's state: {reason}")
         if status == NO_ROOM:
@@ -507,11 +521,11 @@ class RequestSender:
         for m, work, _ in self._works:
             self.channel.wait(work, f"message {m}")
         self._works.clear()
-        words, reason = self.control.recv_message(FINAL, "final reply")
-        reason = reason.decode(errors="replace")
-        if words[5] != self.transfer_id or words[2] not in (DONE, NO_ROOM, FAILED):
-            raise TransferError(f"final reply: a malformed message (control words {words[:6]})")
-        return words[2], words[3], reason
+        answer = self.control.recv_message(FINAL, "final reply")
+        reason = answer.text.decode(errors="replace")
+        if answer.transfer_id != self.transfer_id or answer.status not in (DONE, NO_ROOM, FAILED):
+            raise TransferError(f"final reply: a malformed message ({answer._replace(text=reason)})")
+        return answer.status, answer.value, reason
 
 
 class _Gathers:
@@ -628,8 +642,8 @@ class RequestReceiver:
 
     def _recv(self, *, import_now: bool) -> int | NoRoom | RequestState:
         ch, cache = self.channel, self.cache
-        words, data = self.control.recv_message(HEADER, "header")
-        transfer_id, n = words[4], words[3]
+        message = self.control.recv_message(HEADER, "header")
+        transfer_id, n, data = message.transfer_id, message.value, message.text
         if not 0 <= n <= 1 << 40:
             self._reply(REPLY, REFUSED, 0, transfer_id, f"a malformed header: {n} token ids")
             raise TransferError(f"header: a malformed message: {n} token ids")
@@ -756,7 +770,8 @@ class RequestReceiver:
         return None
 
     def _reply(self, kind: int, status: int, value: int, transfer_id: int, reason: str = "") -> None:
-        self.control.send_message([MAGIC, kind, status, value, 0, transfer_id], reason.encode(), "reply")
+        self.control.send_message(kind, status=status, value=value, transfer_id=transfer_id, text=reason.encode(),
+                                  what="reply")
 
 
 def send_request(cache: CacheManager, rid: int, *, peer: int, group=None, control_group=None, tokens=None,
