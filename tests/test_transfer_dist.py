@@ -343,7 +343,7 @@ def test_the_transfer_bench_runs_on_two_cpu_processes():
 
     results, meta = run_transfer_bench(backend="gloo", sizes=CPU, log=lambda _: None)
     assert meta["gpus"] == ["cpu", "cpu"] and meta["backend"] == "gloo"
-    assert [r.name for r in results] == ["gloo send/recv, one buffer, 1K", "layer by layer (recv_state), 1K",
+    assert [r.name for r in results] == ["gloo send/recv, one buffer, 1K", "transfer (recv_state), 1K",
                                          "move incl. import (recv), 1K", "mixed: one GPU serving both",
                                          "mixed: disaggregated (two GPUs)"]
     assert all(r.passed and r.time_us > 0 for r in results), [r.check for r in results]

@@ -12,15 +12,14 @@
 
 A request goes to the prefill engine, which prefills its prompt and samples its first token. The router then sends
 it to the decode side: a control message (the prompt, the first token, the sampling params) over a gloo group and
-the request's cache state layer by layer over the transfer group (`cache.distributed`: NCCL between GPUs); once the
-decode side has every byte, the prefill engine drops the request. The decode engine queues the request with its
-prompt + first token, imports the state when it admits it (only the first token is fed) and decodes the rest,
-polling for new requests between its steps; finished outputs go back to the router. A request that finishes at its
-first token never moves; one whose transfer fails or finds no room on the decode side keeps decoding on the prefill
-engine. Greedy tokens are those of
-one engine serving alone (tests/test_disaggregated.py). Sampled requests draw their first token on the prefill side
-and the rest from a generator seeded alike on the decode side, so their tokens differ from one engine's; logprobs
-are not carried across the move (refused).
+the request's cache state over the transfer group (`cache.distributed`: NCCL between GPUs, its control messages over
+the gloo group); once the decode side has every byte, the prefill engine drops the request. The decode engine queues
+the request with its prompt + first token, imports the state when it admits it (only the first token is fed) and
+decodes the rest, polling for new requests between its steps; finished outputs go back to the router. A request
+that finishes at its first token never moves; one whose transfer fails or finds no room on the decode side keeps
+decoding on the prefill engine. Greedy tokens are those of one engine serving alone (tests/test_disaggregated.py).
+Sampled requests draw their first token on the prefill side and the rest from a generator seeded alike on the
+decode side, so their tokens differ from one engine's; logprobs are not carried across the move (refused).
 """
 
 from __future__ import annotations

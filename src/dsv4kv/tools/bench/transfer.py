@@ -4,9 +4,9 @@ Two processes, one GPU each (NCCL), spawned by the workload itself; or two CPU p
 (`python -m dsv4kv.tools.bench.transfer --cpu`, what CI runs). Three things are measured:
 
 1. Transfer bandwidth: one V4-Flash request (FP8 entries, MXFP4 indexer keys; every page filled with random valid
-   bytes, `synthetic.fill_layer`) sent layer by layer (`cache.distributed`: header, reply, 43 layer messages, the
-   receiver's check) against NCCL's own send / recv of the same bytes in one buffer. Timed on the receiver from a
-   barrier to the last byte checked (median of the runs).
+   bytes, `synthetic.fill_layer`) sent whole (`cache.distributed`: header and reply over the gloo group, the state
+   as one message in 64 MiB chunks over NCCL, the receiver's check) against NCCL's own send / recv of the same
+   bytes in one buffer. Timed on the receiver from a barrier to the last byte checked (median of the runs).
 2. The time to move the request: the same, plus the import into the receiver's cache (fresh blocks, every byte);
    at 128K tokens in the full run. The check: the receiver's imported state hashes (sha256) to the sender's.
 3. A mixed workload on the demo model (`tools/demo.py`: V4-Flash attention geometry, 4 layers, bf16 on CUDA):
@@ -231,21 +231,14 @@ def _mixed(rank: int, device: torch.device, sizes: TransferSizes, barrier) -> di
 
 def _serve_alone(engine, schedule) -> dict:
     """Serve the arrival schedule on one engine: per request its tokens and token times (from the start)."""
-    from ...engine import SamplingParams
-
-    pending, ids, times, tokens = deque(enumerate(schedule)), {}, {}, {}
-    start = time.perf_counter()
-    while pending or engine.has_unfinished:
-        now = time.perf_counter() - start
-        while pending and pending[0][1][0] <= now:
-            i, (at, prompt, n) = pending.popleft()
-            ids[engine.add_request(prompt, SamplingParams(max_new_tokens=n))] = i
-            times[i] = [at]
+    arrivals, ids, times, tokens = _Arrivals(engine, schedule), {}, {}, {}
+    while arrivals.pending or engine.has_unfinished:
+        now = arrivals.admit(ids, times)
         if not engine.has_unfinished:
-            time.sleep(max(0.0, pending[0][1][0] - now))
+            time.sleep(max(0.0, arrivals.pending[0][1][0] - now))
             continue
         for out in engine.step():
-            times[ids[out.request_id]].append(time.perf_counter() - start)
+            times[ids[out.request_id]].append(arrivals.clock())
             if out.finished:
                 tokens[ids[out.request_id]] = list(engine.output(out.request_id).token_ids)
     return {"tokens": tokens, "times": times}
@@ -253,23 +246,38 @@ def _serve_alone(engine, schedule) -> dict:
 
 def _serve_routed(router, schedule) -> dict:
     """The same schedule through the router (prefill here, decode on the other rank)."""
-    from ...engine import SamplingParams
-
-    pending, ids, times, tokens = deque(enumerate(schedule)), {}, {}, {}
-    start = time.perf_counter()
-    while pending or router.has_unfinished:
-        now = time.perf_counter() - start
-        while pending and pending[0][1][0] <= now:
-            i, (at, prompt, n) = pending.popleft()
-            ids[router.add_request(prompt, SamplingParams(max_new_tokens=n))] = i
-            times[i] = [at]
+    arrivals, ids, times, tokens = _Arrivals(router, schedule), {}, {}, {}
+    while arrivals.pending or router.has_unfinished:
+        arrivals.admit(ids, times)
         for out in router.step():
             i = ids[out.request_id]
-            times[i] += [t - start for t in out.token_times]
+            times[i] += [t - arrivals.start for t in out.token_times]
             tokens[i] = list(out.token_ids)
         if not router.engine.has_unfinished:
             time.sleep(1e-4)  # requests are decoding on the other rank: poll again shortly
     return {"tokens": tokens, "times": times}
+
+
+class _Arrivals:
+    """The schedule's requests handed to `server` (an Engine or a PrefillRouter) as their arrival times pass."""
+
+    def __init__(self, server, schedule):
+        self.server, self.pending, self.start = server, deque(enumerate(schedule)), time.perf_counter()
+
+    def clock(self) -> float:
+        return time.perf_counter() - self.start
+
+    def admit(self, ids: dict, times: dict) -> float:
+        """Add every request whose arrival has passed (ids: server id -> schedule index; times: index -> [arrival]);
+        returns the clock."""
+        from ...engine import SamplingParams
+
+        now = self.clock()
+        while self.pending and self.pending[0][1][0] <= now:
+            i, (at, prompt, n) = self.pending.popleft()
+            ids[self.server.add_request(prompt, SamplingParams(max_new_tokens=n))] = i
+            times[i] = [at]
+        return now
 
 
 # --- figures ------------------------------------------------------------------------------------------
@@ -295,7 +303,7 @@ def _results(sizes: TransferSizes, ranks: list[dict], backend: str) -> list[Resu
     k = f"{sizes.tokens // 1024}K"
     rows = [Result("transfer", f"{backend} send/recv, one buffer, {k}", params, median["nccl"], bytes=nbytes,
                    check="the baseline (bytes not checked)")]
-    for kind, what in (("transfer", "layer by layer (recv_state)"), ("move", "move incl. import (recv)")):
+    for kind, what in (("transfer", "transfer (recv_state)"), ("move", "move incl. import (recv)")):
         rows.append(Result("transfer", f"{what}, {k}", params, median[kind], bytes=nbytes, check=check, passed=same,
                            extra={"pct_of_nccl": 100 * median["nccl"] / median[kind],
                                   "p10_us": float(np.percentile(times[kind], 10)) * 1e6,
